@@ -1,0 +1,28 @@
+# make bench / make test work on a fresh machine: they create .venv, install, build, run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tilefx-installed
+BENCH_ARGS ?=
+
+.PHONY: install bench test clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel: any other version or an open range pulls GBs of CUDA packages.
+# --no-build-isolation: the native kernels build against the torch installed here.
+$(STAMP): pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[dev]"
+	touch $(STAMP)
+
+bench: install
+	$(PY) scripts/bench_tpot.py $(BENCH_ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

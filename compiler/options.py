@@ -1,0 +1,32 @@
+"""Options that change what tilefx compiles. Passes read only the fields they need."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    max_seq_len: int = 2048
+    max_batch: int = 1
+    dtype: torch.dtype = torch.bfloat16
+    attention: bool = True  # swap HF attention + cache update for tilefx attention ops
+    freezing: bool = True  # Inductor freezing: weights become constants of the compiled graph
+    fullgraph: bool = True  # a graph break is an error, not a silent slow path
+    tp_rank: int = 0
+    tp_world_size: int = 1
+
+    def __post_init__(self):
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len={self.max_seq_len}: expected at least 2")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch={self.max_batch}: expected at least 1")
+        if self.dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
+
+    def key(self) -> str:
+        """A stable string of every field, for cache keys (uuid())."""
+        return json.dumps({f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}, sort_keys=True)

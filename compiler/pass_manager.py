@@ -1,0 +1,60 @@
+"""The pass manager: the one object installed into Inductor's config (``pre_grad_custom_pass``).
+
+It runs tilefx's passes, in the order below, on the Torch-IR graph Dynamo captured,
+before AOT autograd functionalizes it. It records what each pass did in a
+``CompileReport`` (read by ``tilefx.explain``), dumps graphs before/after each pass
+when ``TILEFX_DUMP_GRAPHS=<dir>`` is set, and hashes passes + options in ``uuid()``
+so Inductor's FX graph cache never reuses a graph compiled by other passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from tilefx.compiler.options import CompileOptions
+from tilefx.compiler.passes.attention import AttentionPass
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.report import CompileReport
+
+
+def build_passes(options: CompileOptions) -> list[TilefxPass]:
+    passes: list[TilefxPass] = []
+    if options.attention:
+        passes.append(AttentionPass())
+    return passes
+
+
+class PassManager(CustomGraphPass):
+    def __init__(self, options: CompileOptions, report: CompileReport | None = None, passes=None):
+        self.options = options
+        self.report = report if report is not None else CompileReport()
+        self.passes = build_passes(options) if passes is None else list(passes)
+        self._dump_dir = os.environ.get("TILEFX_DUMP_GRAPHS")
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        results: list[PassResult] = []
+        graph_index = len(self.report.graphs)
+        self._dump(graph, graph_index, "0-captured")
+        for step, tilefx_pass in enumerate(self.passes, start=1):
+            result = tilefx_pass(graph)
+            graph.lint()
+            results.append(result)
+            self._dump(graph, graph_index, f"{step}-after-{tilefx_pass.name}")
+        self.report.record_graph(graph, results)
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256(self.options.key().encode())
+        for tilefx_pass in self.passes:
+            digest.update(tilefx_pass.uuid().encode())
+        return digest.hexdigest()
+
+    def _dump(self, graph: torch.fx.Graph, graph_index: int, stage: str) -> None:
+        if self._dump_dir:
+            path = pathlib.Path(self._dump_dir) / f"graph{graph_index}-{stage}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(str(graph))

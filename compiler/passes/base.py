@@ -1,0 +1,46 @@
+"""Base class of every tilefx graph pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+
+import torch.fx
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one pass did to one graph: regions rewritten and regions left alone, with why."""
+
+    name: str
+    rewritten: int = 0
+    fallbacks: list[str] = dataclasses.field(default_factory=list)
+
+    def skip(self, where: str, why: str) -> None:
+        self.fallbacks.append(f"{where}: {why}")
+
+
+class TilefxPass:
+    """One pass: ``__call__(graph) -> PassResult`` and ``uuid()`` for Inductor's FX graph cache.
+
+    ``uuid()`` hashes the pass's module source, the custom ops' sources, and the options the
+    pass reads (``option_key``), so editing either invalidates cached compiled graphs
+    (vLLM's ``InductorPass.hash_source``; pytorch#144344 for the custom ops).
+    """
+
+    name: str = "pass"
+
+    def option_key(self) -> str:
+        return ""
+
+    def __call__(self, graph: torch.fx.Graph) -> PassResult:
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        from tilefx import custom_ops
+
+        digest = hashlib.sha256(inspect.getsource(inspect.getmodule(type(self))).encode())
+        digest.update(custom_ops.source_hash().encode())
+        digest.update(self.option_key().encode())
+        return digest.hexdigest()

@@ -1,0 +1,26 @@
+"""tilefx custom ops: schema, fake impl, reference impl and dispatch, one module per op family.
+
+Importing this package registers every op under the ``tilefx`` namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import pathlib
+
+from tilefx.custom_ops import attention  # noqa: F401  (registers tilefx::*_attention)
+
+__all__ = ["attention", "source_hash"]
+
+
+@functools.cache
+def source_hash() -> str:
+    """Hash of every op definition and native kernel source, for compiled-graph cache keys."""
+    root = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("csrc/**/*")]):
+        if path.is_file():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()

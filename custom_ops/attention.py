@@ -1,0 +1,84 @@
+"""Attention over the tilefx KV cache: ``tilefx::extend_attention`` and ``tilefx::decode_attention``.
+
+Both ops write the new keys/values into the cache in place and attend over the
+valid prefix of the cache only. Conventions (DESIGN.md "KV cache and shapes"):
+
+- ``q``       ``[B, Hq, S, D]``   queries of the new tokens (RoPE applied)
+- ``k``, ``v`` ``[B, Hkv, S, D]``  keys/values of the new tokens
+- ``k_cache``, ``v_cache`` ``[max_batch, Hkv, max_seq_len, D]``: whole buffers, never views,
+  so Inductor mutates them in place instead of copying (pytorch#131192)
+- ``positions`` ``[S]`` int64: cache slots of the new tokens, contiguous and increasing;
+  the valid prefix is ``[0, positions[-1] + 1)``
+- ``mask``    ``[B, 1, S, max_seq_len]`` bool, True where a query may attend a key
+  (causal and padding, as transformers' sdpa mask); only the valid prefix is read
+- returns     ``[B, Hq, S, D]``; query rows that may attend no key (left padding) are zero.
+
+GQA is handled by grouping query heads onto their KV head, never by repeating K/V.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor positions, Tensor mask, float scale) -> Tensor"
+)
+
+
+def _check_shapes(q, k, v, k_cache, v_cache, positions, mask) -> None:
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    torch._check(k.shape == (batch, kv_heads, seq, head_dim), lambda: f"k shape {tuple(k.shape)}")
+    torch._check(v.shape[:3] == (batch, kv_heads, seq), lambda: f"v shape {tuple(v.shape)}")
+    torch._check(q_heads % kv_heads == 0, lambda: f"{q_heads} query heads over {kv_heads} KV heads")
+    torch._check(k_cache.shape[0] >= batch and k_cache.shape[1] == kv_heads, lambda: "k_cache shape")
+    torch._check(v_cache.shape[:3] == k_cache.shape[:3], lambda: "v_cache shape")
+    torch._check(positions.shape == (seq,), lambda: f"positions shape {tuple(positions.shape)}")
+    torch._check(mask.dtype == torch.bool, lambda: f"mask dtype {mask.dtype}, expected bool")
+    torch._check(mask.shape[-2] == seq and mask.shape[-1] == k_cache.shape[2], lambda: "mask shape")
+
+
+def attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale):
+    """The specification: write K/V into the cache, then masked softmax attention in fp32."""
+    _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
+    batch, q_heads, seq, _ = q.shape
+    kv_heads = k.shape[1]
+    k_cache[:batch].index_copy_(2, positions, k.to(k_cache.dtype))
+    v_cache[:batch].index_copy_(2, positions, v.to(v_cache.dtype))
+    end = int(positions[-1]) + 1
+    keys = k_cache[:batch, :, :end].float()  # [B, Hkv, T, D]
+    values = v_cache[:batch, :, :end].float()
+    group = q_heads // kv_heads
+    qg = q.float().reshape(batch, kv_heads, group * seq, -1)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G*S, T]
+    scores = scores.view(batch, kv_heads, group, seq, end)
+    allowed = mask[:batch, :, :, :end].reshape(batch, 1, 1, seq, end)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> 0
+    out = torch.matmul(probs.view(batch, kv_heads, group * seq, end), values)
+    return out.view(batch, q_heads, seq, -1).to(q.dtype)
+
+
+def _fake(q, k, v, k_cache, v_cache, positions, mask, scale):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def _native_or_reference(name: str):
+    def impl(q, k, v, k_cache, v_cache, positions, mask, scale):
+        # Native kernels (custom_ops/csrc) are dispatched here once built; until then the
+        # reference is the implementation.
+        return attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale)
+
+    impl.__name__ = name
+    return impl
+
+
+torch.library.define("tilefx::extend_attention", _SCHEMA)
+torch.library.define("tilefx::decode_attention", _SCHEMA)
+for _name in ("extend_attention", "decode_attention"):
+    torch.library.impl(f"tilefx::{_name}", "CPU")(_native_or_reference(_name))
+    torch.library.register_fake(f"tilefx::{_name}")(_fake)
+
+extend_attention = torch.ops.tilefx.extend_attention.default
+decode_attention = torch.ops.tilefx.decode_attention.default

@@ -1,0 +1,145 @@
+"""The KV cache tilefx owns: preallocated once, shapes that never change.
+
+``TilefxCache`` speaks transformers' ``Cache`` API, so the unmodified HF attention
+code writes into it. Buffers are ``[max_batch, kv_heads, max_seq_len, head_dim]``
+per layer, allocated once; a request of batch ``B`` uses rows ``[:B]``. The
+length written so far lives in a 0-d tensor (read by the compiled graph, so it
+never becomes a guard) and in a Python int (read on the host, for validation).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class TilefxCacheLayer(CacheLayerMixin):
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.length = keys, values, length
+        self.max_batch, self.num_heads, self.max_cache_len, self.head_dim = keys.shape
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # HF semantics of a static cache: write the new tokens after the valid prefix and
+        # return the whole (batch rows of the) buffers; the attention pass turns this plus
+        # the attention that reads it into one tilefx attention op over the valid prefix.
+        batch, seq = key_states.shape[0], key_states.shape[2]
+        positions = torch.arange(seq, device=self.device) + self.length
+        self.keys[:batch].index_copy_(2, positions, key_states)
+        self.values[:batch].index_copy_(2, positions, value_states)
+        return self.keys[:batch], self.values[:batch]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_seq_length(self):
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        self.length.zero_()
+
+
+class TilefxCache(Cache):
+    """Preallocated KV cache for ``max_batch`` sequences of up to ``max_seq_len`` tokens."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_batch: int,
+        max_seq_len: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
+    ):
+        if max_batch < 1 or max_seq_len < 2:
+            raise ValueError(f"max_batch={max_batch}, max_seq_len={max_seq_len}: need max_batch >= 1, max_seq_len >= 2")
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.seq_len = 0  # host copy of `length`
+        self.batch = 0  # rows in use by the current request
+        v_head_dim = v_head_dim or head_dim
+        layers = [
+            TilefxCacheLayer(
+                torch.zeros(max_batch, kv_heads, max_seq_len, head_dim, dtype=dtype, device=device),
+                torch.zeros(max_batch, kv_heads, max_seq_len, v_head_dim, dtype=dtype, device=device),
+                self.length,
+            )
+            for _ in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    @classmethod
+    def for_config(cls, config, *, max_batch: int, max_seq_len: int, dtype=torch.bfloat16, device="cpu"):
+        text = config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        return cls(
+            num_layers=text.num_hidden_layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+
+    def check_fits(self, batch: int, new_tokens: int, *, continuing: bool) -> None:
+        """Raise ValueError, before any state changes, if a request does not fit."""
+        if batch > self.max_batch:
+            raise ValueError(
+                f"batch size {batch} exceeds max_batch={self.max_batch}; "
+                f"pass a larger max_batch to tilefx.compile_model() or split the batch"
+            )
+        if continuing and batch != self.batch:
+            raise ValueError(f"batch size changed from {self.batch} to {batch} while continuing a sequence")
+        past = self.seq_len if continuing else 0
+        if past + new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"{past} cached + {new_tokens} new tokens = {past + new_tokens} exceeds max_seq_len={self.max_seq_len}; "
+                f"pass a larger max_seq_len to tilefx.compile_model() or shorten the prompt / max_new_tokens"
+            )
+
+    def start(self, batch: int) -> None:
+        """Begin a new request: the valid prefix becomes empty (stale data is never read)."""
+        self.length.zero_()
+        self.seq_len, self.batch = 0, batch
+
+    def advance(self, tokens: int) -> None:
+        self.length.add_(tokens)
+        self.seq_len += tokens
+
+    def reset(self) -> None:
+        self.start(0)
+
+    def get_seq_length(self, layer_idx: int = 0):
+        return self.length
+
+    @property
+    def is_compileable(self) -> bool:
+        # False keeps generate() from building 4-D masks outside the graph (their shape would
+        # change the guards); tilefx's forward normalizes the mask itself.
+        return False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise NotImplementedError("tilefx does not support beam search yet (num_beams > 1)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("tilefx's cache cannot be cropped (assisted generation is not supported)")

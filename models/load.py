@@ -1,0 +1,50 @@
+"""Loading: a hub id, an HF cache entry, a local directory or an already-built model."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from tilefx.models.adapters import adapter_for
+
+
+class ModelNotFoundError(OSError):
+    """The model could be found neither locally, in the HF cache, nor on a reachable hub."""
+
+
+def load_model(
+    source: str | os.PathLike | PreTrainedModel,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    local_files_only: bool = False,
+) -> PreTrainedModel:
+    """Load ``source`` for inference in ``dtype``, safetensors only; fail early for unsupported families."""
+    if isinstance(source, PreTrainedModel):
+        adapter_for(source.config)
+        return source.to(dtype).eval()
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"expected a hub id, a local directory or a PreTrainedModel, got {type(source).__name__}")
+    name = os.fspath(source)
+    is_local = pathlib.Path(name).is_dir()
+    if not is_local and (pathlib.Path(name).exists() or name.startswith((".", "/", "~"))):
+        raise ModelNotFoundError(f"{name!r} is not a directory holding a Hugging Face model (config.json + safetensors)")
+    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=local_files_only or is_local)
+    try:
+        config = AutoConfig.from_pretrained(name, **kwargs)
+    except OSError as error:
+        if is_local:
+            raise ModelNotFoundError(f"{name!r} has no readable config.json: {error}") from error
+        raise ModelNotFoundError(
+            f"could not load {name!r}: it is not a local directory, not in the Hugging Face cache, and the hub "
+            f"could not be reached ({type(error).__name__}). Download it on a machine with access "
+            f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
+        ) from error
+    adapter_for(config)
+    return AutoModelForCausalLM.from_pretrained(
+        name, config=config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa", **kwargs
+    ).eval()

@@ -1,0 +1,134 @@
+"""What ``compile_model`` installs on the model: a forward that owns the cache and the shapes.
+
+``model.forward`` becomes ``TilefxRuntime.forward``: it checks that the request fits,
+starts or continues the tilefx cache, gives the compiled graph inputs of fixed
+shape (a 2-D mask padded to ``max_seq_len``, explicit position ids, the cache), and
+marks the prompt length dynamic, so one graph serves every prefill and one every
+decode step (per batch size). ``model.generate`` gets an up-front check of the
+whole request; everything else is transformers' own ``generate``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from transformers import GenerationConfig
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from tilefx.compiler import Backend, CompileOptions, CompileReport
+from tilefx.models.kv_cache import TilefxCache
+
+
+class TilefxRuntime:
+    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None):
+        self.model = model
+        self.options = options
+        self.report = report if report is not None else CompileReport()
+        self.cache = TilefxCache.for_config(
+            model.config, max_batch=options.max_batch, max_seq_len=options.max_seq_len, dtype=options.dtype
+        )
+        self.eager_forward = type(model).forward.__get__(model)
+        self.eager_generate = type(model).generate.__get__(model)
+        self.backend = Backend(options, self.report)
+        self.compiled_forward = torch.compile(
+            self.eager_forward, backend=self.backend, fullgraph=options.fullgraph, dynamic=False
+        )
+        # Decode is one graph per batch size, prefill another: stay under Dynamo's limit,
+        # past which a frame silently runs eagerly.
+        needed = 2 * options.max_batch + 2
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 8 * needed
+        )
+
+    def install(self) -> None:
+        model = self.model
+        # Plain functions carrying HF's signatures: generate() inspects forward's parameters.
+        model.forward = functools.wraps(self.eager_forward)(lambda *a, **k: self.forward(*a, **k))
+        model.generate = functools.wraps(self.eager_generate)(lambda *a, **k: self.generate(*a, **k))
+        model.tilefx = self
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("tilefx-compiled models take input_ids (inputs_embeds is not supported)")
+        for flag in ("output_attentions", "output_hidden_states", "labels"):
+            if kwargs.pop(flag, None):
+                raise ValueError(f"{flag} is not supported by a tilefx-compiled model; use the eager model for it")
+        if kwargs:
+            raise ValueError(f"unsupported forward arguments: {sorted(kwargs)}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        cache = self.cache
+        batch, seq = input_ids.shape
+        continuing = past_key_values is cache and cache.seq_len > 0
+        cache.check_fits(batch, seq, continuing=continuing)
+        past = cache.seq_len if continuing else 0
+        mask = self._full_mask(attention_mask, batch, past + seq)
+        if position_ids is None:
+            position_ids = (mask[:, : past + seq].cumsum(-1) - 1).clamp_min(0)[:, past:]
+        input_ids = input_ids.contiguous()
+        position_ids = position_ids.expand(batch, seq).contiguous()
+        if seq > 1:
+            for tensor in (input_ids, position_ids):
+                torch._dynamo.mark_dynamic(tensor, 1, min=2, max=self.options.max_seq_len)
+        if not continuing:
+            cache.start(batch)
+        self.report.phase = "prefill" if seq > 1 else "decode"
+        with torch.no_grad():
+            out = self.compiled_forward(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        cache.advance(seq)
+        logits = out.logits
+        if return_dict is False:
+            return (logits, cache)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _full_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:
+        mask = torch.zeros(batch, self.options.max_seq_len, dtype=torch.long)
+        if attention_mask is None:
+            mask[:, :length] = 1
+            return mask
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, length):
+            raise ValueError(
+                f"attention_mask must be 2-D [batch, past + new tokens] = [{batch}, {length}], "
+                f"got shape {tuple(attention_mask.shape)}"
+            )
+        mask[:, :length] = attention_mask
+        return mask
+
+    # -- generate ----------------------------------------------------------------------
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("tilefx-compiled generate() needs input_ids")
+        config = copy.deepcopy(generation_config or self.model.generation_config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        if (config.num_beams or 1) > 1:
+            raise ValueError("tilefx does not support beam search yet (num_beams > 1); use sampling or greedy")
+        if kwargs.get("assistant_model") is not None or config.prompt_lookup_num_tokens:
+            raise ValueError("tilefx does not support assisted generation yet")
+        batch, prompt = input_ids.shape
+        batch *= config.num_return_sequences or 1
+        new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        self.cache.check_fits(batch, prompt + new, continuing=False)
+        return self.eager_generate(inputs, generation_config=generation_config, **kwargs)

@@ -1,0 +1,100 @@
+"""tilefx: make Hugging Face causal LMs decode fast on CPUs.
+
+    model = tilefx.compile_model("meta-llama/Llama-3.2-1B")   # hub id, HF cache, local dir or PreTrainedModel
+    out = model.generate(input_ids, max_new_tokens=64)         # plain transformers generate()
+    print(tilefx.explain(model))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+__version__ = "0.1.0"
+__all__ = ["compile_model", "explain", "__version__"]
+
+
+def compile_model(
+    source,
+    *,
+    max_seq_len: int = 2048,
+    max_batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    warmup: bool = True,
+    progress: bool = True,
+    **options,
+):
+    """Load ``source`` and return it compiled: still a ``PreTrainedModel``, ``generate()`` unchanged.
+
+    ``source`` is a hub id, a directory (``save_pretrained`` layout, safetensors), or a
+    ``PreTrainedModel``. The KV cache is preallocated for ``max_batch`` sequences of
+    ``max_seq_len`` tokens (prompt + new tokens); larger requests raise ``ValueError``.
+    With ``warmup`` the prefill and decode graphs for every batch size up to
+    ``max_batch`` are compiled here rather than on the first request. Other keyword
+    arguments are fields of ``tilefx.compiler.CompileOptions``.
+    """
+    import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
+    from tilefx.compiler import CompileOptions, CompileReport
+    from tilefx.models.load import load_model
+    from tilefx.models.runtime import TilefxRuntime
+
+    opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
+    report = CompileReport()
+    warmup_batches = list(range(1, max_batch + 1)) if warmup else []
+    steps = ["load"] + [f"compile batch {b}" for b in warmup_batches]
+    bar = tqdm(steps, desc="tilefx", disable=not progress or os.environ.get("TILEFX_QUIET") == "1", leave=False)
+    start = time.perf_counter()
+    bar.set_postfix_str("load")
+    model = load_model(
+        source, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, local_files_only=local_files_only
+    )
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")  # the attention pass matches HF's sdpa region
+    report.load_seconds = time.perf_counter() - start
+    bar.update()
+    runtime = TilefxRuntime(model, opts, report)
+    runtime.install()
+    for batch in warmup_batches:
+        bar.set_postfix_str(f"compile prefill+decode, batch {batch}")
+        _warm_up(model, batch)
+        bar.update()
+    bar.close()
+    report.warmup_graphs = len(report.graphs)
+    return model
+
+
+def _warm_up(model, batch: int) -> None:
+    """One prefill and one decode step: compiles both graphs for this batch size."""
+    ids = torch.ones(batch, 2, dtype=torch.long)
+    out = model(input_ids=ids)
+    model(input_ids=ids[:, :1], past_key_values=out.past_key_values)
+    model.tilefx.cache.reset()
+
+
+def explain(model) -> str:
+    """What tilefx did to ``model``: regions rewritten per pass, fallbacks and why, graphs, recompiles, timing."""
+    runtime = getattr(model, "tilefx", None)
+    if runtime is None:
+        return "not compiled by tilefx (call tilefx.compile_model first)"
+    report, opts = runtime.report, runtime.options
+    lines = [
+        f"tilefx {__version__}: {type(model).__name__} ({model.config.model_type}), dtype {opts.dtype}, "
+        f"max_batch {opts.max_batch}, max_seq_len {opts.max_seq_len}",
+        f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated",
+        f"load {report.load_seconds:.1f}s, compile {report.compile_seconds:.1f}s; "
+        f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
+        f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),
+    ]
+    for index, graph in enumerate(report.graphs):
+        ops = ", ".join(f"{name} x{count}" for name, count in sorted(graph.tilefx_ops.items())) or "none"
+        lines.append(f"graph {index} [{graph.phase}]: {graph.nodes} nodes, {graph.compile_seconds:.1f}s; tilefx ops: {ops}")
+        for result in graph.passes:
+            lines.append(f"  pass {result.name}: {result.rewritten} rewritten, {len(result.fallbacks)} left alone")
+            lines.extend(f"    fallback {why}" for why in result.fallbacks)
+    return "\n".join(lines)
