@@ -22,6 +22,7 @@ _LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+_QWEN_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Preset:
     hf_id: str  # the published model whose architecture this is
     model_type: str
     config: dict
+    logit_scale: float = 1.0  # multiplies lm_head after init: test models get well-separated logits
 
     def build_config(self, layers: int | None = None) -> PretrainedConfig:
         fields = dict(self.config)
@@ -70,7 +72,7 @@ def _qwen(hidden, inter, layers, heads, kv, head_dim, tie=True, **extra):
         vocab_size=151936,
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rope_parameters=_QWEN_ROPE,
         tie_word_embeddings=tie,
         bos_token_id=151643,
         eos_token_id=151643,
@@ -89,7 +91,7 @@ def _tiny(model_type: str, **extra) -> dict:
         vocab_size=512,
         max_position_embeddings=4096,
         rms_norm_eps=1e-6,
-        initializer_range=0.3,
+        initializer_range=0.02,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
@@ -110,9 +112,10 @@ PRESETS: dict[str, Preset] = {
             "-",
             "llama",
             _tiny("llama", rope_parameters=dict(_LLAMA3_ROPE, original_max_position_embeddings=1024)),
+            logit_scale=16.0,
         ),
-        Preset("tiny-qwen2", "-", "qwen2", _tiny("qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-        Preset("tiny-qwen3", "-", "qwen3", _tiny("qwen3", rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+        Preset("tiny-qwen2", "-", "qwen2", _tiny("qwen2", rope_parameters=_QWEN_ROPE), logit_scale=16.0),
+        Preset("tiny-qwen3", "-", "qwen3", _tiny("qwen3", rope_parameters=_QWEN_ROPE), logit_scale=16.0),
     )
 }
 
@@ -126,7 +129,11 @@ def get_preset(name: str) -> Preset:
 
 def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, seed: int = 0):
     """A randomly initialized model of preset ``name`` (same seed, same weights)."""
-    config = get_preset(name).build_config(layers)
+    preset = get_preset(name)
+    config = preset.build_config(layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if preset.logit_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(preset.logit_scale)
     return model.eval()

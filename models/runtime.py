@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 
 import torch
 from transformers import GenerationConfig
@@ -19,6 +20,21 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tilefx.compiler import Backend, CompileOptions, CompileReport
 from tilefx.models.kv_cache import TilefxCache
+
+
+def _private_frame(forward):
+    """A function with its own code object that calls ``forward``.
+
+    Dynamo keeps compiled graphs and counts recompiles per code object. HF's forward
+    is one code object shared by every model of a class (and by transformers'
+    decorator wrapper across classes), so each compiled model gets its own frame.
+    """
+
+    def tilefx_forward(**kwargs):
+        return forward(**kwargs)
+
+    code = tilefx_forward.__code__.replace(co_name=f"tilefx_forward_{id(forward):x}")
+    return types.FunctionType(code, tilefx_forward.__globals__, code.co_name, None, tilefx_forward.__closure__)
 
 
 class TilefxRuntime:
@@ -33,11 +49,11 @@ class TilefxRuntime:
         self.eager_generate = type(model).generate.__get__(model)
         self.backend = Backend(options, self.report)
         self.compiled_forward = torch.compile(
-            self.eager_forward, backend=self.backend, fullgraph=options.fullgraph, dynamic=False
+            _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False
         )
-        # Decode is one graph per batch size, prefill another: stay under Dynamo's limit,
-        # past which a frame silently runs eagerly.
-        needed = 2 * options.max_batch + 2
+        # Decode is one graph per batch size, prefill another (two with full logits): stay
+        # under Dynamo's per-frame limit, past which a frame silently runs eagerly.
+        needed = 3 * options.max_batch + 2
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * needed
@@ -80,14 +96,18 @@ class TilefxRuntime:
         mask = self._full_mask(attention_mask, batch, past + seq)
         if position_ids is None:
             position_ids = (mask[:, : past + seq].cumsum(-1) - 1).clamp_min(0)[:, past:]
-        input_ids = input_ids.contiguous()
-        position_ids = position_ids.expand(batch, seq).contiguous()
+        # Fresh tensors with canonical strides: a [B, 1] slice of a longer tensor is "contiguous"
+        # but its strides differ, and Dynamo guards on strides.
+        input_ids = input_ids.clone(memory_format=torch.contiguous_format)
+        position_ids = position_ids.expand(batch, seq).clone(memory_format=torch.contiguous_format)
         if seq > 1:
             for tensor in (input_ids, position_ids):
                 torch._dynamo.mark_dynamic(tensor, 1, min=2, max=self.options.max_seq_len)
         if not continuing:
             cache.start(batch)
         self.report.phase = "prefill" if seq > 1 else "decode"
+        if seq == 1:
+            logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
         with torch.no_grad():
             out = self.compiled_forward(
                 input_ids=input_ids,

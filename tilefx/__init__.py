@@ -70,9 +70,9 @@ def compile_model(
 
 
 def _warm_up(model, batch: int) -> None:
-    """One prefill and one decode step: compiles both graphs for this batch size."""
+    """One prefill and one decode step, called as generate() calls them: compiles both graphs."""
     ids = torch.ones(batch, 2, dtype=torch.long)
-    out = model(input_ids=ids)
+    out = model(input_ids=ids, logits_to_keep=1)
     model(input_ids=ids[:, :1], past_key_values=out.past_key_values)
     model.tilefx.cache.reset()
 

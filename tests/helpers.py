@@ -1,0 +1,47 @@
+"""Shared test helpers: comparing generated tokens with an eager reference."""
+
+from __future__ import annotations
+
+import torch
+
+CLOSE_LOGPROB_NATS = 0.1  # vLLM's close-logprobs rule for near-tied bf16 logits
+
+
+def padded_batch(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into input_ids and attention_mask, as generate() expects for decoder-only models."""
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt) :] = torch.tensor(prompt)
+        mask[row, length - len(prompt) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def reference_logprobs(model, sequences: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Eager HF log-probs of each next token, teacher-forced on ``sequences``."""
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=sequences, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
+    """Every generated token is the reference's argmax, or within 0.1 nat of it. Returns the exact matches."""
+    prompt_len = prompt_ids.shape[1]
+    new = generated.shape[1] - prompt_len
+    assert torch.equal(generated[:, :prompt_len], prompt_ids)
+    mask = torch.cat([prompt_mask, torch.ones(prompt_ids.shape[0], new, dtype=torch.long)], dim=1)
+    logprobs = reference_logprobs(reference, generated, mask)
+    exact = 0
+    for step in range(new):
+        position = prompt_len + step
+        step_logprobs = logprobs[:, position - 1]
+        chosen = generated[:, position]
+        best = step_logprobs.argmax(-1)
+        gap = step_logprobs.max(-1).values - step_logprobs.gather(-1, chosen[:, None])[:, 0]
+        assert (gap <= CLOSE_LOGPROB_NATS).all(), (
+            f"step {step}: generated {chosen.tolist()}, reference argmax {best.tolist()}, gap {gap.tolist()} nats"
+        )
+        exact += int((chosen == best).sum())
+    return exact

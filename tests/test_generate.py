@@ -1,0 +1,114 @@
+"""End to end: compiled greedy tokens equal HF eager's, per family; recompiles; bad requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefx
+from tilefx.models.presets import build_model
+
+from helpers import assert_greedy_matches, padded_batch
+
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+MAX_SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def pair(request):
+    """(eager reference, compiled model) with identical weights; compiled once per module and family."""
+    reference = build_model(request.param, seed=7)
+    compiled = tilefx.compile_model(build_model(request.param, seed=7), max_seq_len=MAX_SEQ_LEN, max_batch=2)
+    return reference, compiled
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (length,), generator=generator).tolist()
+
+
+@pytest.mark.parametrize("length", [1, 5, 17])
+def test_greedy_batch1_matches_eager(pair, length):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(length, length)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert out.shape == (1, length + 12)
+    exact = assert_greedy_matches(reference, ids, mask, out)
+    assert exact >= 10  # well-separated logits: near-ties (bf16-equal logits) are rare
+
+
+def test_greedy_batch2_padded_matches_eager(pair):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+    # each row equals the same prompt run alone
+    for row, length in ((0, 9), (1, 4)):
+        alone_ids, alone_mask = padded_batch([_prompt(length, row + 1)])
+        alone = compiled.generate(alone_ids, attention_mask=alone_mask, max_new_tokens=10, do_sample=False)
+        assert torch.equal(out[row, -10:], alone[0, -10:])
+
+
+def test_sampling_with_seed_is_reproducible(pair):
+    _, compiled = pair
+    ids, mask = padded_batch([_prompt(6, 3)])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(42)
+        runs.append(compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape == (1, 16) and int(runs[0].max()) < compiled.config.vocab_size
+
+
+def test_no_recompiles_after_warmup(pair):
+    _, compiled = pair
+    report = compiled.tilefx.report
+    before = len(report.graphs)
+    for length, new in ((3, 4), (11, 7), (2, 1), (30, 9), (8, 20)):
+        ids, mask = padded_batch([_prompt(length, length)])
+        compiled.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    assert len(report.graphs) == before, tilefx.explain(compiled)
+    assert report.recompiles == 0
+
+
+def test_too_long_request_fails_cleanly_then_recovers(pair):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(40, 4)])
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        compiled.generate(ids, attention_mask=mask, max_new_tokens=30)
+    long_ids = torch.randint(3, 500, (1, MAX_SEQ_LEN + 1))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        compiled(input_ids=long_ids)
+    ids, mask = padded_batch([_prompt(7, 5)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+
+
+def test_batch_over_max_fails_cleanly_then_recovers(pair):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(5, s) for s in range(3)])
+    with pytest.raises(ValueError, match="max_batch=2"):
+        compiled.generate(ids, attention_mask=mask, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_batch=2"):
+        compiled(input_ids=ids, attention_mask=mask)
+    ids, mask = padded_batch([_prompt(5, 0)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+
+
+def test_forward_logits_match_eager(pair):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(12, 9), _prompt(12, 10)])
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask).logits.float()
+        want = reference(input_ids=ids, attention_mask=mask).logits.float()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_explain_reports_rewrites(pair):
+    _, compiled = pair
+    text = tilefx.explain(compiled)
+    layers = compiled.config.num_hidden_layers
+    assert f"tilefx.extend_attention x{layers}" in text
+    assert f"tilefx.decode_attention x{layers}" in text
+    assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
