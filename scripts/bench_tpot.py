@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""Eager vs stock torch.compile vs tilefx: TTFT and TPOT of generate(), in one process.
+
+    python scripts/bench_tpot.py                       # Llama-3.2-1B preset, prompt 128, 32 new tokens
+    python scripts/bench_tpot.py --preset qwen3-1.7b --layers 8 --json out.json --plot out.png
+    python scripts/bench_tpot.py --path ./my-checkpoint
+
+Each mode runs the same greedy request through transformers' generate(); a streamer
+timestamps every token. Modes are interleaved, runs repeated, medians reported. The
+memory floor is the bytes one decode step must read (weights, with the embedding
+table only when lm_head is tied to it, plus the KV cache) over the streaming-read
+bandwidth measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import tilefx
+from tilefx.models.load import load_model
+from tilefx.models.presets import build_model
+
+MODES = ("eager", "torch.compile", "tilefx")
+
+
+class TokenClock:
+    """A generate() streamer that timestamps each put(): the prompt first, then every new token."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def streaming_read_gbps(size_mib: int = 1024, repeats: int = 7) -> float:
+    data = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
+    data.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        times.append(time.perf_counter() - start)
+    return data.nbytes / statistics.median(times) / 1e9
+
+
+def decode_bytes(model, context: int) -> int:
+    """Bytes one decode step reads: every weight once (the input embedding only a row), plus the KV cache."""
+    embed = model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings().weight
+    total = sum(p.nbytes for p in model.parameters())
+    if lm_head.data_ptr() != embed.data_ptr():
+        total -= embed.nbytes
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * embed.element_size()
+    return total + kv
+
+
+def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
+    clock = TokenClock()
+    start = time.perf_counter()
+    model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        **kwargs,
+    )
+    stamps = clock.stamps[1:]  # [0] is the prompt
+    ttft = stamps[0] - start
+    tpot = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+    return ttft, tpot
+
+
+def stock_compile(model, max_seq_len: int):
+    """What a user gets from torch.compile alone: static cache, freezing, fullgraph."""
+    torch._inductor.config.freezing = True
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    return dict(cache_implementation="static", max_cache_len=max_seq_len)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--preset", default="llama-3.2-1b", help="preset name (default: llama-3.2-1b)")
+    source.add_argument("--path", help="a local HF model directory instead of a preset")
+    parser.add_argument("--layers", type=int, help="cut the preset to this many layers")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--plot", help="write a PNG bar chart here")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(modes) - set(MODES):
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    max_seq_len = args.prompt_len + args.new_tokens
+
+    name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
+    print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.runs} runs, "
+          f"{torch.get_num_threads()} threads", flush=True)
+    base = load_model(args.path) if args.path else build_model(args.preset, layers=args.layers)
+    models, gen_kwargs = {}, {}
+    for mode in modes:
+        start = time.perf_counter()
+        model = base if mode == "eager" else copy.deepcopy(base)
+        gen_kwargs[mode] = {}
+        if mode == "torch.compile":
+            gen_kwargs[mode] = stock_compile(model, max_seq_len)
+        elif mode == "tilefx":
+            model = tilefx.compile_model(model, max_seq_len=max_seq_len, max_batch=1)
+        models[mode] = model
+        print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
+
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.prompt_len), generator=generator)
+    with torch.no_grad():
+        for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
+            timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
+        samples = {mode: [] for mode in modes}
+        bandwidth = []
+        for _ in range(args.runs):
+            bandwidth.append(streaming_read_gbps())
+            for mode in modes:
+                samples[mode].append(timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode]))
+
+    gbps = statistics.median(bandwidth)
+    floor_ms = decode_bytes(base, max_seq_len) / (gbps * 1e9) * 1e3
+    rows = []
+    for mode in modes:
+        ttft = statistics.median(s[0] for s in samples[mode]) * 1e3
+        tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
+        rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "tpot_over_floor": tpot / floor_ms})
+    eager_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "eager"), None)
+    print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {decode_bytes(base, max_seq_len) / 1e9:.2f} GB "
+          f"-> memory floor {floor_ms:.1f} ms/token\n")
+    print("| mode | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager |")
+    print("|---|---:|---:|---:|---:|")
+    for row in rows:
+        speedup = f"{eager_tpot / row['tpot_ms']:.2f}x" if eager_tpot else "-"
+        print(f"| {row['mode']} | {row['ttft_ms']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} | {speedup} |")
+    if "tilefx" in models:
+        print("\n" + tilefx.explain(models["tilefx"]))
+    result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs,
+              "threads": torch.get_num_threads(), "stream_gbps": gbps, "floor_ms": floor_ms, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar([r["mode"] for r in rows], [r["tpot_ms"] for r in rows], color=["#999", "#69c", "#e73"][: len(rows)])
+        ax.axhline(floor_ms, color="k", linestyle="--", label=f"memory floor {floor_ms:.1f} ms")
+        ax.set_ylabel("TPOT (ms, median)")
+        ax.set_title(f"{name}, prompt {args.prompt_len}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

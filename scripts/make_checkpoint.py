@@ -1,0 +1,36 @@
+#!/usr/bin/env python
+"""Write a preset as an ordinary HF model directory: config.json, safetensors, a working tokenizer.
+
+    python scripts/make_checkpoint.py --preset llama-3.2-1b --layers 2 ./ckpt
+    python -c "import tilefx; tilefx.compile_model('./ckpt')"
+
+The weights are random (no hub access here); the tokenizer is a byte-level BPE
+trained locally on a small built-in text, saved with its special tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+from tilefx.models.checkpoint import write_checkpoint
+from tilefx.models.presets import PRESETS
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    parser.add_argument("--layers", type=int, help="keep only this many layers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("out", type=pathlib.Path, help="output directory (must be empty or absent)")
+    args = parser.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        parser.error(f"{args.out} exists and is not empty; choose a new directory")
+    write_checkpoint(args.preset, args.out, layers=args.layers, seed=args.seed)
+    print(f"wrote {args.preset} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

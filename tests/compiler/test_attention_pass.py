@@ -1,0 +1,112 @@
+"""The attention pass on captured graphs: op counts before/after, outputs equal to eager, fallbacks."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+import tilefx.custom_ops  # noqa: F401
+from tilefx.compiler import CompileOptions
+from tilefx.compiler.passes.attention import AttentionPass
+from tilefx.models.kv_cache import TilefxCache
+from tilefx.models.presets import build_model
+
+SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def count(graph, predicate) -> int:
+    return sum(1 for n in graph.nodes if predicate(n))
+
+
+def is_sdpa(n):
+    return n.op == "call_function" and n.target is SDPA
+
+
+def is_index_copy(n):
+    return n.op == "call_method" and n.target == "index_copy_"
+
+
+def is_op(name):
+    return lambda n: n.op == "call_function" and n.target is getattr(torch.ops.tilefx, name).default
+
+
+class PassTestBackend:
+    """Runs only the given passes on the Dynamo graph and records it before and after (vLLM's TestBackend)."""
+
+    def __init__(self, *passes):
+        self.passes, self.before, self.after, self.results = passes, [], [], []
+
+    def __call__(self, gm, example_inputs):
+        self.before.append(gm.graph.__class__())
+        self.before[-1].graph_copy(gm.graph, {})
+        for p in self.passes:
+            self.results.append(p(gm.graph))
+        gm.graph.lint()
+        gm.recompile()
+        self.after.append(gm.graph)
+        return gm.forward
+
+
+def run(model, cache, ids, mask_len, backend, past=0):
+    batch, seq = ids.shape
+    mask = torch.zeros(batch, cache.max_seq_len, dtype=torch.long)
+    mask[:, : past + seq] = 1
+    positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True) if backend else model.forward
+    with torch.no_grad():
+        return fn(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("batch,seq", [(1, 1), (1, 7), (2, 5)])
+def test_rewrites_every_attention_and_matches_eager(family, batch, seq):
+    torch._dynamo.reset()
+    model = build_model(family, seed=3)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    eager_cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    eager_cache.start(batch)
+    want = run(model, eager_cache, ids, seq, None)
+
+    backend = PassTestBackend(AttentionPass())
+    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache.start(batch)
+    got = run(model, cache, ids, seq, backend)
+
+    before, after = backend.before[0], backend.after[0]
+    assert count(before, is_sdpa) == layers and count(before, is_index_copy) == 2 * layers
+    assert count(after, is_sdpa) == 0 and count(after, is_index_copy) == 0
+    op = "decode_attention" if seq == 1 else "extend_attention"
+    assert count(after, is_op(op)) == layers
+    assert backend.results[0].rewritten == layers and not backend.results[0].fallbacks
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    for layer_eager, layer in zip(eager_cache.layers, cache.layers):  # same cache contents written
+        torch.testing.assert_close(layer.keys, layer_eager.keys, rtol=2e-2, atol=2e-2)
+
+
+def test_leaves_attention_without_cache_alone():
+    """HF attention with no tilefx cache (no mask, is_causal): not rewritten, reason recorded."""
+    torch._dynamo.reset()
+    model = build_model("tiny-llama", seed=3)
+    backend = PassTestBackend(AttentionPass())
+    ids = torch.randint(3, 500, (1, 6))
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        got = fn(input_ids=ids, use_cache=False).logits
+        want = model(input_ids=ids, use_cache=False).logits
+    result = backend.results[0]
+    assert result.rewritten == 0 and len(result.fallbacks) == model.config.num_hidden_layers
+    assert all("mask" in why or "causal" in why for why in result.fallbacks)
+    assert count(backend.after[0], is_sdpa) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want)
+
+
+def test_uuid_changes_with_options():
+    from tilefx.compiler import PassManager
+
+    a = PassManager(CompileOptions(max_seq_len=64)).uuid()
+    b = PassManager(CompileOptions(max_seq_len=128)).uuid()
+    c = PassManager(CompileOptions(max_seq_len=64, tp_rank=1, tp_world_size=2)).uuid()
+    assert len({a, b, c}) == 3 and a == PassManager(CompileOptions(max_seq_len=64)).uuid()

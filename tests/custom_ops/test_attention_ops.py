@@ -1,0 +1,88 @@
+"""tilefx attention ops: reference vs an independent oracle (torch SDPA over repeated K/V), opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefx.custom_ops  # noqa: F401
+from tilefx.custom_ops.attention import attention_reference
+
+
+def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=48, left_pad=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bf = dict(dtype=torch.bfloat16)
+    q = torch.randn(batch, q_heads, seq, head_dim, generator=g).to(**bf)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(**bf)
+    v = torch.randn(batch, kv_heads, seq, head_dim, generator=g).to(**bf)
+    k_cache = torch.randn(max_batch, kv_heads, max_len, head_dim, generator=g).to(**bf)
+    v_cache = torch.randn(max_batch, kv_heads, max_len, head_dim, generator=g).to(**bf)
+    positions = torch.arange(past, past + seq)
+    key_pos = torch.arange(max_len)
+    causal = key_pos[None, :] <= positions[:, None]  # [S, L]
+    padding = torch.ones(batch, max_len, dtype=torch.bool)
+    for row, pad in enumerate(left_pad):
+        padding[row, :pad] = False
+    mask = (causal[None] & padding[:, None, :])[:, None]  # [B, 1, S, L]
+    return q, k, v, k_cache, v_cache, positions, mask
+
+
+def _oracle(q, k, v, k_cache, v_cache, positions, mask, scale):
+    batch, q_heads = q.shape[:2]
+    keys, values = k_cache[:batch].clone(), v_cache[:batch].clone()
+    keys[:, :, positions] = k
+    values[:, :, positions] = v
+    rep = q_heads // k.shape[1]
+    keys, values = keys.repeat_interleave(rep, 1).float(), values.repeat_interleave(rep, 1).float()
+    out = torch.nn.functional.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask[:batch], scale=scale)
+    return out.nan_to_num(0.0), keys, values
+
+
+CASES = [
+    # batch, q_heads, kv_heads, seq, past, left_pad
+    (1, 4, 4, 1, 0, ()),  # one token, empty cache
+    (1, 8, 2, 1, 20, ()),  # decode, GQA
+    (2, 8, 2, 1, 13, (0, 5)),  # decode, batch > 1, padded row
+    (1, 4, 1, 7, 0, ()),  # prefill, odd length, MQA
+    (2, 6, 3, 9, 11, (3, 0)),  # extend onto a prefix, padded
+    (3, 4, 2, 17, 0, (0, 4, 16)),  # prefill, one query row fully padded
+]
+
+
+@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}/{c[2]}s{c[3]}p{c[4]}")
+def test_matches_oracle(op_name, case):
+    batch, q_heads, kv_heads, seq, past, pad = case
+    if op_name == "decode_attention" and seq != 1:
+        pytest.skip("decode takes one token")
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(batch, q_heads, kv_heads, seq, past, left_pad=pad)
+    want, keys, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    untouched = k_cache[batch:].clone(), k_cache[:, :, past + seq :].clone()
+    op = getattr(torch.ops.tilefx, op_name)
+    got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    rows = mask[:, 0].any(-1)  # query rows with at least one visible key
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert err[rows.unsqueeze(1).expand_as(err)].max() < 1e-2
+    assert torch.all(got.float()[~rows.unsqueeze(1).expand_as(err)] == 0)
+    # the new tokens were written in place; nothing else changed
+    torch.testing.assert_close(k_cache[:batch, :, positions], k, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[:batch, :, positions], v, rtol=0, atol=0)
+    assert torch.equal(k_cache[batch:], untouched[0])
+    assert torch.equal(k_cache[:, :, past + seq :], untouched[1])
+
+
+def test_reference_reads_only_valid_prefix():
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(1, 4, 2, 1, 10)
+    before = attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), positions, mask, 0.3)
+    k_cache[:, :, 11:] = float("nan")  # the padded tail: never read
+    v_cache[:, :, 11:] = float("nan")
+    after = attention_reference(q, k, v, k_cache, v_cache, positions, mask, 0.3)
+    assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention"])
+def test_opcheck(op_name):
+    seq = 1 if op_name == "decode_attention" else 5
+    args = _inputs(2, 4, 2, seq, 3, left_pad=(0, 1))
+    torch.library.opcheck(getattr(torch.ops.tilefx, op_name).default, (*args, 0.25))

@@ -1,0 +1,84 @@
+"""Loading: local checkpoints, bad sources, unsupported families; the checkpoint writer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import tilefx
+from tilefx.models.adapters import ADAPTERS, adapter_for
+from tilefx.models.checkpoint import write_checkpoint
+from tilefx.models.load import ModelNotFoundError, load_model
+from tilefx.models.presets import PRESETS, build_model, get_preset
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint("tiny-qwen2", tmp_path_factory.mktemp("ckpt") / "tiny-qwen2", seed=5)
+
+
+def test_checkpoint_is_an_ordinary_hf_directory(checkpoint):
+    names = {p.name for p in checkpoint.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert ids.numel() > 0 and int(ids.max()) < model.config.vocab_size
+    assert tokenizer.decode(ids[0]) == "Once upon a time"
+    reference = build_model("tiny-qwen2", seed=5)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_compile_local_directory_generates_like_eager(checkpoint):
+    model = tilefx.compile_model(str(checkpoint), max_seq_len=32, max_batch=1)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    want = reference.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, want)
+
+
+def test_load_model_is_bf16_eval_and_sdpa(checkpoint):
+    model = load_model(checkpoint)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert not model.training and model.config._attn_implementation == "sdpa"
+
+
+def test_unreachable_hub_id_says_what_to_do():
+    with pytest.raises(ModelNotFoundError, match="could not load 'nobody/no-such-model-xyz'.*local-dir"):
+        tilefx.compile_model("nobody/no-such-model-xyz", local_files_only=True)
+
+
+def test_missing_local_path():
+    with pytest.raises(ModelNotFoundError, match="not a directory"):
+        load_model("./does/not/exist")
+
+
+def test_unsupported_family_names_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, qwen2, qwen3"):
+        tilefx.compile_model(str(tmp_path))
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ValueError, match="not supported"):
+        tilefx.compile_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def test_every_preset_family_has_an_adapter():
+    for preset in PRESETS.values():
+        assert preset.model_type in ADAPTERS
+        config = preset.build_config(layers=1)
+        dims = adapter_for(config).attention_dims(config)
+        assert dims["layers"] == 1 and dims["q_heads"] % dims["kv_heads"] == 0
+
+
+def test_preset_layers_are_checked():
+    with pytest.raises(ValueError, match="1..16"):
+        get_preset("llama-3.2-1b").build_config(layers=99)
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("gpt-5")
