@@ -64,11 +64,29 @@ def _fake(q, k, v, k_cache, v_cache, positions, mask, scale):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
-def _native_or_reference(name: str):
+def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
+    """The implementation until native kernels land: PyTorch's fused SDPA over the valid prefix, GQA in place."""
+    batch = q.shape[0]
+    k_cache[:batch].index_copy_(2, positions, k.to(k_cache.dtype))
+    v_cache[:batch].index_copy_(2, positions, v.to(v_cache.dtype))
+    end = int(positions[-1]) + 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q,
+        k_cache[:batch, :, :end],
+        v_cache[:batch, :, :end],
+        attn_mask=mask[:batch, :, :, :end],
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    if q.shape[2] > 1:  # left-padded prompt rows see no key: zero, not NaN
+        out = out.masked_fill(~mask[:batch, :, :, :end].any(-1, keepdim=True), 0.0)
+    return out
+
+
+def _implementation(name: str):
     def impl(q, k, v, k_cache, v_cache, positions, mask, scale):
-        # Native kernels (custom_ops/csrc) are dispatched here once built; until then the
-        # reference is the implementation.
-        return attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale)
+        _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
+        return attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale)
 
     impl.__name__ = name
     return impl
@@ -77,7 +95,7 @@ def _native_or_reference(name: str):
 torch.library.define("tilefx::extend_attention", _SCHEMA)
 torch.library.define("tilefx::decode_attention", _SCHEMA)
 for _name in ("extend_attention", "decode_attention"):
-    torch.library.impl(f"tilefx::{_name}", "CPU")(_native_or_reference(_name))
+    torch.library.impl(f"tilefx::{_name}", "CPU")(_implementation(_name))
     torch.library.register_fake(f"tilefx::{_name}")(_fake)
 
 extend_attention = torch.ops.tilefx.extend_attention.default

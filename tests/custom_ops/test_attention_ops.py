@@ -49,7 +49,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention"])
+@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention", "reference"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}/{c[2]}s{c[3]}p{c[4]}")
 def test_matches_oracle(op_name, case):
     batch, q_heads, kv_heads, seq, past, pad = case
@@ -58,7 +58,7 @@ def test_matches_oracle(op_name, case):
     q, k, v, k_cache, v_cache, positions, mask = _inputs(batch, q_heads, kv_heads, seq, past, left_pad=pad)
     want, keys, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     untouched = k_cache[batch:].clone(), k_cache[:, :, past + seq :].clone()
-    op = getattr(torch.ops.tilefx, op_name)
+    op = attention_reference if op_name == "reference" else getattr(torch.ops.tilefx, op_name)
     got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     assert got.shape == q.shape and got.dtype == q.dtype
     rows = mask[:, 0].any(-1)  # query rows with at least one visible key
