@@ -84,13 +84,13 @@ class TilefxCache(Cache):
 
     @classmethod
     def for_config(cls, config, *, max_batch: int, max_seq_len: int, dtype=torch.bfloat16, device="cpu"):
-        text = config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        from tilefx.models.adapters import adapter_for
+
+        dims = adapter_for(config).attention_dims(config.get_text_config(decoder=True))
         return cls(
-            num_layers=text.num_hidden_layers,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
+            num_layers=dims["layers"],
+            kv_heads=dims["kv_heads"],
+            head_dim=dims["head_dim"],
             max_batch=max_batch,
             max_seq_len=max_seq_len,
             dtype=dtype,

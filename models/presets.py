@@ -42,7 +42,7 @@ class Preset:
         return AutoConfig.for_model(self.model_type, **fields)
 
 
-def _llama(hidden, inter, layers, heads, kv, head_dim, **extra):
+def _dense(hidden, inter, layers, heads, kv, head_dim, **family):
     return dict(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -50,34 +50,27 @@ def _llama(hidden, inter, layers, heads, kv, head_dim, **extra):
         num_attention_heads=heads,
         num_key_value_heads=kv,
         head_dim=head_dim,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_parameters=_LLAMA3_ROPE,
         tie_word_embeddings=True,
-        bos_token_id=128000,
-        eos_token_id=128001,
-        **extra,
+        **family,
     )
 
 
-def _qwen(hidden, inter, layers, heads, kv, head_dim, tie=True, **extra):
-    return dict(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_parameters=_QWEN_ROPE,
-        tie_word_embeddings=tie,
-        bos_token_id=151643,
-        eos_token_id=151643,
-        **extra,
-    )
+_LLAMA3 = dict(
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_parameters=_LLAMA3_ROPE,
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
+_QWEN = dict(
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_parameters=_QWEN_ROPE,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
 
 
 def _tiny(model_type: str, **extra) -> dict:
@@ -103,10 +96,10 @@ def _tiny(model_type: str, **extra) -> dict:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", _llama(2048, 8192, 16, 32, 8, 64)),
-        Preset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "llama", _llama(3072, 8192, 28, 24, 8, 128)),
-        Preset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "qwen2", _qwen(1536, 8960, 28, 12, 2, 128)),
-        Preset("qwen3-1.7b", "Qwen/Qwen3-1.7B", "qwen3", _qwen(2048, 6144, 28, 16, 8, 128)),
+        Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", _dense(2048, 8192, 16, 32, 8, 64, **_LLAMA3)),
+        Preset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "llama", _dense(3072, 8192, 28, 24, 8, 128, **_LLAMA3)),
+        Preset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "qwen2", _dense(1536, 8960, 28, 12, 2, 128, **_QWEN)),
+        Preset("qwen3-1.7b", "Qwen/Qwen3-1.7B", "qwen3", _dense(2048, 6144, 28, 16, 8, 128, **_QWEN)),
         Preset(
             "tiny-llama",
             "-",
