@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         ax.axhline(floor_ms, color="k", linestyle="--", label=f"memory floor {floor_ms:.1f} ms")
         ax.set_ylabel("TPOT (ms, median)")
         ax.set_title(f"{name}, prompt {args.prompt_len}")
-        ax.legend()
+        ax.legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
     return 0

@@ -82,3 +82,25 @@ def test_preset_layers_are_checked():
         get_preset("llama-3.2-1b").build_config(layers=99)
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("gpt-5")
+
+
+def test_scripts_make_checkpoint_and_generate(tmp_path, capsys):
+    import runpy
+    import sys
+
+    out = tmp_path / "ckpt"
+    for argv in (
+        ["make_checkpoint.py", "--preset", "tiny-llama", str(out)],
+        ["generate.py", str(out), "--prompt", "Once upon", "--max-new-tokens", "5", "--max-seq-len", "32",
+         "--local-files-only"],
+    ):
+        old = sys.argv
+        sys.argv = argv
+        try:
+            with pytest.raises(SystemExit) as done:
+                runpy.run_path(f"scripts/{argv[0]}", run_name="__main__")
+            assert done.value.code == 0
+        finally:
+            sys.argv = old
+    captured = capsys.readouterr()
+    assert "Once upon" in captured.out and "5 tokens in" in captured.err
