@@ -39,14 +39,20 @@ def _check_shapes(q, k, v, k_cache, v_cache, positions, mask) -> None:
     torch._check(mask.shape[-2] == seq and mask.shape[-1] == k_cache.shape[2], lambda: "mask shape")
 
 
+def _write_kv(k, v, k_cache, v_cache, positions) -> int:
+    """Write the new tokens' K/V into the cache rows of this batch; return the valid prefix length."""
+    batch = k.shape[0]
+    k_cache[:batch].index_copy_(2, positions, k.to(k_cache.dtype))
+    v_cache[:batch].index_copy_(2, positions, v.to(v_cache.dtype))
+    return int(positions[-1]) + 1
+
+
 def attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale):
     """The specification: write K/V into the cache, then masked softmax attention in fp32."""
     _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
     batch, q_heads, seq, _ = q.shape
     kv_heads = k.shape[1]
-    k_cache[:batch].index_copy_(2, positions, k.to(k_cache.dtype))
-    v_cache[:batch].index_copy_(2, positions, v.to(v_cache.dtype))
-    end = int(positions[-1]) + 1
+    end = _write_kv(k, v, k_cache, v_cache, positions)
     keys = k_cache[:batch, :, :end].float()  # [B, Hkv, T, D]
     values = v_cache[:batch, :, :end].float()
     group = q_heads // kv_heads
@@ -67,9 +73,7 @@ def _fake(q, k, v, k_cache, v_cache, positions, mask, scale):
 def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
     """The implementation until native kernels land: PyTorch's fused SDPA over the valid prefix, GQA in place."""
     batch = q.shape[0]
-    k_cache[:batch].index_copy_(2, positions, k.to(k_cache.dtype))
-    v_cache[:batch].index_copy_(2, positions, v.to(v_cache.dtype))
-    end = int(positions[-1]) + 1
+    end = _write_kv(k, v, k_cache, v_cache, positions)
     out = torch.nn.functional.scaled_dot_product_attention(
         q,
         k_cache[:batch, :, :end],
