@@ -38,12 +38,9 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
     model = build_model(preset, layers=layers, seed=seed)
     tokenizer = build_tokenizer(model.config.vocab_size)
     # the tokenizer's special ids are the model's
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.bos_token_id = tokenizer.bos_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for config in (model.config, model.generation_config):
+        for token in ("pad", "bos", "eos"):
+            setattr(config, f"{token}_token_id", getattr(tokenizer, f"{token}_token_id"))
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

@@ -25,6 +25,7 @@ import time
 import torch
 
 import tilefx
+from tilefx.models.adapters import adapter_for
 from tilefx.models.load import load_model
 from tilefx.models.presets import build_model
 
@@ -62,10 +63,8 @@ def decode_bytes(model, context: int) -> int:
     total = sum(p.nbytes for p in model.parameters())
     if lm_head.data_ptr() != embed.data_ptr():
         total -= embed.nbytes
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * context * embed.element_size()
+    dims = adapter_for(model.config).attention_dims(model.config)
+    kv = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * context * embed.element_size()
     return total + kv
 
 

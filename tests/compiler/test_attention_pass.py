@@ -49,12 +49,13 @@ class PassTestBackend:
         return gm.forward
 
 
-def run(model, cache, ids, mask_len, backend, past=0):
+def run(model, cache, ids, backend):
+    """One forward over an empty tilefx cache, compiled with ``backend``."""
     batch, seq = ids.shape
     mask = torch.zeros(batch, cache.max_seq_len, dtype=torch.long)
-    mask[:, : past + seq] = 1
-    positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
-    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True) if backend else model.forward
+    mask[:, :seq] = 1
+    positions = torch.arange(seq).expand(batch, seq).contiguous()
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     with torch.no_grad():
         return fn(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
 
@@ -72,7 +73,7 @@ def test_rewrites_every_attention_and_matches_eager(family, batch, seq):
     backend = PassTestBackend(AttentionPass())
     cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
     cache.start(batch)
-    got = run(model, cache, ids, seq, backend)
+    got = run(model, cache, ids, backend)
 
     before, after = backend.before[0], backend.after[0]
     assert count(before, is_sdpa) == layers and count(before, is_index_copy) == 2 * layers
