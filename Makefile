@@ -11,7 +11,7 @@ install: $(STAMP)
 
 # torch is pinned to the CPU wheel: any other version or an open range pulls GBs of CUDA packages.
 # --no-build-isolation: the native kernels build against the torch installed here.
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py $(wildcard custom_ops/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
 	$(PY) -m pip install -q --disable-pip-version-check "setuptools>=68" wheel

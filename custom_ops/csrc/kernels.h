@@ -1,0 +1,62 @@
+// Kernel entry points shared by the dispatch code (ops.cpp) and the ISA-specific
+// translation units. ISA units include only this header and <immintrin.h>: nothing
+// inline from ATen is compiled with wider ISA flags (it could be picked by the linker
+// for the whole library and crash an older CPU).
+#pragma once
+#include <cstdint>
+
+namespace tilefx {
+
+// Packed linear weight, one layout for every ISA: W[N, K] becomes
+//   packed[N / kBlockN][K / 2][kBlockN][2]   (bf16; N padded to kBlockN, K padded to even)
+// i.e. blocks of kBlockN output columns, each a VNNI matrix: for every pair of
+// input rows (k, k+1) the block's columns sit side by side with their two values
+// interleaved. That is what `vdpbf16ps` (AVX512-BF16) and AMX tiles read, and on
+// AVX2 one 32-byte load yields 8 columns x 2 k as two fp32 vectors (shift / mask).
+constexpr int64_t kBlockN = 32;
+
+struct LinearProblem {
+  const float* x;         // [M, ldx] fp32 activations; columns [K, ldx) are zero
+  const uint16_t* w;      // packed weight (bf16 bits)
+  const uint16_t* bias;   // [N] bf16 bits, or nullptr
+  uint16_t* y;            // [M, N] bf16 bits
+  int64_t M, N, K_pairs;  // K_pairs = padded K / 2
+  int64_t ldx;
+};
+
+// Columns blocks [block_begin, block_end) of y for every row. `scratch` holds
+// M * kBlockN floats.
+void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+
+// Streaming read of `bytes` bytes (multiple of 128) starting at `data`; returns a
+// value that depends on every byte so the compiler cannot skip the reads.
+float stream_read_avx2(const void* data, int64_t bytes);
+
+// Attention of query rows over the KV cache (decode is one query row). One task is
+// one (batch row, KV head, query row, key split): the query heads of that KV head
+// attend keys [key_begin, key_end) allowed by the mask row; the task writes its
+// partial result as running max, sum of exp and unnormalized output per head.
+struct AttentionProblem {
+  const uint16_t* q;  // [B, Hq, S, D] strides below (elements)
+  int64_t q_stride_b, q_stride_h, q_stride_s;
+  const uint16_t* k_cache;  // [maxB, Hkv, maxL, D]
+  const uint16_t* v_cache;
+  int64_t kv_stride_b, kv_stride_h, kv_stride_t;
+  const bool* mask;  // [B, 1, S, maxL]
+  int64_t mask_stride_b, mask_stride_s;
+  int64_t q_heads, kv_heads, head_dim;
+  float scale;
+};
+
+struct AttentionPartial {
+  float* query;  // scratch: [group rounded up to 4, head_dim]
+  float* max;    // [group]
+  float* sum;    // [group]
+  float* out;    // [group, head_dim]
+  float* scores; // scratch: [group, key_end - key_begin]
+};
+
+void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
+                         int64_t key_end, const AttentionPartial& part);
+
+}  // namespace tilefx

@@ -1,0 +1,153 @@
+// tilefx::linear on AVX2 + FMA: bf16 weights (packed, see kernels.h) widened to fp32
+// in registers, fp32 accumulation, bf16 output.
+//
+// Decode (M <= 2) is a GEMV: it must stream the weight at memory speed, so each
+// block of kBlockN columns is read once, front to back, with every row of x
+// applied to it. Prefill (M > 2) is a blocked GEMM: the weight panel of one block
+// and kKChunk pairs of K (16 KiB) stays in L1 while every 4-row tile of x passes
+// over it.
+#include "kernels.h"
+
+// This unit (and only this unit) is compiled for AVX2 + FMA; ops.cpp calls it only
+// where CPUID reports both.
+#pragma GCC target("avx2,fma")
+#include "vec_avx2.h"
+
+namespace tilefx {
+namespace {
+
+constexpr int kVecs = kBlockN / 8;       // ymm vectors per packed row of a block
+constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a block
+constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel (GEMM)
+constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
+constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
+
+// One row of x against a whole block, every K pair: 2 accumulators per column
+// vector (k even / k odd) so FMA latency never limits the stream.
+static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, float* c) {
+  __m256 acc_even[kVecs], acc_odd[kVecs];
+  for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* row = block + p * kPairStride;
+    const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
+    const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      __m256 even, odd;
+      load_vnni_pair(row + j * 16, even, odd);
+      acc_even[j] = _mm256_fmadd_ps(x0, even, acc_even[j]);
+      acc_odd[j] = _mm256_fmadd_ps(x1, odd, acc_odd[j]);
+    }
+  }
+  for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(acc_even[j], acc_odd[j]));
+}
+
+// Two rows of x against a whole block (batch-2 decode): the weight is still read once.
+static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t pairs, float* c) {
+  __m256 acc[2][kVecs];
+  for (int m = 0; m < 2; ++m)
+    for (int j = 0; j < kVecs; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* row = block + p * kPairStride;
+    const __m256 a0 = _mm256_broadcast_ss(x + 2 * p), a1 = _mm256_broadcast_ss(x + 2 * p + 1);
+    const __m256 b0 = _mm256_broadcast_ss(x + ldx + 2 * p), b1 = _mm256_broadcast_ss(x + ldx + 2 * p + 1);
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      __m256 even, odd;
+      load_vnni_pair(row + j * 16, even, odd);
+      acc[0][j] = _mm256_fmadd_ps(a1, odd, _mm256_fmadd_ps(a0, even, acc[0][j]));
+      acc[1][j] = _mm256_fmadd_ps(b1, odd, _mm256_fmadd_ps(b0, even, acc[1][j]));
+    }
+  }
+  for (int m = 0; m < 2; ++m)
+    for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * j, acc[m][j]);
+}
+
+// GEMM micro-tile: `rows` (<= kTileRows) rows x kTileVecs*8 columns starting at
+// column vector `vec0`, K pairs [p0, p1); adds into c (row stride kBlockN).
+template <int Rows>
+static void gemm_tile(const float* x, int64_t ldx, const uint16_t* block, int64_t p0, int64_t p1, int vec0,
+                      float* c) {
+  __m256 acc[Rows][kTileVecs];
+  for (int m = 0; m < Rows; ++m)
+    for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_loadu_ps(c + m * kBlockN + 8 * (vec0 + j));
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* row = block + p * kPairStride + vec0 * 16;
+    __m256 even[kTileVecs], odd[kTileVecs];
+    for (int j = 0; j < kTileVecs; ++j) load_vnni_pair(row + j * 16, even[j], odd[j]);
+#pragma GCC unroll 4
+    for (int m = 0; m < Rows; ++m) {
+      const __m256 x0 = _mm256_broadcast_ss(x + m * ldx + 2 * p);
+      const __m256 x1 = _mm256_broadcast_ss(x + m * ldx + 2 * p + 1);
+      for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[m][j]));
+    }
+  }
+  for (int m = 0; m < Rows; ++m)
+    for (int j = 0; j < kTileVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * (vec0 + j), acc[m][j]);
+}
+
+static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) {
+  for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
+  for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
+    const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
+    for (int64_t m = 0; m < p.M; m += kTileRows) {
+      const float* x = p.x + m * p.ldx;
+      float* cm = c + m * kBlockN;
+      for (int vec0 = 0; vec0 < kVecs; vec0 += kTileVecs) {
+        switch (p.M - m < kTileRows ? p.M - m : kTileRows) {
+          case 1: gemm_tile<1>(x, p.ldx, block, p0, p1, vec0, cm); break;
+          case 2: gemm_tile<2>(x, p.ldx, block, p0, p1, vec0, cm); break;
+          case 3: gemm_tile<3>(x, p.ldx, block, p0, p1, vec0, cm); break;
+          default: gemm_tile<4>(x, p.ldx, block, p0, p1, vec0, cm); break;
+        }
+      }
+    }
+  }
+}
+
+// c (fp32, rows of kBlockN) + bias -> y (bf16), columns [col0, col0 + kBlockN) clipped to N.
+static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
+  const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* cm = c + m * kBlockN;
+    uint16_t* y = p.y + m * p.N + col0;
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) {
+      __m256 v = _mm256_loadu_ps(cm + j);
+      if (p.bias) v = _mm256_add_ps(v, load_bf16x8(p.bias + col0 + j));
+      store_bf16x8(y + j, v);
+    }
+    for (; j < cols; ++j) y[j] = float_to_bf16(cm[j] + (p.bias ? bf16_to_float(p.bias[col0 + j]) : 0.0f));
+  }
+}
+
+}  // namespace
+
+void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  for (int64_t nb = block_begin; nb < block_end; ++nb) {
+    const uint16_t* block = p.w + nb * p.K_pairs * kPairStride;
+    if (p.M == 1) {
+      gemv_row(p.x, block, p.K_pairs, scratch);
+    } else if (p.M == 2) {
+      gemv_two_rows(p.x, p.ldx, block, p.K_pairs, scratch);
+    } else {
+      gemm_block(p, block, scratch);
+    }
+    store_block(p, nb * kBlockN, scratch);
+  }
+}
+
+float stream_read_avx2(const void* data, int64_t bytes) {
+  const __m256i* p = static_cast<const __m256i*>(data);
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  for (int64_t i = 0; i < bytes / 32; i += 4) {
+    a = _mm256_xor_si256(a, _mm256_loadu_si256(p + i));
+    b = _mm256_xor_si256(b, _mm256_loadu_si256(p + i + 1));
+    c = _mm256_xor_si256(c, _mm256_loadu_si256(p + i + 2));
+    d = _mm256_xor_si256(d, _mm256_loadu_si256(p + i + 3));
+  }
+  const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+  return static_cast<float>(_mm256_extract_epi32(all, 0) & 0xFF);
+}
+
+}  // namespace tilefx

@@ -1,0 +1,193 @@
+// Tensor-level entry points of the native kernels: argument checks, threading
+// (at::parallel_for), and the choice of ISA unit. Python (custom_ops/*.py) picks
+// which entry point an op calls; see custom_ops/isa.py.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tilefx {
+
+// Defined in linear_amx.cpp (oneDNN brgemm; only where AMX exists).
+bool amx_available();
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t out_features);
+
+namespace {
+
+bool cpu_has(const std::string& feature) {
+  __builtin_cpu_init();
+  if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (feature == "avx512_bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (feature == "amx") return amx_available();
+  TORCH_CHECK(false, "unknown CPU feature '", feature, "'");
+}
+
+const uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tilefx linear: x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kBlockN &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "tilefx linear: weight must be packed by pack_linear_weight (bf16 [N/", kBlockN, ", K/2, ", kBlockN,
+              ", 2]), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(x.size(-1) <= 2 * packed.size(1) && x.size(-1) > 2 * packed.size(1) - 2,
+              "tilefx linear: x has ", x.size(-1), " features, the packed weight ", 2 * packed.size(1));
+  TORCH_CHECK(out_features > packed.size(0) * kBlockN - kBlockN && out_features <= packed.size(0) * kBlockN,
+              "tilefx linear: out_features ", out_features, " does not match the packed weight");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == out_features &&
+                    bias->is_contiguous(),
+                "tilefx linear: bias must be contiguous bf16 [", out_features, "]");
+  }
+}
+
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  check_packed(x, packed, bias, out_features);
+  const int64_t in_features = x.size(-1);
+  const int64_t k_pairs = packed.size(1);
+  const at::Tensor x2 = x.reshape({-1, in_features});
+  const int64_t rows = x2.size(0);
+  // fp32 activations with K padded to even: converted once, reused by every block.
+  at::Tensor xf = at::empty({rows, 2 * k_pairs}, x.options().dtype(at::kFloat));
+  xf.narrow(1, 0, in_features).copy_(x2);
+  if (2 * k_pairs > in_features) xf.narrow(1, in_features, 1).zero_();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (rows == 0) return y;
+
+  LinearProblem p{xf.data_ptr<float>(), bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs,
+                  2 * k_pairs};
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(rows * kBlockN);
+    linear_blocks_avx2(p, begin, end, scratch.data());
+  });
+  return y;
+}
+
+// K/V of the new tokens into the cache rows [0, B) at `positions`.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& positions) {
+  const int64_t batch = k.size(0);
+  k_cache.narrow(0, 0, batch).index_copy_(2, positions, k);
+  v_cache.narrow(0, 0, batch).index_copy_(2, positions, v);
+}
+
+at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& positions, const at::Tensor& mask_in, double scale) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "tilefx attention: tensors must be bfloat16, got ",
+                t->scalar_type());
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "tilefx attention: caches must be contiguous");
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool, "tilefx attention: mask must be bool");
+  const int64_t batch = q_in.size(0), q_heads = q_in.size(1), seq = q_in.size(2), dim = q_in.size(3);
+  const int64_t kv_heads = k.size(1);
+  TORCH_CHECK(dim % 16 == 0 && v.size(3) == dim, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
+  TORCH_CHECK(seq > 0 && positions.numel() == seq, "tilefx attention: one position per new token");
+  write_kv(k, v, k_cache, v_cache, positions);
+  const int64_t end = positions[seq - 1].item<int64_t>() + 1;
+
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+  const int64_t group = q_heads / kv_heads;
+  const int64_t padded_group = (group + 3) / 4 * 4;
+
+  // Flash-decoding: with few (row, head) tasks, split the keys so every thread has work.
+  const int64_t rows = batch * kv_heads * seq;
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  if (rows < 4 * threads) splits = std::min<int64_t>((4 * threads + rows - 1) / rows, (end + 63) / 64);
+  const int64_t split_len = (end + splits - 1) / splits;
+  splits = (end + split_len - 1) / split_len;
+
+  std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
+  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                     bf16_bits(k_cache), bf16_bits(v_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2), q_heads, kv_heads, dim,
+                     static_cast<float>(scale)};
+  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> scores(group * split_len), query(padded_group * dim);
+    for (int64_t task = begin; task < stop; ++task) {
+      const int64_t row = task / splits, split = task % splits;
+      const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
+      const int64_t key_begin = split * split_len, key_end = std::min(end, key_begin + split_len);
+      const int64_t at = task * group;
+      AttentionPartial out{query.data(), &max[at], &sum[at], &part[at * dim], scores.data()};
+      attention_task_avx2(p, b, kv_head, s, key_begin, key_end, out);
+    }
+  });
+
+  // Merge the splits of each (row, head); rows that may attend no key are zero.
+  at::Tensor y = at::empty({batch, q_heads, seq, dim}, q.options());
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> acc(dim);
+    for (int64_t row = begin; row < stop; ++row) {
+      const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
+      for (int64_t g = 0; g < group; ++g) {
+        float global_max = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < splits; ++i) global_max = std::max(global_max, max[(row * splits + i) * group + g]);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float total = 0.0f;
+        if (global_max != -std::numeric_limits<float>::infinity()) {
+          for (int64_t i = 0; i < splits; ++i) {
+            const int64_t at = (row * splits + i) * group + g;
+            if (sum[at] == 0.0f) continue;
+            const float w = std::exp(max[at] - global_max);
+            total += w * sum[at];
+            const float* src = &part[at * dim];
+            for (int64_t d = 0; d < dim; ++d) acc[d] += w * src[d];
+          }
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        at::BFloat16* dst = out + ((b * q_heads + kv_head * group + g) * seq + s) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<at::BFloat16>(acc[d] * inv);
+      }
+    }
+  });
+  return y;
+}
+
+// Streaming read bandwidth over `tensor` (all threads, each a contiguous slice), GB/s, best of `repeats`.
+double stream_read_gbps(const at::Tensor& buffer, int64_t repeats) {
+  TORCH_CHECK(buffer.is_contiguous(), "stream_read_gbps: buffer must be contiguous");
+  const int64_t chunk = 128;
+  const int64_t bytes = buffer.nbytes() / chunk * chunk;
+  const char* data = static_cast<const char*>(buffer.data_ptr());
+  double best = 0.0;
+  volatile float sink = 0.0f;
+  for (int64_t r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    at::parallel_for(0, bytes / chunk, 1, [&](int64_t begin, int64_t stop) {
+      sink = sink + stream_read_avx2(data + begin * chunk, (stop - begin) * chunk);
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, bytes / seconds / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+}  // namespace tilefx
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
+  m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
+  m.def("block_n", [] { return tilefx::kBlockN; }, "output columns per packed weight block");
+  m.def("linear_avx2", &tilefx::linear_avx2, "y = x @ W^T + b over a packed W (AVX2 + FMA)");
+  m.def("linear_amx", &tilefx::linear_amx, "y = x @ W^T + b over a packed W (AMX, oneDNN brgemm)");
+  m.def("attention_avx2", &tilefx::attention_avx2, "KV write + attention over the valid cache prefix (AVX2 + FMA)");
+  m.def("stream_read_gbps", &tilefx::stream_read_gbps, "streaming read bandwidth over a buffer, GB/s (AVX2 loads)");
+}
