@@ -14,6 +14,7 @@ class CompileOptions:
     max_batch: int = 1
     dtype: torch.dtype = torch.bfloat16
     attention: bool = True  # swap HF attention + cache update for tilefx attention ops
+    linear: bool = True  # swap every linear for tilefx.linear over a weight packed at compile time
     freezing: bool = True  # Inductor freezing: weights become constants of the compiled graph
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     tp_rank: int = 0

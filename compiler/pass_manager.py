@@ -19,6 +19,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.report import CompileReport
 
 
@@ -26,6 +27,8 @@ def build_passes(options: CompileOptions) -> list[TilefxPass]:
     passes: list[TilefxPass] = []
     if options.attention:
         passes.append(AttentionPass())
+    if options.linear:
+        passes.append(LinearPass(freezing=options.freezing))
     return passes
 
 

@@ -9,9 +9,9 @@ import functools
 import hashlib
 import pathlib
 
-from tilefx.custom_ops import attention  # noqa: F401  (registers tilefx::*_attention)
+from tilefx.custom_ops import attention, isa, linear  # noqa: F401  (importing registers the ops)
 
-__all__ = ["attention", "source_hash"]
+__all__ = ["attention", "isa", "linear", "source_hash"]
 
 
 @functools.cache

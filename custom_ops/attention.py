@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tilefx.custom_ops import isa
+
 _SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor positions, Tensor mask, float scale) -> Tensor"
@@ -71,7 +73,7 @@ def _fake(q, k, v, k_cache, v_cache, positions, mask, scale):
 
 
 def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
-    """The implementation until native kernels land: PyTorch's fused SDPA over the valid prefix, GQA in place."""
+    """The portable implementation (reference path): PyTorch's fused SDPA over the valid prefix, GQA in place."""
     batch = q.shape[0]
     end = _write_kv(k, v, k_cache, v_cache, positions)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -87,10 +89,21 @@ def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
     return out
 
 
+def _attention_avx2(q, k, v, k_cache, v_cache, positions, mask, scale):
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or q.shape[-1] % 16:
+        return attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale)
+    return isa.native.attention_avx2(q, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, positions,
+                                     mask, scale)
+
+
+# The reference path runs PyTorch's fused SDPA (attention_portable), not the slow oracle.
+_KERNELS = {"avx2": _attention_avx2, "reference": attention_portable}
+
+
 def _implementation(name: str):
     def impl(q, k, v, k_cache, v_cache, positions, mask, scale):
         _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
-        return attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale)
+        return isa.choose(_KERNELS)(q, k, v, k_cache, v_cache, positions, mask, scale)
 
     impl.__name__ = name
     return impl

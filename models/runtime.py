@@ -108,7 +108,9 @@ class TilefxRuntime:
         self.report.phase = "prefill" if seq > 1 else "decode"
         if seq == 1:
             logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
-        with torch.no_grad():
+        # prepare_freezing: Dynamo makes parameters graph attributes (not inputs) only when
+        # freezing is on at trace time; the backend's config patch comes too late for that.
+        with torch.no_grad(), torch._dynamo.config.patch(prepare_freezing=self.options.freezing):
             out = self.compiled_forward(
                 input_ids=input_ids,
                 attention_mask=mask,

@@ -45,3 +45,54 @@ def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
         )
         exact += int((chosen == best).sum())
     return exact
+
+
+# -- pass tests (vLLM tests/compile/backend.py) -----------------------------------------
+
+SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def count(graph, predicate) -> int:
+    return sum(1 for n in graph.nodes if predicate(n))
+
+
+def is_sdpa(n):
+    return n.op == "call_function" and n.target is SDPA
+
+
+def is_index_copy(n):
+    return n.op == "call_method" and n.target == "index_copy_"
+
+
+def is_op(name):
+    return lambda n: n.op == "call_function" and n.target is getattr(torch.ops.tilefx, name).default
+
+
+class PassTestBackend:
+    """Runs only the given passes on the Dynamo graph and records it before and after (vLLM's TestBackend)."""
+
+    def __init__(self, *passes):
+        self.passes, self.before, self.after, self.results = passes, [], [], []
+
+    def __call__(self, gm, example_inputs):
+        self.before.append(gm.graph.__class__())
+        self.before[-1].graph_copy(gm.graph, {})
+        for p in self.passes:
+            self.results.append(p(gm.graph))
+        gm.graph.lint()
+        gm.recompile()
+        self.after.append(gm.graph)
+        return gm.forward
+
+
+def run(model, cache, ids, backend):
+    """One forward over an empty tilefx cache, compiled with ``backend``."""
+    batch, seq = ids.shape
+    mask = torch.zeros(batch, cache.max_seq_len, dtype=torch.long)
+    mask[:, :seq] = 1
+    positions = torch.arange(seq).expand(batch, seq).contiguous()
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        return fn(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
+
+

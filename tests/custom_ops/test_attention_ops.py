@@ -9,7 +9,7 @@ import tilefx.custom_ops  # noqa: F401
 from tilefx.custom_ops.attention import attention_reference
 
 
-def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=48, left_pad=(), seed=0):
+def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=320, left_pad=(), seed=0):
     g = torch.Generator().manual_seed(seed)
     bf = dict(dtype=torch.bfloat16)
     q = torch.randn(batch, q_heads, seq, head_dim, generator=g).to(**bf)
@@ -46,6 +46,8 @@ CASES = [
     (1, 4, 1, 7, 0, ()),  # prefill, odd length, MQA
     (2, 6, 3, 9, 11, (3, 0)),  # extend onto a prefix, padded
     (3, 4, 2, 17, 0, (0, 4, 16)),  # prefill, one query row fully padded
+    (1, 12, 2, 1, 300, ()),  # decode over a long prefix: the keys are split across threads
+    (2, 5, 1, 3, 150, (0, 40)),  # group not a multiple of the kernel's head tile
 ]
 
 
@@ -55,7 +57,7 @@ CASES = [
      if op != "decode_attention" or c[3] == 1],  # decode takes one token
     ids=lambda x: x if isinstance(x, str) else f"b{x[0]}h{x[1]}/{x[2]}s{x[3]}p{x[4]}",
 )
-def test_matches_oracle(op_name, case):
+def test_matches_oracle(kernel_path, op_name, case):
     batch, q_heads, kv_heads, seq, past, pad = case
     q, k, v, k_cache, v_cache, positions, mask = _inputs(batch, q_heads, kv_heads, seq, past, left_pad=pad)
     want, keys, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
@@ -74,17 +76,19 @@ def test_matches_oracle(op_name, case):
     assert torch.equal(k_cache[:, :, past + seq :], untouched[1])
 
 
-def test_reference_reads_only_valid_prefix():
+@pytest.mark.parametrize("op_name", ["decode_attention", "reference"])
+def test_reads_only_valid_prefix(kernel_path, op_name):
+    op = attention_reference if op_name == "reference" else torch.ops.tilefx.decode_attention
     q, k, v, k_cache, v_cache, positions, mask = _inputs(1, 4, 2, 1, 10)
-    before = attention_reference(q, k, v, k_cache.clone(), v_cache.clone(), positions, mask, 0.3)
+    before = op(q, k, v, k_cache.clone(), v_cache.clone(), positions, mask, 0.3)
     k_cache[:, :, 11:] = float("nan")  # the padded tail: never read
     v_cache[:, :, 11:] = float("nan")
-    after = attention_reference(q, k, v, k_cache, v_cache, positions, mask, 0.3)
+    after = op(q, k, v, k_cache, v_cache, positions, mask, 0.3)
     assert torch.equal(before, after)
 
 
 @pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention"])
-def test_opcheck(op_name):
+def test_opcheck(kernel_path, op_name):
     seq = 1 if op_name == "decode_attention" else 5
     args = _inputs(2, 4, 2, seq, 3, left_pad=(0, 1))
     torch.library.opcheck(getattr(torch.ops.tilefx, op_name).default, (*args, 0.25))

@@ -1,0 +1,109 @@
+"""Which kernel path the native ops take: ``amx``, ``avx512_bf16``, ``avx2`` or ``reference``.
+
+The native library (``tilefx.custom_ops._C``) is one binary for every x86-64 CPU; each
+path lives in its own translation unit and runs only where CPUID says it can. By
+default every op takes the fastest path it implements that this CPU supports
+(falling back along ``PATHS``); ``TILEFX_ISA=<path>`` forces one for the whole
+process, and ``forced(path)`` for a block (tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+PATHS = ("amx", "avx512_bf16", "avx2", "reference")  # fastest first
+
+try:
+    from tilefx.custom_ops import _C as native
+except ImportError as error:  # a source checkout that was never built: reference kernels only
+    native = None
+    NATIVE_IMPORT_ERROR: str | None = str(error)
+else:
+    NATIVE_IMPORT_ERROR = None
+
+# Paths with kernels in this build. avx512_bf16 is recognized but has no kernels yet:
+# no machine available to this project has AVX512, so they could not be tested.
+BUILT = ("amx", "avx2") if native is not None else ()
+
+
+def unsupported_reason(path: str) -> str | None:
+    """Why ``path`` cannot run here, or None when it can."""
+    if path not in PATHS:
+        return f"unknown kernel path {path!r}; expected one of {', '.join(PATHS)}"
+    if path == "reference":
+        return None
+    if native is None:
+        return f"the native library is not built ({NATIVE_IMPORT_ERROR}); run `make install`"
+    if path not in BUILT:
+        return f"this build has no {path} kernels"
+    if not native.cpu_has(path):
+        return f"this CPU lacks {path}" + (" (oneDNN brgemm cannot use AMX tiles here)" if path == "amx" else "")
+    return None
+
+
+def supported() -> tuple[str, ...]:
+    """The paths that run on this CPU with this build, fastest first (always ends with reference)."""
+    return tuple(path for path in PATHS if unsupported_reason(path) is None)
+
+
+def _from_environment() -> str:
+    path = os.environ.get("TILEFX_ISA", "").strip().lower()
+    if not path:
+        return supported()[0]
+    reason = unsupported_reason(path)
+    if reason is not None:
+        raise RuntimeError(f"TILEFX_ISA={path}: {reason}. Unset TILEFX_ISA or choose one of {', '.join(supported())}.")
+    return path
+
+
+_current = _from_environment()
+
+
+def current() -> str:
+    """The path ops start from (the fastest supported one unless forced)."""
+    return _current
+
+
+@contextlib.contextmanager
+def forced(path: str):
+    """Run a block with every op starting from ``path`` (which must be supported here)."""
+    global _current
+    reason = unsupported_reason(path)
+    if reason is not None:
+        raise RuntimeError(f"kernel path {path}: {reason}")
+    previous, _current = _current, path
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def choose(kernels: dict[str, object]):
+    """The kernel an op runs now: the first of ``kernels`` at or after current() in PATHS."""
+    for path in PATHS[PATHS.index(_current):]:
+        if path in kernels:
+            return kernels[path]
+    raise KeyError("every op has a reference kernel")
+
+
+def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
+    """Streaming-read bandwidth of this machine, GB/s (median of ``repeats`` passes over ``size_mib``).
+
+    The native probe reads with every thread, each a contiguous slice, with the same
+    vector loads as the kernels; without the native library, an fp32 sum stands in.
+    """
+    import statistics
+    import time
+
+    import torch
+
+    buffer = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
+    if native is not None and native.cpu_has("avx2"):
+        return statistics.median(native.stream_read_gbps(buffer, 1) for _ in range(repeats))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return buffer.nbytes / statistics.median(times[1:]) / 1e9

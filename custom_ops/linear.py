@@ -1,0 +1,117 @@
+"""``tilefx::linear`` over a weight packed once, and ``tilefx::pack_linear_weight``.
+
+Packed layout (one for every kernel path; csrc/kernels.h explains why):
+``W [N, K]`` -> ``[ceil(N / BLOCK_N), ceil(K / 2), BLOCK_N, 2]`` bf16, zero padded:
+blocks of ``BLOCK_N`` output columns, each a VNNI matrix (the two values of rows
+``k`` and ``k + 1`` side by side for every column).
+
+The linear pass inserts ``pack_linear_weight(weight)`` in front of every
+``tilefx.linear``; Inductor's freezing constant-folds it, so each weight is packed
+once when the graph is compiled. Every graph of a model (prefill, decode, each
+batch size) gets the same packed tensor: packing is memoized per source weight.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from tilefx.custom_ops import isa
+
+BLOCK_N = 32
+
+
+def _packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
+    return (-(-out_features // BLOCK_N), -(-in_features // 2), BLOCK_N, 2)
+
+
+# (storage address, offset, shape, stride, version) -> (weakref to the source weight, packed)
+_packed_cache: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def pack_linear_weight_reference(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> packed ``[N/BLOCK_N, K/2, BLOCK_N, 2]`` (a new tensor, zero padded)."""
+    torch._check(weight.dim() == 2, lambda: f"pack_linear_weight: weight must be 2-D, got {tuple(weight.shape)}")
+    out_features, in_features = weight.shape
+    blocks, pairs, _, _ = _packed_shape(out_features, in_features)
+    padded = torch.nn.functional.pad(weight, (0, 2 * pairs - in_features, 0, blocks * BLOCK_N - out_features))
+    return padded.view(blocks, BLOCK_N, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of packing: ``[N, K]``."""
+    blocks, pairs, _, _ = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, 2 * pairs)[:out_features, :in_features]
+
+
+def _pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+           weight._version)
+    hit = _packed_cache.get(key)
+    if hit is not None and hit[0]() is not None:
+        return hit[1]
+    packed = pack_linear_weight_reference(weight)
+    _packed_cache[key] = (weakref.ref(weight), packed)
+    for stale in [k for k, (source, _) in _packed_cache.items() if source() is None]:
+        del _packed_cache[stale]
+    return packed
+
+
+def linear_reference(x, packed_weight, bias, out_features):
+    """The specification: ``x @ W.T + bias`` in fp32, rounded to x's dtype."""
+    weight = unpack_linear_weight(packed_weight, out_features, x.shape[-1])
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def _check(x, packed_weight, bias, out_features) -> None:
+    torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
+                 lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
+                         "use tilefx.custom_ops.linear.pack_linear_weight")
+    torch._check(packed_weight.shape == _packed_shape(out_features, x.shape[-1]),
+                 lambda: f"tilefx.linear: packed weight {tuple(packed_weight.shape)} does not fit "
+                         f"x [..., {x.shape[-1]}] -> {out_features} features")
+
+
+def _native(name):
+    def run(x, packed_weight, bias, out_features):
+        if x.dtype != torch.bfloat16 or packed_weight.dtype != torch.bfloat16:
+            return linear_reference(x, packed_weight, bias, out_features)
+        return getattr(isa.native, name)(x, packed_weight, bias, out_features)
+
+    return run
+
+
+_KERNELS = {"amx": _native("linear_amx"), "avx2": _native("linear_avx2"), "reference": linear_reference}
+
+torch.library.define("tilefx::pack_linear_weight", "(Tensor weight) -> Tensor")
+torch.library.define("tilefx::linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+
+
+@torch.library.impl("tilefx::pack_linear_weight", "CPU")
+def _pack_cpu(weight):
+    return _pack_linear_weight(weight)
+
+
+@torch.library.register_fake("tilefx::pack_linear_weight")
+def _pack_fake(weight):
+    return weight.new_empty(_packed_shape(*weight.shape))
+
+
+@torch.library.impl("tilefx::linear", "CPU")
+def _linear_cpu(x, packed_weight, bias, out_features):
+    _check(x, packed_weight, bias, out_features)
+    return isa.choose(_KERNELS)(x, packed_weight, bias, out_features)
+
+
+@torch.library.register_fake("tilefx::linear")
+def _linear_fake(x, packed_weight, bias, out_features):
+    _check(x, packed_weight, bias, out_features)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
+linear = torch.ops.tilefx.linear.default

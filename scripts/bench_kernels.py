@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""tilefx kernels vs their reference and the PyTorch / oneDNN alternatives, on preset shapes.
+
+    python scripts/bench_kernels.py                        # every dense preset
+    python scripts/bench_kernels.py --presets llama-3.2-1b --json kernels.json
+
+For each op: relative error against the reference implementation (fresh random
+bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
+the streaming-read bandwidth measured in the same run (interleaved with the ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from tilefx.custom_ops import attention as attention_ops
+from tilefx.custom_ops import isa
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.models.presets import get_preset
+
+DENSE_PRESETS = ("llama-3.2-1b", "llama-3.2-3b", "qwen2.5-1.5b", "qwen3-1.7b")
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def relative_error(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def linear_shapes(preset_name: str) -> dict[str, tuple[int, int]]:
+    """name -> (out_features N, in_features K) of every distinct linear of the preset."""
+    config = get_preset(preset_name).build_config(layers=1)
+    hidden, head_dim = config.hidden_size, config.head_dim
+    shapes = {
+        "q_proj": (config.num_attention_heads * head_dim, hidden),
+        "k/v_proj": (config.num_key_value_heads * head_dim, hidden),
+        "o_proj": (hidden, config.num_attention_heads * head_dim),
+        "gate/up_proj": (config.intermediate_size, hidden),
+        "down_proj": (hidden, config.intermediate_size),
+        "lm_head": (config.vocab_size, hidden),
+    }
+    return shapes
+
+
+def onednn_linear(weight):
+    """oneDNN's packed bf16 linear (what Inductor's freezing uses where it supports bf16), or None."""
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        fn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+        fn(torch.randn(1, weight.shape[1]).to(torch.bfloat16))
+        return fn
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def bench_linears(presets, repeats: int, prefill_rows: int) -> list[dict]:
+    rows, seen = [], set()
+    for preset in presets:
+        for name, (n, k) in linear_shapes(preset).items():
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
+            packed = linear_ops.pack_linear_weight_reference(weight)
+            x = torch.randn(1, k).to(torch.bfloat16)
+            gbps = isa.stream_read_gbps(repeats=3)
+            err = relative_error(linear_ops.linear(x, packed, None, n), linear_ops.linear_reference(x, packed, None, n))
+            t_tilefx = median_seconds(lambda: linear_ops.linear(x, packed, None, n), repeats)
+            t_torch = median_seconds(lambda: torch.nn.functional.linear(x, weight), repeats)
+            onednn = onednn_linear(weight)
+            t_onednn = median_seconds(lambda: onednn(x), repeats) if onednn else None
+            xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
+            t_prefill = median_seconds(lambda: linear_ops.linear(xp, packed, None, n), max(3, repeats // 10))
+            t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))
+            tilefx_gbps = weight.nbytes / t_tilefx / 1e9
+            rows.append({
+                "preset": preset, "linear": name, "N": n, "K": k, "rel_err": err, "stream_gbps": gbps,
+                "tilefx_us": t_tilefx * 1e6, "tilefx_gbps": tilefx_gbps, "fraction_of_stream": tilefx_gbps / gbps,
+                "torch_gbps": weight.nbytes / t_torch / 1e9,
+                "onednn_gbps": weight.nbytes / t_onednn / 1e9 if t_onednn else None,
+                "prefill_tilefx_gflops": 2 * prefill_rows * n * k / t_prefill / 1e9,
+                "prefill_torch_gflops": 2 * prefill_rows * n * k / t_prefill_torch / 1e9,
+            })
+            print(f"  linear {n}x{k}: {tilefx_gbps:.1f} GB/s ({tilefx_gbps / gbps:.0%} of {gbps:.1f})", flush=True)
+    return rows
+
+
+def attention_inputs(batch, q_heads, kv_heads, head_dim, seq, context, max_len):
+    bf = dict(dtype=torch.bfloat16)
+    q = torch.randn(batch, q_heads, seq, head_dim).to(**bf)
+    k = torch.randn(batch, kv_heads, seq, head_dim).to(**bf)
+    v = torch.randn(batch, kv_heads, seq, head_dim).to(**bf)
+    k_cache = torch.randn(batch, kv_heads, max_len, head_dim).to(**bf)
+    v_cache = torch.randn(batch, kv_heads, max_len, head_dim).to(**bf)
+    positions = torch.arange(context - seq, context)
+    mask = (torch.arange(max_len)[None, :] <= positions[:, None]).expand(batch, 1, seq, max_len).contiguous()
+    return q, k, v, k_cache, v_cache, positions, mask
+
+
+def bench_attention(preset: str, contexts, repeats: int) -> list[dict]:
+    config = get_preset(preset).build_config(layers=1)
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    scale = head_dim**-0.5
+    rows = []
+    for op_name, seq, context in [("decode_attention", 1, c) for c in contexts] + [("extend_attention", 128, 128)]:
+        args = attention_inputs(1, heads, kv_heads, head_dim, seq, context, max(contexts) + 128)
+        op = getattr(attention_ops, op_name)
+        want = attention_ops.attention_reference(*args, scale)
+        err = relative_error(op(*args, scale), want)
+        with isa.forced("reference"):  # the reference path runs PyTorch's fused SDPA
+            t_sdpa = median_seconds(lambda: op(*args, scale), repeats)
+        t_tilefx = median_seconds(lambda: op(*args, scale), repeats)
+        kv_bytes = 2 * kv_heads * context * head_dim * 2
+        gbps = isa.stream_read_gbps(repeats=3)
+        rows.append({"preset": preset, "op": op_name, "new_tokens": seq, "context": context, "rel_err": err,
+                     "tilefx_us": t_tilefx * 1e6, "sdpa_us": t_sdpa * 1e6, "kv_gbps": kv_bytes / t_tilefx / 1e9,
+                     "stream_gbps": gbps})
+    return rows
+
+
+def bench_inductor_glue(hidden: int, repeats: int) -> list[dict]:
+    """RMSNorm + residual and RoPE as Inductor compiles them in the model graph (one decode row)."""
+    def rmsnorm_residual(x, residual, weight):
+        h = x + residual
+        variance = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(variance + 1e-6)).to(x.dtype) * weight, h
+
+    def rope(q, cos, sin):
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return q * cos + rotated * sin
+
+    x, r, w = (torch.randn(1, 1, hidden).to(torch.bfloat16) for _ in range(3))
+    q = torch.randn(1, 32, 1, 64).to(torch.bfloat16)
+    cos, sin = torch.randn(1, 1, 1, 64).to(torch.bfloat16), torch.randn(1, 1, 1, 64).to(torch.bfloat16)
+    rows = []
+    for name, fn, args in (("rmsnorm+residual", rmsnorm_residual, (x, r, w)), ("rope (32 heads)", rope, (q, cos, sin))):
+        compiled = torch.compile(fn, fullgraph=True)
+        rows.append({"op": name, "eager_us": median_seconds(lambda: fn(*args), repeats) * 1e6,
+                     "inductor_us": median_seconds(lambda: compiled(*args), repeats) * 1e6})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default=",".join(DENSE_PRESETS))
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--prefill-rows", type=int, default=128)
+    parser.add_argument("--contexts", default="128,512,2048")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    presets = [p for p in args.presets.split(",") if p]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    print(f"# kernel path {isa.current()} (supported here: {', '.join(isa.supported())}); "
+          f"{torch.get_num_threads()} threads", flush=True)
+
+    linears = bench_linears(presets, args.repeats, args.prefill_rows)
+    print("\n## tilefx.linear, M=1 (decode) and M=%d (prefill)\n" % args.prefill_rows)
+    print("| shape N x K | used as | rel err | tilefx GB/s | of stream | torch bf16 GB/s | oneDNN packed GB/s "
+          "| prefill tilefx GFLOP/s | prefill torch GFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in linears:
+        onednn = f"{r['onednn_gbps']:.1f}" if r["onednn_gbps"] else "n/a"
+        print(f"| {r['N']} x {r['K']} | {r['preset']} {r['linear']} | {r['rel_err']:.1e} | {r['tilefx_gbps']:.1f} "
+              f"| {r['fraction_of_stream']:.0%} | {r['torch_gbps']:.1f} | {onednn} "
+              f"| {r['prefill_tilefx_gflops']:.0f} | {r['prefill_torch_gflops']:.0f} |")
+    worst = min(linears, key=lambda r: r["fraction_of_stream"])
+    print(f"\nslowest M=1 shape: {worst['N']} x {worst['K']} at {worst['fraction_of_stream']:.0%} of the "
+          f"streaming read measured next to it")
+
+    attention = bench_attention(presets[0], contexts, args.repeats)
+    print(f"\n## attention ({presets[0]} heads), tilefx kernel vs PyTorch SDPA over the valid prefix\n")
+    print("| op | new tokens | context | rel err | tilefx us | SDPA us | KV read GB/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in attention:
+        print(f"| {r['op']} | {r['new_tokens']} | {r['context']} | {r['rel_err']:.1e} | {r['tilefx_us']:.0f} "
+              f"| {r['sdpa_us']:.0f} | {r['kv_gbps']:.1f} |")
+
+    hidden = get_preset(presets[0]).build_config(layers=1).hidden_size
+    glue = bench_inductor_glue(hidden, args.repeats)
+    print("\n## left to Inductor (one decode row): compiled vs eager\n")
+    print("| op | eager us | Inductor us |")
+    print("|---|---:|---:|")
+    for r in glue:
+        print(f"| {r['op']} | {r['eager_us']:.1f} | {r['inductor_us']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"path": isa.current(), "linear": linears, "attention": attention, "glue": glue}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The linear pass on captured graphs: every linear -> tilefx.linear over a packed weight; outputs equal eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefx.custom_ops  # noqa: F401
+from helpers import PassTestBackend, count, is_op, run
+from tilefx.compiler.passes.attention import AttentionPass
+from tilefx.compiler.passes.linear import LinearPass
+from tilefx.models.kv_cache import TilefxCache
+from tilefx.models.presets import build_model
+
+
+def is_linear(n):
+    return n.op == "call_function" and n.target is torch._C._nn.linear
+
+
+def linears_per_model(config) -> int:
+    """q, k, v, o, gate, up, down per layer, plus lm_head."""
+    return 7 * config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("batch,seq", [(1, 1), (1, 6), (2, 3)])
+def test_rewrites_every_linear_and_matches_eager(family, batch, seq):
+    torch._dynamo.reset()
+    model = build_model(family, seed=5)
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+
+    backend = PassTestBackend(AttentionPass(), LinearPass())
+    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache.start(batch)
+    got = run(model, cache, ids, backend)
+
+    expected = linears_per_model(model.config)
+    before, after = backend.before[0], backend.after[0]
+    assert count(before, is_linear) == expected
+    assert count(after, is_linear) == 0
+    assert count(after, is_op("linear")) == expected and count(after, is_op("pack_linear_weight")) == expected
+    linear_result = backend.results[1]
+    assert linear_result.rewritten == expected and not linear_result.fallbacks
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_leaves_linears_alone_without_freezing_or_bf16():
+    torch._dynamo.reset()
+    model = build_model("tiny-llama", seed=5)
+    ids = torch.randint(3, 500, (1, 4))
+    for linear_pass, model_dtype, reason in (
+        (LinearPass(freezing=False), torch.bfloat16, "freezing is off"),
+        (LinearPass(), torch.float32, "packed linear is bf16 only"),
+    ):
+        torch._dynamo.reset()
+        model = model.to(model_dtype)
+        backend = PassTestBackend(linear_pass)
+        fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
+        with torch.no_grad():
+            got = fn(input_ids=ids, use_cache=False).logits
+            want = model(input_ids=ids, use_cache=False).logits
+        result = backend.results[0]
+        assert result.rewritten == 0 and len(result.fallbacks) == linears_per_model(model.config)
+        assert all(reason in why for why in result.fallbacks), result.fallbacks[:2]
+        assert count(backend.after[0], is_linear) == linears_per_model(model.config)
+        torch.testing.assert_close(got, want)
+
+
+def test_uuid_depends_on_freezing():
+    assert LinearPass(freezing=True).uuid() != LinearPass(freezing=False).uuid()
