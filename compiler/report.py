@@ -26,6 +26,8 @@ class CompileReport:
     warmup_graphs: int = 0  # graphs compiled by compile_model's warm-up
     load_seconds: float = 0.0
     graph_breaks: int = 0
+    released_bytes: int = 0  # unpacked weights released after warm-up (memory holds the packed copy only)
+    kept_unpacked: int = 0  # packed weights whose unpacked copy is still needed (read unpacked, or padded)
 
     def record_graph(self, graph: torch.fx.Graph, results: list[PassResult]) -> None:
         self.graphs.append(

@@ -68,12 +68,9 @@ def attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale):
     return out.view(batch, q_heads, seq, -1).to(q.dtype)
 
 
-def _fake(q, k, v, k_cache, v_cache, positions, mask, scale):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
-
-
 def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
     """The portable implementation (reference path): PyTorch's fused SDPA over the valid prefix, GQA in place."""
+    _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
     batch = q.shape[0]
     end = _write_kv(k, v, k_cache, v_cache, positions)
     out = torch.nn.functional.scaled_dot_product_attention(
@@ -100,20 +97,21 @@ def _attention_avx2(q, k, v, k_cache, v_cache, positions, mask, scale):
 _KERNELS = {"avx2": _attention_avx2, "reference": attention_portable}
 
 
-def _implementation(name: str):
-    def impl(q, k, v, k_cache, v_cache, positions, mask, scale):
-        _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
-        return isa.choose(_KERNELS)(q, k, v, k_cache, v_cache, positions, mask, scale)
-
-    impl.__name__ = name
-    return impl
+def _attention_cpu(q, k, v, k_cache, v_cache, positions, mask, scale):
+    # Shapes are checked by the fake impl at trace time and by each kernel; not again here (hot path).
+    return isa.choose(_KERNELS)(q, k, v, k_cache, v_cache, positions, mask, scale)
 
 
-torch.library.define("tilefx::extend_attention", _SCHEMA)
-torch.library.define("tilefx::decode_attention", _SCHEMA)
+def _attention_fake(q, k, v, k_cache, v_cache, positions, mask, scale):
+    _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+_LIB = torch.library.Library("tilefx", "FRAGMENT")
 for _name in ("extend_attention", "decode_attention"):
-    torch.library.impl(f"tilefx::{_name}", "CPU")(_implementation(_name))
-    torch.library.register_fake(f"tilefx::{_name}")(_fake)
+    _LIB.define(_name + _SCHEMA)
+    _LIB.impl(_name, _attention_cpu, "CPU")
+    torch.library.register_fake(f"tilefx::{_name}", _attention_fake, lib=_LIB)
 
 extend_attention = torch.ops.tilefx.extend_attention.default
 decode_attention = torch.ops.tilefx.decode_attention.default

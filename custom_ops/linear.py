@@ -45,21 +45,56 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: i
     return packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, 2 * pairs)[:out_features, :in_features]
 
 
+def _key(weight: torch.Tensor) -> tuple:
+    return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+            weight._version)
+
+
 def _pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
-           weight._version)
-    hit = _packed_cache.get(key)
-    if hit is not None and hit[0]() is not None:
-        return hit[1]
+    key = _key(weight)
+    packed = packed_copy(weight)
+    if packed is not None:
+        return packed
     packed = pack_linear_weight_reference(weight)
     _packed_cache[key] = (weakref.ref(weight), packed)
-    for stale in [k for k, (source, _) in _packed_cache.items() if source() is None]:
+    for stale in [k for k, (source, _) in _packed_cache.items() if source() is None or _key(source()) != k]:
         del _packed_cache[stale]
     return packed
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy made of ``weight`` by the last pack_linear_weight call, if it is current."""
+    key = _key(weight)
+    hit = _packed_cache.get(key)
+    if hit is None:
+        return None
+    source = hit[0]()
+    # The source must still live in the same storage: an address can be reused by a new tensor.
+    return hit[1] if source is not None and _key(source) == key else None
+
+
+def keep_only_packed(weight: torch.nn.Parameter) -> int:
+    """Release ``weight``'s unpacked storage: its data becomes a view of its packed copy.
+
+    Afterwards memory holds the weight once. The parameter keeps its shape but its
+    values are in packed order, so only tilefx graphs (where every use of it was
+    packed) may read it; packing it again returns the same packed tensor, so a graph
+    compiled later still computes correctly. Returns the bytes released (0 when the
+    packed copy is padded and cannot stand in for the parameter).
+    """
+    packed = packed_copy(weight)
+    if packed is None or packed.numel() != weight.numel() or packed.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        return 0
+    released = weight.untyped_storage().nbytes()
+    del _packed_cache[_key(weight)]
+    weight.data = packed.view(weight.shape)
+    _packed_cache[_key(weight)] = (weakref.ref(weight), packed)
+    return released
+
+
 def linear_reference(x, packed_weight, bias, out_features):
     """The specification: ``x @ W.T + bias`` in fp32, rounded to x's dtype."""
+    _check(x, packed_weight, bias, out_features)
     weight = unpack_linear_weight(packed_weight, out_features, x.shape[-1])
     out = x.float() @ weight.float().T
     if bias is not None:
@@ -80,38 +115,36 @@ def _native(name):
     def run(x, packed_weight, bias, out_features):
         if x.dtype != torch.bfloat16 or packed_weight.dtype != torch.bfloat16:
             return linear_reference(x, packed_weight, bias, out_features)
-        return getattr(isa.native, name)(x, packed_weight, bias, out_features)
+        return getattr(isa.native, name)(x, packed_weight, bias, out_features)  # checks its arguments
 
     return run
 
 
 _KERNELS = {"amx": _native("linear_amx"), "avx2": _native("linear_avx2"), "reference": linear_reference}
 
-torch.library.define("tilefx::pack_linear_weight", "(Tensor weight) -> Tensor")
-torch.library.define("tilefx::linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
 
-
-@torch.library.impl("tilefx::pack_linear_weight", "CPU")
-def _pack_cpu(weight):
-    return _pack_linear_weight(weight)
-
-
-@torch.library.register_fake("tilefx::pack_linear_weight")
-def _pack_fake(weight):
-    return weight.new_empty(_packed_shape(*weight.shape))
-
-
-@torch.library.impl("tilefx::linear", "CPU")
 def _linear_cpu(x, packed_weight, bias, out_features):
-    _check(x, packed_weight, bias, out_features)
+    # No Python-side checks here: this runs ~100 times per token; the fake impl checks
+    # at trace time and every kernel checks its own arguments.
     return isa.choose(_KERNELS)(x, packed_weight, bias, out_features)
 
 
-@torch.library.register_fake("tilefx::linear")
 def _linear_fake(x, packed_weight, bias, out_features):
     _check(x, packed_weight, bias, out_features)
     return x.new_empty((*x.shape[:-1], out_features))
 
+
+def _pack_fake(weight):
+    return weight.new_empty(_packed_shape(*weight.shape))
+
+
+_LIB = torch.library.Library("tilefx", "FRAGMENT")
+_LIB.define("pack_linear_weight(Tensor weight) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
+_LIB.impl("pack_linear_weight", lambda weight: _pack_linear_weight(weight), "CPU")
+_LIB.impl("linear", _linear_cpu, "CPU")
+torch.library.register_fake("tilefx::pack_linear_weight", _pack_fake, lib=_LIB)
+torch.library.register_fake("tilefx::linear", _linear_fake, lib=_LIB)
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 linear = torch.ops.tilefx.linear.default

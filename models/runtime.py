@@ -66,6 +66,30 @@ class TilefxRuntime:
         model.generate = functools.wraps(self.eager_generate)(lambda *a, **k: self.generate(*a, **k))
         model.tilefx = self
 
+    def keep_only_packed_weights(self) -> None:
+        """After warm-up: parameters that every compiled graph reads only packed give up their unpacked copy.
+
+        Graphs compiled later (a new phase) pack such a parameter again and get the same
+        packed tensor, so they stay correct; the eager module, however, must not be run
+        on this model object any more (its linear weights now hold packed data).
+        """
+        from tilefx.custom_ops import linear as linear_ops
+
+        exclusive, shared = set(), set()
+        for graph in self.report.graphs:
+            for result in graph.passes:
+                exclusive |= result.packed_exclusively
+                shared |= result.packed_shared
+        released = kept = 0
+        for parameter in self.model.parameters():
+            if id(parameter) in exclusive and id(parameter) not in shared:
+                freed = linear_ops.keep_only_packed(parameter)
+                released += freed
+                kept += freed == 0
+            elif id(parameter) in shared:
+                kept += 1
+        self.report.released_bytes, self.report.kept_unpacked = released, kept
+
     # -- forward -----------------------------------------------------------------------
     def forward(
         self,

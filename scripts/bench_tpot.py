@@ -25,6 +25,7 @@ import time
 import torch
 
 import tilefx
+from tilefx.custom_ops import isa
 from tilefx.models.adapters import adapter_for
 from tilefx.models.load import load_model
 from tilefx.models.presets import build_model
@@ -43,17 +44,6 @@ class TokenClock:
 
     def end(self):
         pass
-
-
-def streaming_read_gbps(size_mib: int = 1024, repeats: int = 7) -> float:
-    data = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
-    data.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return data.nbytes / statistics.median(times) / 1e9
 
 
 def decode_bytes(model, context: int) -> int:
@@ -102,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--long-context", type=int, default=0, metavar="N",
+                        help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
@@ -109,7 +101,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    max_seq_len = args.prompt_len + args.new_tokens
+    max_seq_len = max(args.prompt_len, args.long_context) + args.new_tokens
 
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
     print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.runs} runs, "
@@ -121,7 +113,7 @@ def main(argv=None) -> int:
         model = base if mode == "eager" else copy.deepcopy(base)
         gen_kwargs[mode] = {}
         if mode == "torch.compile":
-            gen_kwargs[mode] = stock_compile(model, max_seq_len)
+            gen_kwargs[mode] = stock_compile(model, args.prompt_len + args.new_tokens)  # its own need only
         elif mode == "tilefx":
             model = tilefx.compile_model(model, max_seq_len=max_seq_len, max_batch=1)
         models[mode] = model
@@ -129,31 +121,51 @@ def main(argv=None) -> int:
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.prompt_len), generator=generator)
+    long_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.long_context), generator=generator)
+    long_context = args.long_context > 0 and "tilefx" in models
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
             timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
         samples = {mode: [] for mode in modes}
-        bandwidth = []
+        long_samples, bandwidth = [], []
         for _ in range(args.runs):
-            bandwidth.append(streaming_read_gbps())
+            bandwidth.append(isa.stream_read_gbps())
             for mode in modes:
                 samples[mode].append(timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode]))
+            if long_context:
+                long_samples.append(timed_generate(models["tilefx"], long_ids, args.new_tokens))
 
     gbps = statistics.median(bandwidth)
-    floor_ms = decode_bytes(base, max_seq_len) / (gbps * 1e9) * 1e3
+    context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
+    floor_ms = decode_bytes(base, context) / (gbps * 1e9) * 1e3
     rows = []
     for mode in modes:
         ttft = statistics.median(s[0] for s in samples[mode]) * 1e3
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
         rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "tpot_over_floor": tpot / floor_ms})
     eager_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "eager"), None)
-    print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {decode_bytes(base, max_seq_len) / 1e9:.2f} GB "
+    stock_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "torch.compile"), None)
+    print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {decode_bytes(base, context) / 1e9:.2f} GB "
           f"-> memory floor {floor_ms:.1f} ms/token\n")
-    print("| mode | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager |")
-    print("|---|---:|---:|---:|---:|")
+    print("| mode | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager | vs torch.compile |")
+    print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
         speedup = f"{eager_tpot / row['tpot_ms']:.2f}x" if eager_tpot else "-"
-        print(f"| {row['mode']} | {row['ttft_ms']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} | {speedup} |")
+        vs_stock = f"{stock_tpot / row['tpot_ms']:.2f}x" if stock_tpot else "-"
+        print(f"| {row['mode']} | {row['ttft_ms']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} "
+              f"| {speedup} | {vs_stock} |")
+    if long_context:
+        long_ttft = statistics.median(s[0] for s in long_samples) * 1e3
+        long_tpot = statistics.median(s[1] for s in long_samples) * 1e3
+        short_tpot = next(r["tpot_ms"] for r in rows if r["mode"] == "tilefx")
+        long_floor = decode_bytes(base, args.long_context + args.new_tokens // 2) / (gbps * 1e9) * 1e3
+        print(f"\n| tilefx context | TTFT ms | TPOT ms | TPOT / floor | TPOT / TPOT at prompt {args.prompt_len} |")
+        print("|---|---:|---:|---:|---:|")
+        print(f"| prompt {args.prompt_len} | - | {short_tpot:.1f} | {short_tpot / floor_ms:.2f} | 1.00 |")
+        print(f"| prompt {args.long_context} | {long_ttft:.1f} | {long_tpot:.1f} | {long_tpot / long_floor:.2f} "
+              f"| {long_tpot / short_tpot:.3f} |")
+        rows.append({"mode": f"tilefx, prompt {args.long_context}", "ttft_ms": long_ttft, "tpot_ms": long_tpot,
+                     "tpot_over_floor": long_tpot / long_floor})
     if "tilefx" in models:
         print("\n" + tilefx.explain(models["tilefx"]))
     result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs,
@@ -168,7 +180,7 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([r["mode"] for r in rows], [r["tpot_ms"] for r in rows], color=["#999", "#69c", "#e73"][: len(rows)])
+        ax.bar([r["mode"] for r in rows], [r["tpot_ms"] for r in rows], color=["#999", "#69c", "#e73", "#f9a"][: len(rows)])
         ax.axhline(floor_ms, color="k", linestyle="--", label=f"memory floor {floor_ms:.1f} ms")
         ax.set_ylabel("TPOT (ms, median)")
         ax.set_title(f"{name}, prompt {args.prompt_len}")

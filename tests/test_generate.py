@@ -112,3 +112,22 @@ def test_explain_reports_rewrites(pair):
     assert f"tilefx.extend_attention x{layers}" in text
     assert f"tilefx.decode_attention x{layers}" in text
     assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
+
+
+def test_weights_are_packed_at_compile_time_and_held_once(pair, monkeypatch):
+    from tilefx.custom_ops import linear as linear_ops
+
+    _, compiled = pair
+    pack_calls = []
+    original = linear_ops._pack_linear_weight
+    monkeypatch.setattr(linear_ops, "_pack_linear_weight", lambda w: pack_calls.append(w) or original(w))
+    ids, mask = padded_batch([_prompt(6, 3)])
+    compiled.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert pack_calls == []  # constant-folded when the graphs were compiled
+    linears = [m for m in compiled.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 * compiled.config.num_hidden_layers + 1
+    for module in linears:  # the parameter's storage is the packed copy: one copy in memory
+        packed = linear_ops.packed_copy(module.weight)
+        assert packed is not None
+        assert packed.untyped_storage().data_ptr() == module.weight.untyped_storage().data_ptr()
+    assert compiled.tilefx.report.released_bytes == sum(m.weight.nbytes for m in linears)

@@ -66,6 +66,8 @@ def compile_model(
         bar.update()
     bar.close()
     report.warmup_graphs = len(report.graphs)
+    if warmup:
+        runtime.keep_only_packed_weights()
     return model
 
 
@@ -86,7 +88,8 @@ def explain(model) -> str:
     lines = [
         f"tilefx {__version__}: {type(model).__name__} ({model.config.model_type}), dtype {opts.dtype}, "
         f"max_batch {opts.max_batch}, max_seq_len {opts.max_seq_len}",
-        f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated",
+        f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated; unpacked weights released "
+        f"{report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} packed weights also kept unpacked)",
         f"load {report.load_seconds:.1f}s, compile {report.compile_seconds:.1f}s; "
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),

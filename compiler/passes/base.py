@@ -16,6 +16,10 @@ class PassResult:
     name: str
     rewritten: int = 0
     fallbacks: list[str] = dataclasses.field(default_factory=list)
+    # id() of model parameters this pass packed: used only through the packed copy in this
+    # graph, or also read unpacked (e.g. an lm_head tied to the input embedding).
+    packed_exclusively: set[int] = dataclasses.field(default_factory=set)
+    packed_shared: set[int] = dataclasses.field(default_factory=set)
 
     def skip(self, where: str, why: str) -> None:
         self.fallbacks.append(f"{where}: {why}")

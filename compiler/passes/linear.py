@@ -26,17 +26,21 @@ def _example(node):
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _is_parameter(node) -> bool:
-    """A model parameter: a graph attribute (freezing at trace time) or a Dynamo input from a parameter."""
+def _parameter(node) -> torch.nn.Parameter | None:
+    """The model parameter a node stands for: a graph attribute (freezing at trace time) or a Dynamo input."""
     if not isinstance(node, torch.fx.Node):
-        return False
+        return None
     if node.op == "get_attr":
         value = getattr(node.graph.owning_module, node.target, None)
     elif node.op == "placeholder" and node.meta.get("grapharg") is not None:
         value = node.meta["grapharg"].example
     else:
-        return False
-    return isinstance(value, torch.nn.Parameter)
+        return None
+    return value if isinstance(value, torch.nn.Parameter) else None
+
+
+def _is_parameter(node) -> bool:
+    return _parameter(node) is not None
 
 
 class LinearPass(TilefxPass):
@@ -50,12 +54,19 @@ class LinearPass(TilefxPass):
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
+        packed_weights = {}
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR]:
+            weight = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
             why = self._rewrite(graph, node)
             if why is None:
                 result.rewritten += 1
+                packed_weights[weight] = _parameter(weight)
             else:
                 result.skip(node.name, why)
+        pack = torch.ops.tilefx.pack_linear_weight.default
+        for weight, parameter in packed_weights.items():
+            only_packed = all(user.op == "call_function" and user.target is pack for user in weight.users)
+            (result.packed_exclusively if only_packed else result.packed_shared).add(id(parameter))
         return result
 
     def _rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> str | None:

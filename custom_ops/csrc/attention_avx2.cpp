@@ -25,8 +25,18 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
                          int64_t key_end, const AttentionPartial& part) {
   const int64_t group = p.q_heads / p.kv_heads;
   const int64_t dim = p.head_dim;  // multiple of 16 (checked by the dispatch code)
-  const int64_t keys = key_end - key_begin;
   const bool* allowed = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
+  // Masked keys at either end (the causal future of a prompt row, left padding) cost nothing.
+  while (key_begin < key_end && !allowed[key_begin]) ++key_begin;
+  while (key_end > key_begin && !allowed[key_end - 1]) --key_end;
+  const int64_t keys = key_end - key_begin;
+  if (keys == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      part.max[g] = -std::numeric_limits<float>::infinity();
+      part.sum[g] = 0.0f;
+    }
+    return;
+  }
   const uint16_t* k_rows = p.k_cache + b * p.kv_stride_b + kv_head * p.kv_stride_h;
   const uint16_t* v_rows = p.v_cache + b * p.kv_stride_b + kv_head * p.kv_stride_h;
   const float neg_inf = -std::numeric_limits<float>::infinity();

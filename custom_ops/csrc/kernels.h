@@ -25,12 +25,13 @@ struct LinearProblem {
 };
 
 // Columns blocks [block_begin, block_end) of y for every row. `scratch` holds
-// M * kBlockN floats.
+// max(M, 2) * kBlockN floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
-// Streaming read of `bytes` bytes (multiple of 128) starting at `data`; returns a
-// value that depends on every byte so the compiler cannot skip the reads.
-float stream_read_avx2(const void* data, int64_t bytes);
+// Streaming read of `bytes` bytes (multiple of 128 * streams) starting at `data`, as
+// `streams` (1 or 2) concurrent sequential streams; returns a value that depends on
+// every byte so the compiler cannot skip the reads.
+float stream_read_avx2(const void* data, int64_t bytes, int streams);
 
 // Attention of query rows over the KV cache (decode is one query row). One task is
 // one (batch row, KV head, query row, key split): the query heads of that KV head

@@ -3,7 +3,10 @@
 //
 // Decode (M <= 2) is a GEMV: it must stream the weight at memory speed, so each
 // block of kBlockN columns is read once, front to back, with every row of x
-// applied to it. Prefill (M > 2) is a blocked GEMM: the weight panel of one block
+// applied to it. For M = 1 each thread walks two blocks at once, from the two
+// halves of its range: two concurrent streams per core keep more DRAM requests in
+// flight than one (measured here: ~78% of the streaming-read probe with one
+// stream, ~100% with two). Prefill (M > 2) is a blocked GEMM: the weight panel of one block
 // and kKChunk pairs of K (16 KiB) stays in L1 while every 4-row tile of x passes
 // over it.
 #include "kernels.h"
@@ -40,6 +43,31 @@ static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, float
     }
   }
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(acc_even[j], acc_odd[j]));
+}
+
+// One row of x against two blocks at once (two streams; see the top of the file).
+static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
+                                float* c_a, float* c_b) {
+  __m256 acc_a[kVecs], acc_b[kVecs];
+  for (int j = 0; j < kVecs; ++j) acc_a[j] = acc_b[j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* row_a = block_a + p * kPairStride;
+    const uint16_t* row_b = block_b + p * kPairStride;
+    const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
+    const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      __m256 even, odd;
+      load_vnni_pair(row_a + j * 16, even, odd);
+      acc_a[j] = _mm256_fmadd_ps(x1, odd, _mm256_fmadd_ps(x0, even, acc_a[j]));
+      load_vnni_pair(row_b + j * 16, even, odd);
+      acc_b[j] = _mm256_fmadd_ps(x1, odd, _mm256_fmadd_ps(x0, even, acc_b[j]));
+    }
+  }
+  for (int j = 0; j < kVecs; ++j) {
+    _mm256_storeu_ps(c_a + 8 * j, acc_a[j]);
+    _mm256_storeu_ps(c_b + 8 * j, acc_b[j]);
+  }
 }
 
 // Two rows of x against a whole block (batch-2 decode): the weight is still read once.
@@ -124,6 +152,18 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
 }  // namespace
 
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  const int64_t block_elems = p.K_pairs * kPairStride;
+  if (p.M == 1) {
+    const int64_t half = (block_end - block_begin) / 2;
+    float* other = scratch + kBlockN;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = block_begin + i, b = block_begin + half + i;
+      gemv_row_two_blocks(p.x, p.w + a * block_elems, p.w + b * block_elems, p.K_pairs, scratch, other);
+      store_block(p, a * kBlockN, scratch);
+      store_block(p, b * kBlockN, other);
+    }
+    block_begin += 2 * half;  // an odd block left over runs alone below
+  }
   for (int64_t nb = block_begin; nb < block_end; ++nb) {
     const uint16_t* block = p.w + nb * p.K_pairs * kPairStride;
     if (p.M == 1) {
@@ -137,17 +177,31 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
   }
 }
 
-float stream_read_avx2(const void* data, int64_t bytes) {
-  const __m256i* p = static_cast<const __m256i*>(data);
-  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
-  for (int64_t i = 0; i < bytes / 32; i += 4) {
-    a = _mm256_xor_si256(a, _mm256_loadu_si256(p + i));
-    b = _mm256_xor_si256(b, _mm256_loadu_si256(p + i + 1));
-    c = _mm256_xor_si256(c, _mm256_loadu_si256(p + i + 2));
-    d = _mm256_xor_si256(d, _mm256_loadu_si256(p + i + 3));
+namespace {
+
+template <int Streams>
+float stream_read(const char* data, int64_t bytes) {
+  const int64_t per_stream = bytes / Streams;
+  __m256i acc[Streams];
+  for (int s = 0; s < Streams; ++s) acc[s] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < per_stream; i += 128) {
+    for (int s = 0; s < Streams; ++s) {
+      const __m256i* q = reinterpret_cast<const __m256i*>(data + s * per_stream + i);
+      const __m256i ab = _mm256_xor_si256(_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1));
+      const __m256i cd = _mm256_xor_si256(_mm256_loadu_si256(q + 2), _mm256_loadu_si256(q + 3));
+      acc[s] = _mm256_xor_si256(acc[s], _mm256_xor_si256(ab, cd));
+    }
   }
-  const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
-  return static_cast<float>(_mm256_extract_epi32(all, 0) & 0xFF);
+  int sum = 0;
+  for (int s = 0; s < Streams; ++s) sum += _mm256_extract_epi32(acc[s], 0) & 0xFF;
+  return static_cast<float>(sum);
+}
+
+}  // namespace
+
+float stream_read_avx2(const void* data, int64_t bytes, int streams) {
+  const char* p = static_cast<const char*>(data);
+  return streams == 2 ? stream_read<2>(p, bytes) : stream_read<1>(p, bytes);
 }
 
 }  // namespace tilefx

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -70,34 +71,58 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs,
                   2 * k_pairs};
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(rows * kBlockN);
+    std::vector<float> scratch(std::max<int64_t>(rows, 2) * kBlockN);
     linear_blocks_avx2(p, begin, end, scratch.data());
   });
   return y;
 }
 
-// K/V of the new tokens into the cache rows [0, B) at `positions`.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& positions) {
-  const int64_t batch = k.size(0);
-  k_cache.narrow(0, 0, batch).index_copy_(2, positions, k);
-  v_cache.narrow(0, 0, batch).index_copy_(2, positions, v);
+// K/V of the new tokens into the cache rows [0, B) at `positions` (one row copy per token and head).
+void write_kv(const at::Tensor& new_rows, at::Tensor& cache, const int64_t* positions) {
+  const at::Tensor rows = new_rows.stride(3) == 1 ? new_rows : new_rows.contiguous();
+  const int64_t batch = rows.size(0), heads = rows.size(1), seq = rows.size(2), dim = rows.size(3);
+  const at::BFloat16* src = rows.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t s = 0; s < seq; ++s)
+        std::memcpy(dst + b * cache.stride(0) + h * cache.stride(1) + positions[s] * cache.stride(2),
+                    src + b * rows.stride(0) + h * rows.stride(1) + s * rows.stride(2), dim * sizeof(at::BFloat16));
 }
 
 at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
-                          at::Tensor v_cache, const at::Tensor& positions, const at::Tensor& mask_in, double scale) {
+                          at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in,
+                          double scale) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16, "tilefx attention: tensors must be bfloat16, got ",
-                t->scalar_type());
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
+                "tilefx attention: q, k, v and the caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
+                t->sizes());
   }
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "tilefx attention: caches must be contiguous");
-  TORCH_CHECK(mask_in.scalar_type() == at::kBool, "tilefx attention: mask must be bool");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "tilefx attention: caches must be contiguous and of one shape");
   const int64_t batch = q_in.size(0), q_heads = q_in.size(1), seq = q_in.size(2), dim = q_in.size(3);
-  const int64_t kv_heads = k.size(1);
-  TORCH_CHECK(dim % 16 == 0 && v.size(3) == dim, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
-  TORCH_CHECK(seq > 0 && positions.numel() == seq, "tilefx attention: one position per new token");
-  write_kv(k, v, k_cache, v_cache, positions);
-  const int64_t end = positions[seq - 1].item<int64_t>() + 1;
+  const int64_t kv_heads = k.size(1), max_len = k_cache.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == seq && k.size(3) == dim,
+              "tilefx attention: k/v ", k.sizes(), " do not match q ", q_in.sizes());
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0 && k_cache.size(1) == kv_heads && k_cache.size(0) >= batch &&
+                  k_cache.size(3) == dim,
+              "tilefx attention: cache ", k_cache.sizes(), " does not fit k ", k.sizes());
+  TORCH_CHECK(dim % 16 == 0, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.dim() == 4 && mask_in.size(0) >= batch &&
+                  mask_in.size(2) == seq && mask_in.size(3) == max_len,
+              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask_in.scalar_type(), " ",
+              mask_in.sizes());
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(seq > 0 && positions.dim() == 1 && positions.numel() == seq,
+              "tilefx attention: one position per new token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seq; ++s) {
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < max_len && (s == 0 || pos[s] == pos[s - 1] + 1),
+                "tilefx attention: positions must be increasing cache slots below ", max_len);
+  }
+  write_kv(k, k_cache, pos);
+  write_kv(v, v_cache, pos);
+  const int64_t end = pos[seq - 1] + 1;
 
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
@@ -160,23 +185,21 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
   return y;
 }
 
-// Streaming read bandwidth over `tensor` (all threads, each a contiguous slice), GB/s, best of `repeats`.
-double stream_read_gbps(const at::Tensor& buffer, int64_t repeats) {
+// Streaming-read bandwidth over `buffer`, GB/s, one pass: every thread reads a
+// contiguous slice as `streams` (1 or 2) sequential streams, with the loads the kernels use.
+double stream_read_gbps(const at::Tensor& buffer, int64_t streams) {
   TORCH_CHECK(buffer.is_contiguous(), "stream_read_gbps: buffer must be contiguous");
-  const int64_t chunk = 128;
-  const int64_t bytes = buffer.nbytes() / chunk * chunk;
+  TORCH_CHECK(streams == 1 || streams == 2, "stream_read_gbps: streams must be 1 or 2");
+  const int64_t chunk = 128 * streams;
+  const int64_t chunks = buffer.nbytes() / chunk;
   const char* data = static_cast<const char*>(buffer.data_ptr());
-  double best = 0.0;
-  volatile float sink = 0.0f;
-  for (int64_t r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    at::parallel_for(0, bytes / chunk, 1, [&](int64_t begin, int64_t stop) {
-      sink = sink + stream_read_avx2(data + begin * chunk, (stop - begin) * chunk);
-    });
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, bytes / seconds / 1e9);
-  }
-  return best;
+  std::atomic<float> sink{0.0f};
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t stop) {
+    sink = sink + stream_read_avx2(data + begin * chunk, (stop - begin) * chunk, static_cast<int>(streams));
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return chunks * chunk / seconds / 1e9;
 }
 
 }  // namespace
@@ -189,5 +212,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_avx2", &tilefx::linear_avx2, "y = x @ W^T + b over a packed W (AVX2 + FMA)");
   m.def("linear_amx", &tilefx::linear_amx, "y = x @ W^T + b over a packed W (AMX, oneDNN brgemm)");
   m.def("attention_avx2", &tilefx::attention_avx2, "KV write + attention over the valid cache prefix (AVX2 + FMA)");
-  m.def("stream_read_gbps", &tilefx::stream_read_gbps, "streaming read bandwidth over a buffer, GB/s (AVX2 loads)");
+  m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }

@@ -70,3 +70,19 @@ def test_leaves_linears_alone_without_freezing_or_bf16():
 
 def test_uuid_depends_on_freezing():
     assert LinearPass(freezing=True).uuid() != LinearPass(freezing=False).uuid()
+
+
+def test_records_which_weights_are_read_only_packed():
+    """A tied lm_head (as in Llama-3.2-1B) is also read by the embedding: its unpacked copy must stay."""
+    torch._dynamo.reset()
+    model = build_model("tiny-llama", seed=5)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    backend = PassTestBackend(LinearPass())
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        fn(input_ids=torch.randint(3, 500, (1, 4)), use_cache=False)
+    result = backend.results[0]
+    assert result.packed_shared == {id(model.lm_head.weight)}
+    layer = model.model.layers[0]
+    assert {id(layer.self_attn.q_proj.weight), id(layer.mlp.down_proj.weight)} <= result.packed_exclusively
+    assert len(result.packed_exclusively) == 7 * model.config.num_hidden_layers

@@ -1,0 +1,32 @@
+"""The benchmark scripts run end to end on a tiny preset and report correct kernels (timings are not checked)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+
+
+def run_script(name: str, argv: list[str]) -> None:
+    old = sys.argv
+    sys.argv = [name, *argv]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(f"scripts/{name}", run_name="__main__")
+        assert done.value.code == 0
+    finally:
+        sys.argv = old
+
+
+def test_bench_kernels_reports_every_op(tmp_path, capsys):
+    out = tmp_path / "kernels.json"
+    run_script("bench_kernels.py", ["--presets", "tiny-llama,tiny-qwen2", "--repeats", "2", "--contexts", "16,40",
+                                    "--prefill-rows", "8", "--stream-mib", "64", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert len(result["linear"]) >= 5 and all(r["rel_err"] < 1e-2 for r in result["linear"])
+    assert all(r["tilefx_gbps"] > 0 and r["fraction_of_stream"] > 0 for r in result["linear"])
+    assert [r["op"] for r in result["attention"]] == ["decode_attention"] * 2 + ["extend_attention"]
+    assert all(r["rel_err"] < 1e-2 for r in result["attention"])
+    assert "slowest M=1 shape" in capsys.readouterr().out
