@@ -41,6 +41,10 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   const uint16_t* v_rows = p.v_cache + b * p.kv_stride_b + kv_head * p.kv_stride_h;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  // Inside the trimmed range a decode row has no masked key; a padded batch row may.
+  bool dense = true;
+  for (int64_t t = key_begin; t < key_end && dense; ++t) dense = allowed[t];
+
   // Scaled queries in fp32, padded with zero heads to a multiple of kHeadTile.
   const int64_t padded_group = (group + kHeadTile - 1) / kHeadTile * kHeadTile;
   float* q = part.query;
@@ -52,12 +56,42 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
     }
   }
 
-  // Scores: each key row widened once per tile of heads.
+  // Per tile of kHeadTile heads, scores are laid out [key][head]: one 4-lane store per
+  // key, and softmax runs on 8-lane vectors of two keys. An odd key count gets one
+  // padding key of -inf so every loop walks whole pairs.
+  const int64_t padded_keys = keys + (keys & 1);
   for (int64_t g0 = 0; g0 < padded_group; g0 += kHeadTile) {
+    const int64_t heads = group - g0 < kHeadTile ? group - g0 : kHeadTile;
     const float* q0 = q + g0 * dim;
-    for (int64_t t = 0; t < keys; ++t) {
-      if (!allowed[key_begin + t]) {
-        for (int64_t g = g0; g < g0 + kHeadTile && g < group; ++g) part.scores[g * keys + t] = neg_inf;
+    float* scores = part.scores + (g0 / kHeadTile) * padded_keys * kHeadTile;
+
+    // Two keys per iteration: eight independent FMA chains hide the FMA latency.
+    int64_t t = 0;
+    if (dense) {
+      for (; t + 2 <= keys; t += 2) {
+        const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
+        const uint16_t* k_next = k + p.kv_stride_t;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t d = 0; d < dim; d += 8) {
+          const __m256 ka = load_bf16x8(k + d), kb = load_bf16x8(k_next + d);
+          const __m256 q_0 = _mm256_loadu_ps(q0 + d), q_1 = _mm256_loadu_ps(q0 + dim + d);
+          const __m256 q_2 = _mm256_loadu_ps(q0 + 2 * dim + d), q_3 = _mm256_loadu_ps(q0 + 3 * dim + d);
+          a0 = _mm256_fmadd_ps(q_0, ka, a0);
+          b0 = _mm256_fmadd_ps(q_0, kb, b0);
+          a1 = _mm256_fmadd_ps(q_1, ka, a1);
+          b1 = _mm256_fmadd_ps(q_1, kb, b1);
+          a2 = _mm256_fmadd_ps(q_2, ka, a2);
+          b2 = _mm256_fmadd_ps(q_2, kb, b2);
+          a3 = _mm256_fmadd_ps(q_3, ka, a3);
+          b3 = _mm256_fmadd_ps(q_3, kb, b3);
+        }
+        _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
+        _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(b0, b1, b2, b3));
+      }
+    }
+    for (; t < keys; ++t) {
+      if (!dense && !allowed[key_begin + t]) {
+        _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
         continue;
       }
       const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
@@ -69,62 +103,63 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
         a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), kv, a2);
         a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), kv, a3);
       }
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, hsum4(a0, a1, a2, a3));
-      for (int64_t g = g0; g < g0 + kHeadTile && g < group; ++g) part.scores[g * keys + t] = sums[g - g0];
+      _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
     }
-  }
+    if (padded_keys > keys) _mm_storeu_ps(scores + keys * kHeadTile, _mm_set1_ps(neg_inf));
 
-  // Softmax numerators per head (scores become probabilities times sum).
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = part.scores + g * keys;
+    // Softmax numerators, per head (lane) of the tile.
     __m256 vmax = _mm256_set1_ps(neg_inf);
-    int64_t t = 0;
-    for (; t + 8 <= keys; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + t));
-    float max = hmax(vmax);
-    for (; t < keys; ++t) max = row[t] > max ? row[t] : max;
-    part.max[g] = max;
-    if (max == neg_inf) {  // no allowed key in this split
-      part.sum[g] = 0.0f;
-      for (t = 0; t < keys; ++t) row[t] = 0.0f;
-      continue;
+    for (int64_t t = 0; t < padded_keys; t += 2) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t * kHeadTile));
+    __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    alignas(16) float head_max[kHeadTile];
+    _mm_store_ps(head_max, max4);
+    for (int h = 0; h < kHeadTile; ++h) {
+      if (head_max[h] == neg_inf) head_max[h] = 0.0f;  // no allowed key: every weight becomes 0 below
     }
+    max4 = _mm_load_ps(head_max);
+    const __m256 vm = _mm256_set_m128(max4, max4);
     __m256 vsum = _mm256_setzero_ps();
-    const __m256 vm = _mm256_set1_ps(max);
-    for (t = 0; t + 8 <= keys; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), vm));
-      _mm256_storeu_ps(row + t, e);
+    for (int64_t t = 0; t < padded_keys; t += 2) {
+      float* row = scores + t * kHeadTile;
+      const __m256 x = _mm256_loadu_ps(row);
+      // exp256 clamps -inf to ~1e-38: masked keys must weigh exactly 0.
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vm)),
+                                     _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_NEQ_OQ));
+      _mm256_storeu_ps(row, e);
       vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum(vsum);
-    for (; t < keys; ++t) {
-      row[t] = row[t] == neg_inf ? 0.0f : std::exp(row[t] - max);
-      sum += row[t];
+    alignas(16) float head_sum[kHeadTile];
+    _mm_store_ps(head_sum, _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1)));
+    for (int64_t h = 0; h < heads; ++h) {
+      part.sum[g0 + h] = head_sum[h];
+      part.max[g0 + h] = head_sum[h] > 0.0f ? head_max[h] : neg_inf;
     }
-    part.sum[g] = sum;
-  }
 
-  // Unnormalized output: for a slice of 16 lanes, every key's value row times every head's weight.
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadTile) {
-    const int64_t heads = group - g0 < kHeadTile ? group - g0 : kHeadTile;
+    // Unnormalized output: per slice of 16 lanes, every key's value row times each head's weight.
     for (int64_t d = 0; d < dim; d += 8 * kValueVecs) {
       __m256 acc[kHeadTile][kValueVecs];
+#pragma GCC unroll 4
       for (int h = 0; h < kHeadTile; ++h)
         for (int j = 0; j < kValueVecs; ++j) acc[h][j] = _mm256_setzero_ps();
       for (int64_t t = 0; t < keys; ++t) {
-        if (!allowed[key_begin + t]) continue;
+        if (!dense && !allowed[key_begin + t]) continue;
         const uint16_t* v = v_rows + (key_begin + t) * p.kv_stride_t + d;
         const __m256 v0 = load_bf16x8(v), v1 = load_bf16x8(v + 8);
+        const float* w = scores + t * kHeadTile;
+#pragma GCC unroll 4
         for (int h = 0; h < kHeadTile; ++h) {
-          if (h >= heads) break;
-          const __m256 w = _mm256_broadcast_ss(part.scores + (g0 + h) * keys + t);
-          acc[h][0] = _mm256_fmadd_ps(w, v0, acc[h][0]);
-          acc[h][1] = _mm256_fmadd_ps(w, v1, acc[h][1]);
+          const __m256 wh = _mm256_broadcast_ss(w + h);
+          acc[h][0] = _mm256_fmadd_ps(wh, v0, acc[h][0]);
+          acc[h][1] = _mm256_fmadd_ps(wh, v1, acc[h][1]);
         }
       }
-      for (int h = 0; h < heads; ++h) {
-        _mm256_storeu_ps(part.out + (g0 + h) * dim + d, acc[h][0]);
-        _mm256_storeu_ps(part.out + (g0 + h) * dim + d + 8, acc[h][1]);
+      // Constant trip count (the accumulators stay in registers); padding heads are dropped.
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeadTile; ++h) {
+        if (h < heads) {
+          _mm256_storeu_ps(part.out + (g0 + h) * dim + d, acc[h][0]);
+          _mm256_storeu_ps(part.out + (g0 + h) * dim + d + 8, acc[h][1]);
+        }
       }
     }
   }

@@ -54,7 +54,7 @@ struct AttentionPartial {
   float* max;    // [group]
   float* sum;    // [group]
   float* out;    // [group, head_dim]
-  float* scores; // scratch: [group, key_end - key_begin]
+  float* scores; // scratch: [group rounded up to 4, key_end - key_begin rounded up to even]
 };
 
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,

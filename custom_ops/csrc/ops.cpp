@@ -143,7 +143,7 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
                      mask.data_ptr<bool>(), mask.stride(0), mask.stride(2), q_heads, kv_heads, dim,
                      static_cast<float>(scale)};
   at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores(group * split_len), query(padded_group * dim);
+    std::vector<float> scores(padded_group * (split_len + 1)), query(padded_group * dim);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t row = task / splits, split = task % splits;
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
