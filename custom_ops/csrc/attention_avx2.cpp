@@ -48,11 +48,16 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   // Scaled queries in fp32, padded with zero heads to a multiple of kHeadTile.
   const int64_t padded_group = (group + kHeadTile - 1) / kHeadTile * kHeadTile;
   float* q = part.query;
+  // Rows are read 16 values at a time as one 32-byte load split into even and odd
+  // elements (load_vnni_pair): queries are stored in that order too, per 16-value
+  // chunk [8 even | 8 odd], so a dot product pairs them up without any shuffle.
   for (int64_t g = 0; g < padded_group; ++g) {
     const uint16_t* src = p.q + b * p.q_stride_b + (kv_head * group + g) * p.q_stride_h + s * p.q_stride_s;
-    for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 v = g < group ? _mm256_mul_ps(load_bf16x8(src + d), _mm256_set1_ps(p.scale)) : _mm256_setzero_ps();
-      _mm256_storeu_ps(q + g * dim + d, v);
+    for (int64_t d = 0; d < dim; d += 16) {
+      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+      if (g < group) load_vnni_pair(src + d, even, odd);
+      _mm256_storeu_ps(q + g * dim + d, _mm256_mul_ps(even, _mm256_set1_ps(p.scale)));
+      _mm256_storeu_ps(q + g * dim + d + 8, _mm256_mul_ps(odd, _mm256_set1_ps(p.scale)));
     }
   }
 
@@ -72,18 +77,22 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
         const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
         const uint16_t* k_next = k + p.kv_stride_t;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int64_t d = 0; d < dim; d += 8) {
-          const __m256 ka = load_bf16x8(k + d), kb = load_bf16x8(k_next + d);
-          const __m256 q_0 = _mm256_loadu_ps(q0 + d), q_1 = _mm256_loadu_ps(q0 + dim + d);
-          const __m256 q_2 = _mm256_loadu_ps(q0 + 2 * dim + d), q_3 = _mm256_loadu_ps(q0 + 3 * dim + d);
-          a0 = _mm256_fmadd_ps(q_0, ka, a0);
-          b0 = _mm256_fmadd_ps(q_0, kb, b0);
-          a1 = _mm256_fmadd_ps(q_1, ka, a1);
-          b1 = _mm256_fmadd_ps(q_1, kb, b1);
-          a2 = _mm256_fmadd_ps(q_2, ka, a2);
-          b2 = _mm256_fmadd_ps(q_2, kb, b2);
-          a3 = _mm256_fmadd_ps(q_3, ka, a3);
-          b3 = _mm256_fmadd_ps(q_3, kb, b3);
+        for (int64_t d = 0; d < dim; d += 16) {
+          __m256 ka_even, ka_odd, kb_even, kb_odd;
+          load_vnni_pair(k + d, ka_even, ka_odd);
+          load_vnni_pair(k_next + d, kb_even, kb_odd);
+#define TILEFX_QK_HEAD(h, acc_a, acc_b)                                              \
+  {                                                                                  \
+    const __m256 q_even = _mm256_loadu_ps(q0 + (h) * dim + d);                       \
+    const __m256 q_odd = _mm256_loadu_ps(q0 + (h) * dim + d + 8);                    \
+    acc_a = _mm256_fmadd_ps(q_odd, ka_odd, _mm256_fmadd_ps(q_even, ka_even, acc_a)); \
+    acc_b = _mm256_fmadd_ps(q_odd, kb_odd, _mm256_fmadd_ps(q_even, kb_even, acc_b)); \
+  }
+          TILEFX_QK_HEAD(0, a0, b0)
+          TILEFX_QK_HEAD(1, a1, b1)
+          TILEFX_QK_HEAD(2, a2, b2)
+          TILEFX_QK_HEAD(3, a3, b3)
+#undef TILEFX_QK_HEAD
         }
         _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
         _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(b0, b1, b2, b3));
@@ -96,12 +105,16 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
       }
       const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 kv = load_bf16x8(k + d);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), kv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), kv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), kv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), kv, a3);
+      for (int64_t d = 0; d < dim; d += 16) {
+        __m256 k_even, k_odd;
+        load_vnni_pair(k + d, k_even, k_odd);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k_odd, _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k_even, a0));
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d + 8), k_odd,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), k_even, a1));
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d + 8), k_odd,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), k_even, a2));
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d + 8), k_odd,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), k_even, a3));
       }
       _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
     }
@@ -143,8 +156,8 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
         for (int j = 0; j < kValueVecs; ++j) acc[h][j] = _mm256_setzero_ps();
       for (int64_t t = 0; t < keys; ++t) {
         if (!dense && !allowed[key_begin + t]) continue;
-        const uint16_t* v = v_rows + (key_begin + t) * p.kv_stride_t + d;
-        const __m256 v0 = load_bf16x8(v), v1 = load_bf16x8(v + 8);
+        __m256 v0, v1;  // the even and the odd elements of the 16-value slice
+        load_vnni_pair(v_rows + (key_begin + t) * p.kv_stride_t + d, v0, v1);
         const float* w = scores + t * kHeadTile;
 #pragma GCC unroll 4
         for (int h = 0; h < kHeadTile; ++h) {
@@ -156,9 +169,11 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
       // Constant trip count (the accumulators stay in registers); padding heads are dropped.
 #pragma GCC unroll 4
       for (int h = 0; h < kHeadTile; ++h) {
-        if (h < heads) {
-          _mm256_storeu_ps(part.out + (g0 + h) * dim + d, acc[h][0]);
-          _mm256_storeu_ps(part.out + (g0 + h) * dim + d + 8, acc[h][1]);
+        if (h < heads) {  // back to natural order: interleave even and odd elements
+          const __m256 low = _mm256_unpacklo_ps(acc[h][0], acc[h][1]);
+          const __m256 high = _mm256_unpackhi_ps(acc[h][0], acc[h][1]);
+          _mm256_storeu_ps(part.out + (g0 + h) * dim + d, _mm256_permute2f128_ps(low, high, 0x20));
+          _mm256_storeu_ps(part.out + (g0 + h) * dim + d + 8, _mm256_permute2f128_ps(low, high, 0x31));
         }
       }
     }
