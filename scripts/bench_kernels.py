@@ -155,7 +155,7 @@ def bench_inductor_glue(preset: str, steps: int) -> dict:
     model = build_model(preset, layers=2)
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         compiled = tilefx.compile_model(model, max_seq_len=steps + 16, progress=False)
-        ids = torch.randint(10, 1000, (1, 8))
+        ids = torch.randint(3, model.config.vocab_size - 1, (1, 8))
         with torch.no_grad():
             past = compiled(input_ids=ids, logits_to_keep=1).past_key_values
             with torch.profiler.profile() as prof:

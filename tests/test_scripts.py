@@ -29,4 +29,6 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     assert all(r["tilefx_gbps"] > 0 and r["fraction_of_stream"] > 0 for r in result["linear"])
     assert [r["op"] for r in result["attention"]] == ["decode_attention"] * 2 + ["extend_attention"]
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])
-    assert "slowest M=1 shape" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "slowest M=1 shape" in out and "kernels per step" in out
+    assert result["glue"]["kernels_per_step"] > 0 and result["glue"]["inductor_us_per_step"] > 0
