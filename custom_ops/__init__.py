@@ -9,7 +9,10 @@ import functools
 import hashlib
 import pathlib
 
-from tilefx.custom_ops import attention, isa, linear  # noqa: F401  (importing registers the ops)
+from tilefx.custom_ops import attention, isa, linear  # noqa: F401  (importing defines the ops)
+
+if isa.native is not None:
+    isa.native.register_cpu_kernels()  # after the schemas above are defined
 
 __all__ = ["attention", "isa", "linear", "source_hash"]
 

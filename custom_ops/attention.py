@@ -86,31 +86,18 @@ def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
     return out
 
 
-def _attention_avx2(q, k, v, k_cache, v_cache, positions, mask, scale):
-    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or q.shape[-1] % 16:
-        return attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale)
-    return isa.native.attention_avx2(q, k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, positions,
-                                     mask, scale)
-
-
-# The reference path runs PyTorch's fused SDPA (attention_portable), not the slow oracle.
-_KERNELS = {"avx2": _attention_avx2, "reference": attention_portable}
-
-
-def _attention_cpu(q, k, v, k_cache, v_cache, positions, mask, scale):
-    # Shapes are checked by the fake impl at trace time and by each kernel; not again here (hot path).
-    return isa.choose(_KERNELS)(q, k, v, k_cache, v_cache, positions, mask, scale)
-
-
 def _attention_fake(q, k, v, k_cache, v_cache, positions, mask, scale):
     _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
+# The ops' native CPU kernel (registered by custom_ops/__init__.py) takes the current kernel
+# path; on the reference path, or without the native library, attention_portable runs.
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
-for _name in ("extend_attention", "decode_attention"):
+for _name in ("extend_attention", "decode_attention", "attention_portable"):
     _LIB.define(_name + _SCHEMA)
-    _LIB.impl(_name, _attention_cpu, "CPU")
+    if _name == "attention_portable" or isa.native is None:
+        _LIB.impl(_name, attention_portable, "CPU")
     torch.library.register_fake(f"tilefx::{_name}", _attention_fake, lib=_LIB)
 
 extend_attention = torch.ops.tilefx.extend_attention.default

@@ -1,10 +1,13 @@
 """Which kernel path the native ops take: ``amx``, ``avx512_bf16``, ``avx2`` or ``reference``.
 
 The native library (``tilefx.custom_ops._C``) is one binary for every x86-64 CPU; each
-path lives in its own translation unit and runs only where CPUID says it can. By
-default every op takes the fastest path it implements that this CPU supports
-(falling back along ``PATHS``); ``TILEFX_ISA=<path>`` forces one for the whole
-process, and ``forced(path)`` for a block (tests and benchmarks).
+path lives in its own translation unit and runs only where CPUID says it can. The
+native CPU kernels are registered with the dispatcher directly (no Python per
+call) and read the current path: by default the fastest this CPU supports; an op
+without a kernel for it takes the next one along ``PATHS`` (attention has no AMX
+kernel and runs AVX2 there); ``reference`` runs the ``*_portable`` ops written in
+PyTorch. ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)``
+for a block (tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -57,7 +60,15 @@ def _from_environment() -> str:
     return path
 
 
-_current = _from_environment()
+def _set(path: str) -> None:
+    global _current
+    _current = path
+    if native is not None:  # the native CPU kernels read the path on every call
+        native.set_path(path if path in BUILT else "reference")
+
+
+_current = ""
+_set(_from_environment())
 
 
 def current() -> str:
@@ -68,23 +79,15 @@ def current() -> str:
 @contextlib.contextmanager
 def forced(path: str):
     """Run a block with every op starting from ``path`` (which must be supported here)."""
-    global _current
     reason = unsupported_reason(path)
     if reason is not None:
         raise RuntimeError(f"kernel path {path}: {reason}")
-    previous, _current = _current, path
+    previous = _current
+    _set(path)
     try:
         yield
     finally:
-        _current = previous
-
-
-def choose(kernels: dict[str, object]):
-    """The kernel an op runs now: the first of ``kernels`` at or after current() in PATHS."""
-    for path in PATHS[PATHS.index(_current):]:
-        if path in kernels:
-            return kernels[path]
-    raise KeyError("every op has a reference kernel")
+        _set(previous)
 
 
 def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:

@@ -111,24 +111,6 @@ def _check(x, packed_weight, bias, out_features) -> None:
                          f"x [..., {x.shape[-1]}] -> {out_features} features")
 
 
-def _native(name):
-    def run(x, packed_weight, bias, out_features):
-        if x.dtype != torch.bfloat16 or packed_weight.dtype != torch.bfloat16:
-            return linear_reference(x, packed_weight, bias, out_features)
-        return getattr(isa.native, name)(x, packed_weight, bias, out_features)  # checks its arguments
-
-    return run
-
-
-_KERNELS = {"amx": _native("linear_amx"), "avx2": _native("linear_avx2"), "reference": linear_reference}
-
-
-def _linear_cpu(x, packed_weight, bias, out_features):
-    # No Python-side checks here: this runs ~100 times per token; the fake impl checks
-    # at trace time and every kernel checks its own arguments.
-    return isa.choose(_KERNELS)(x, packed_weight, bias, out_features)
-
-
 def _linear_fake(x, packed_weight, bias, out_features):
     _check(x, packed_weight, bias, out_features)
     return x.new_empty((*x.shape[:-1], out_features))
@@ -138,13 +120,20 @@ def _pack_fake(weight):
     return weight.new_empty(_packed_shape(*weight.shape))
 
 
+_LINEAR_SCHEMA = "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor"
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
 _LIB.define("pack_linear_weight(Tensor weight) -> Tensor")
-_LIB.define("linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor")
 _LIB.impl("pack_linear_weight", lambda weight: _pack_linear_weight(weight), "CPU")
-_LIB.impl("linear", _linear_cpu, "CPU")
 torch.library.register_fake("tilefx::pack_linear_weight", _pack_fake, lib=_LIB)
-torch.library.register_fake("tilefx::linear", _linear_fake, lib=_LIB)
+# linear: the native CPU kernel (registered by custom_ops/__init__.py) takes the current
+# kernel path; on the reference path, or without the native library, linear_portable runs.
+_LIB.define("linear_portable" + _LINEAR_SCHEMA)
+_LIB.impl("linear_portable", linear_reference, "CPU")
+_LIB.define("linear" + _LINEAR_SCHEMA)
+if isa.native is None:
+    _LIB.impl("linear", linear_reference, "CPU")
+for _name in ("linear", "linear_portable"):
+    torch.library.register_fake(f"tilefx::{_name}", _linear_fake, lib=_LIB)
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 linear = torch.ops.tilefx.linear.default

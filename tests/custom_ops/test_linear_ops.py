@@ -79,3 +79,17 @@ def test_opcheck(kernel_path):
     x, weight, b, _ = _problem((3,), 40, 18, True, seed=5)
     torch.library.opcheck(linear_ops.pack_linear_weight, (weight,))
     torch.library.opcheck(linear_ops.linear, (x, linear_ops.pack_linear_weight_reference(weight), b, 40))
+
+
+@pytest.mark.parametrize("path", ["reference", "avx2"])
+def test_kernel_path_decides_what_runs(path):
+    """The native CPU kernel hands the reference path to the PyTorch ``*_portable`` op, and keeps the rest."""
+    from tilefx.custom_ops import isa
+
+    if isa.unsupported_reason(path):
+        pytest.skip(f"{path}: {isa.unsupported_reason(path)}")
+    x, weight, _, _ = _problem((1,), 64, 64, False, seed=1)
+    with isa.forced(path), torch.profiler.profile() as prof:
+        linear_ops.linear(x, linear_ops.pack_linear_weight(weight), None, 64)
+    ran_portable = any(event.key == "tilefx::linear_portable" for event in prof.key_averages())
+    assert ran_portable == (path == "reference")
