@@ -51,12 +51,11 @@ def _key(weight: torch.Tensor) -> tuple:
 
 
 def _pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    key = _key(weight)
     packed = packed_copy(weight)
     if packed is not None:
         return packed
     packed = pack_linear_weight_reference(weight)
-    _packed_cache[key] = (weakref.ref(weight), packed)
+    _packed_cache[_key(weight)] = (weakref.ref(weight), packed)
     for stale in [k for k, (source, _) in _packed_cache.items() if source() is None or _key(source()) != k]:
         del _packed_cache[stale]
     return packed
@@ -83,8 +82,10 @@ def keep_only_packed(weight: torch.nn.Parameter) -> int:
     packed copy is padded and cannot stand in for the parameter).
     """
     packed = packed_copy(weight)
-    if packed is None or packed.numel() != weight.numel() or packed.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+    if packed is None or packed.numel() != weight.numel():
         return 0
+    if packed.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        return 0  # already released
     released = weight.untyped_storage().nbytes()
     del _packed_cache[_key(weight)]
     weight.data = packed.view(weight.shape)

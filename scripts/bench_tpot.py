@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    if args.long_context and "tilefx" not in modes:
+        parser.error("--long-context times tilefx: include tilefx in --modes")
     max_seq_len = max(args.prompt_len, args.long_context) + args.new_tokens
 
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.prompt_len), generator=generator)
     long_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.long_context), generator=generator)
-    long_context = args.long_context > 0 and "tilefx" in models
+    long_context = args.long_context > 0
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
             timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
@@ -137,7 +139,8 @@ def main(argv=None) -> int:
 
     gbps = statistics.median(bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
-    floor_ms = decode_bytes(base, context) / (gbps * 1e9) * 1e3
+    step_bytes = decode_bytes(base, context)
+    floor_ms = step_bytes / (gbps * 1e9) * 1e3
     rows = []
     for mode in modes:
         ttft = statistics.median(s[0] for s in samples[mode]) * 1e3
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
         rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "tpot_over_floor": tpot / floor_ms})
     eager_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "eager"), None)
     stock_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "torch.compile"), None)
-    print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {decode_bytes(base, context) / 1e9:.2f} GB "
+    print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {step_bytes / 1e9:.2f} GB "
           f"-> memory floor {floor_ms:.1f} ms/token\n")
     print("| mode | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager | vs torch.compile |")
     print("|---|---:|---:|---:|---:|---:|")

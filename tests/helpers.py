@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import runpy
+import sys
+
+import pytest
+
 import torch
 
 CLOSE_LOGPROB_NATS = 0.1  # vLLM's close-logprobs rule for near-tied bf16 logits
@@ -96,3 +101,15 @@ def run(model, cache, ids, backend):
         return fn(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
 
 
+
+
+def run_script(name: str, argv: list[str]) -> None:
+    """Run ``scripts/<name>`` as ``__main__`` with ``argv``; it must exit with status 0."""
+    old = sys.argv
+    sys.argv = [name, *argv]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(f"scripts/{name}", run_name="__main__")
+        assert done.value.code == 0
+    finally:
+        sys.argv = old

@@ -3,21 +3,8 @@
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 
-import pytest
-
-
-def run_script(name: str, argv: list[str]) -> None:
-    old = sys.argv
-    sys.argv = [name, *argv]
-    try:
-        with pytest.raises(SystemExit) as done:
-            runpy.run_path(f"scripts/{name}", run_name="__main__")
-        assert done.value.code == 0
-    finally:
-        sys.argv = old
+from helpers import run_script
 
 
 def test_bench_kernels_reports_every_op(tmp_path, capsys):

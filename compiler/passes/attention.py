@@ -23,15 +23,10 @@ import operator
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
 
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _VIEW_METHODS = {"reshape", "view", "expand", "contiguous", "unsqueeze"}
-
-
-def _example(node):
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _view_source(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -41,7 +36,7 @@ def _view_source(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node
         if node.op == "call_method" and node.target in _VIEW_METHODS:
             chain.append(node)
             node = node.args[0]
-        elif node.op == "call_function" and node.target is operator.getitem and _example(node.args[0]) is not None:
+        elif node.op == "call_function" and node.target is operator.getitem and example_value(node.args[0]) is not None:
             chain.append(node)
             node = node.args[0]
         else:
@@ -81,14 +76,14 @@ class AttentionPass(TilefxPass):
             return "dropout or is_causal flag (expected a mask over a static cache)"
         if len(sdpa.args) > 3:
             return "positional mask/dropout arguments (unexpected call form)"
-        mask_val = _example(mask)
+        mask_val = example_value(mask)
         if mask_val is None or mask_val.dtype != torch.bool or mask_val.dim() != 4:
             return "no boolean 4-D attention mask (cache not owned by tilefx?)"
         k_base, k_chain = _view_source(key)
         v_base, v_chain = _view_source(value)
         if k_base.op != "placeholder" or v_base.op != "placeholder":
             return "K/V are not views of graph-input cache buffers"
-        k_buf, q_val, key_val = _example(k_base), _example(q), _example(key)
+        k_buf, q_val, key_val = example_value(k_base), example_value(q), example_value(key)
         if k_buf is None or k_buf.dim() != 4 or key_val.shape[2] != k_buf.shape[2] or mask_val.shape[-1] != k_buf.shape[2]:
             return "K does not span the whole cache sequence dimension"
         k_writes, v_writes = writes.get(k_base, []), writes.get(v_base, [])

@@ -25,6 +25,12 @@ class PassResult:
         self.fallbacks.append(f"{where}: {why}")
 
 
+def example_value(node) -> torch.Tensor | None:
+    """The example tensor Dynamo recorded for a graph node (None for non-tensors and constants)."""
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
 class TilefxPass:
     """One pass: ``__call__(graph) -> PassResult`` and ``uuid()`` for Inductor's FX graph cache.
 

@@ -16,14 +16,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def _example(node):
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _parameter(node) -> torch.nn.Parameter | None:
@@ -43,6 +38,12 @@ def _is_parameter(node) -> bool:
     return _parameter(node) is not None
 
 
+def _linear_args(node: torch.fx.Node):
+    """(x, weight, bias) of a linear call, positional or keyword."""
+    args = list(node.args) + [None] * 2
+    return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+
+
 class LinearPass(TilefxPass):
     name = "linear"
 
@@ -56,8 +57,8 @@ class LinearPass(TilefxPass):
         result = PassResult(self.name)
         packed_weights = {}
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR]:
-            weight = node.kwargs.get("weight", node.args[1] if len(node.args) > 1 else None)
-            why = self._rewrite(graph, node)
+            x, weight, bias = _linear_args(node)
+            why = self._rewrite(graph, node, x, weight, bias)
             if why is None:
                 result.rewritten += 1
                 packed_weights[weight] = _parameter(weight)
@@ -69,18 +70,15 @@ class LinearPass(TilefxPass):
             (result.packed_exclusively if only_packed else result.packed_shared).add(id(parameter))
         return result
 
-    def _rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> str | None:
-        args = list(node.args) + [None] * 2
-        x, weight = node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1])
-        bias = node.kwargs.get("bias", args[2])
+    def _rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, x, weight, bias) -> str | None:
         if not self.freezing:
             return "freezing is off: weights are not constants, packing would run every call"
-        x_val, w_val = _example(x), _example(weight)
+        x_val, w_val = example_value(x), example_value(weight)
         if not _is_parameter(weight) or w_val is None or w_val.dim() != 2:
             return "weight is not a 2-D model parameter"
         if w_val.dtype != torch.bfloat16 or x_val is None or x_val.dtype != torch.bfloat16:
             return f"dtype {w_val.dtype} (x {None if x_val is None else x_val.dtype}): packed linear is bf16 only"
-        if bias is not None and not (_is_parameter(bias) and _example(bias).dtype == torch.bfloat16):
+        if bias is not None and not (_is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
             return "bias is not a bf16 model parameter"
         with graph.inserting_before(node):
             packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (weight,))

@@ -52,9 +52,9 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
+// Arguments checked by linear_cpu.
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t out_features) {
-  check_packed(x, packed, bias, out_features);
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed.size(1);
   const at::Tensor x2 = x.reshape({-1, in_features});
@@ -219,9 +219,10 @@ Path path() { return static_cast<Path>(current_path.load(std::memory_order_relax
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t out_features) {
-  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16) {
-    if (path() == Path::amx) return linear_amx(x, packed, bias, out_features);
-    if (path() == Path::avx2) return linear_avx2(x, packed, bias, out_features);
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
+    check_packed(x, packed, bias, out_features);
+    return path() == Path::amx ? linear_amx(x, packed, bias, out_features)
+                               : linear_avx2(x, packed, bias, out_features);
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::linear_portable", "")
@@ -265,9 +266,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
         "register the CPU kernels of tilefx::linear and tilefx::*_attention with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
-  m.def("block_n", [] { return tilefx::kBlockN; }, "output columns per packed weight block");
-  m.def("linear_avx2", &tilefx::linear_avx2, "y = x @ W^T + b over a packed W (AVX2 + FMA)");
-  m.def("linear_amx", &tilefx::linear_amx, "y = x @ W^T + b over a packed W (AMX, oneDNN brgemm)");
-  m.def("attention_avx2", &tilefx::attention_avx2, "KV write + attention over the valid cache prefix (AVX2 + FMA)");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }

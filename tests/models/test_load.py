@@ -14,6 +14,8 @@ from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.load import ModelNotFoundError, load_model
 from tilefx.models.presets import PRESETS, build_model, get_preset
 
+from helpers import run_script
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -85,22 +87,9 @@ def test_preset_layers_are_checked():
 
 
 def test_scripts_make_checkpoint_and_generate(tmp_path, capsys):
-    import runpy
-    import sys
-
     out = tmp_path / "ckpt"
-    for argv in (
-        ["make_checkpoint.py", "--preset", "tiny-llama", str(out)],
-        ["generate.py", str(out), "--prompt", "Once upon", "--max-new-tokens", "5", "--max-seq-len", "32",
-         "--local-files-only"],
-    ):
-        old = sys.argv
-        sys.argv = argv
-        try:
-            with pytest.raises(SystemExit) as done:
-                runpy.run_path(f"scripts/{argv[0]}", run_name="__main__")
-            assert done.value.code == 0
-        finally:
-            sys.argv = old
+    run_script("make_checkpoint.py", ["--preset", "tiny-llama", str(out)])
+    run_script("generate.py", [str(out), "--prompt", "Once upon", "--max-new-tokens", "5", "--max-seq-len", "32",
+                               "--local-files-only"])
     captured = capsys.readouterr()
     assert "Once upon" in captured.out and "5 tokens in" in captured.err
