@@ -15,6 +15,7 @@ class CompileOptions:
     dtype: torch.dtype = torch.bfloat16
     attention: bool = True  # swap HF attention + cache update for tilefx attention ops
     linear: bool = True  # swap every linear for tilefx.linear over a weight packed at compile time
+    fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear
     freezing: bool = True  # Inductor freezing: weights become constants of the compiled graph
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     tp_rank: int = 0

@@ -28,7 +28,7 @@ def build_passes(options: CompileOptions) -> list[TilefxPass]:
     if options.attention:
         passes.append(AttentionPass())
     if options.linear:
-        passes.append(LinearPass(freezing=options.freezing))
+        passes.append(LinearPass(freezing=options.freezing, fuse=options.fuse_linears))
     return passes
 
 

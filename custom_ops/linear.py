@@ -1,18 +1,29 @@
-"""``tilefx::linear`` over a weight packed once, and ``tilefx::pack_linear_weight``.
+"""``tilefx::linear`` and ``tilefx::linear_silu_mul`` over weights packed once, and the packing ops.
 
 Packed layout (one for every kernel path; csrc/kernels.h explains why):
 ``W [N, K]`` -> ``[ceil(N / BLOCK_N), ceil(K / 2), BLOCK_N, 2]`` bf16, zero padded:
 blocks of ``BLOCK_N`` output columns, each a VNNI matrix (the two values of rows
 ``k`` and ``k + 1`` side by side for every column).
 
-The linear pass inserts ``pack_linear_weight(weight)`` in front of every
-``tilefx.linear``; Inductor's freezing constant-folds it, so each weight is packed
-once when the graph is compiled. Every graph of a model (prefill, decode, each
-batch size) gets the same packed tensor: packing is memoized per source weight.
+Sibling linears (one input, several weights: q/k/v, gate/up) are packed into one
+tensor so decode streams them as one weight in one call:
+
+- ``pack_fused_linear_weight([W1, W2, ...])`` packs ``cat([W1, W2, ...])``: the blocks
+  of each weight follow the previous one's (every N but the last a multiple of BLOCK_N).
+- ``pack_gate_up_weight(gate, up)`` interleaves blocks, gate block ``j`` then up block
+  ``j``, so ``tilefx.linear_silu_mul`` computes ``silu(x @ gate.T) * (x @ up.T)`` for
+  those columns while both are in registers (SiLU-and-mul as the GEMM's epilogue).
+
+The passes insert a packing op in front of every linear; Inductor's freezing
+constant-folds it, so each weight is packed once when the graph is compiled. Every
+graph of a model (prefill, decode, each batch size) gets the same packed tensor:
+packing is memoized per group of source weights.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import weakref
 
 import torch
@@ -24,10 +35,6 @@ BLOCK_N = 32
 
 def _packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
     return (-(-out_features // BLOCK_N), -(-in_features // 2), BLOCK_N, 2)
-
-
-# (storage address, offset, shape, stride, version) -> (weakref to the source weight, packed)
-_packed_cache: dict[tuple, tuple[weakref.ref, torch.Tensor]] = {}
 
 
 def pack_linear_weight_reference(weight: torch.Tensor) -> torch.Tensor:
@@ -45,52 +52,125 @@ def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: i
     return packed.permute(0, 2, 1, 3).reshape(blocks * BLOCK_N, 2 * pairs)[:out_features, :in_features]
 
 
+def _check_siblings(weights, what: str, last_may_be_partial: bool) -> None:
+    torch._check(len(weights) >= 1 and all(w.dim() == 2 for w in weights),
+                 lambda: f"{what}: weights must be 2-D, got {[tuple(w.shape) for w in weights]}")
+    torch._check(all(w.shape[1] == weights[0].shape[1] and w.dtype == weights[0].dtype for w in weights),
+                 lambda: f"{what}: weights must share in_features and dtype, got "
+                         f"{[(tuple(w.shape), w.dtype) for w in weights]}")
+    whole = weights[:-1] if last_may_be_partial else weights
+    torch._check(all(w.shape[0] % BLOCK_N == 0 for w in whole),
+                 lambda: f"{what}: out_features must be multiples of {BLOCK_N}, got {[w.shape[0] for w in weights]}")
+
+
+def pack_fused_linear_weight_reference(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Sibling weights ``[N_i, K]`` -> the packed ``cat(weights)``."""
+    _check_siblings(weights, "pack_fused_linear_weight", last_may_be_partial=True)
+    return pack_linear_weight_reference(torch.cat(list(weights)))
+
+
+def pack_gate_up_weight_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate, up [I, K]`` -> packed blocks gate 0, up 0, gate 1, up 1, ... (I a multiple of BLOCK_N)."""
+    _check_siblings([gate, up], "pack_gate_up_weight", last_may_be_partial=False)
+    torch._check(gate.shape == up.shape, lambda: f"pack_gate_up_weight: gate {tuple(gate.shape)} != up {tuple(up.shape)}")
+    g, u = pack_linear_weight_reference(gate), pack_linear_weight_reference(up)
+    return torch.stack([g, u], dim=1).flatten(0, 1)
+
+
+def unpack_gate_up_weight(packed: torch.Tensor, out_features: int, in_features: int):
+    """The inverse of gate/up packing: ``(gate, up)``, each ``[I, K]``."""
+    interleaved = packed.unflatten(0, (-1, 2))
+    return tuple(unpack_linear_weight(interleaved[:, i], out_features, in_features) for i in (0, 1))
+
+
+@dataclasses.dataclass
+class _Packing:
+    """One packed tensor and the weights it was made from."""
+
+    sources: tuple[weakref.ref, ...]
+    packed: torch.Tensor
+
+
+# (layout, source keys) -> _Packing. A key is (storage address, offset, shape, stride, version).
+_packed_cache: dict[tuple, _Packing] = {}
+
+
 def _key(weight: torch.Tensor) -> tuple:
     return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
             weight._version)
 
 
-def _pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    packed = packed_copy(weight)
-    if packed is not None:
-        return packed
-    packed = pack_linear_weight_reference(weight)
-    _packed_cache[_key(weight)] = (weakref.ref(weight), packed)
-    for stale in [k for k, (source, _) in _packed_cache.items() if source() is None or _key(source()) != k]:
+def _current(entry_key: tuple, entry: _Packing) -> bool:
+    """The sources are alive and unchanged: an address can be reused by a new tensor, and weights edited in place."""
+    sources = [ref() for ref in entry.sources]
+    return all(s is not None for s in sources) and tuple(_key(s) for s in sources) == entry_key[1]
+
+
+def _memoized(layout: str, weights, pack) -> torch.Tensor:
+    key = (layout, tuple(_key(w) for w in weights))
+    hit = _packed_cache.get(key)
+    if hit is not None and _current(key, hit):
+        return hit.packed
+    packed = pack()
+    _packed_cache[key] = _Packing(tuple(weakref.ref(w) for w in weights), packed)
+    for stale in [k for k, entry in _packed_cache.items() if not _current(k, entry)]:
         del _packed_cache[stale]
     return packed
 
 
+def _pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    return _memoized("linear", [weight], lambda: pack_linear_weight_reference(weight))
+
+
+def _pack_fused_linear_weight(weights: list[torch.Tensor]) -> torch.Tensor:
+    return _memoized("fused", weights, lambda: pack_fused_linear_weight_reference(weights))
+
+
+def _pack_gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _memoized("gate_up", [gate, up], lambda: pack_gate_up_weight_reference(gate, up))
+
+
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy made of ``weight`` by the last pack_linear_weight call, if it is current."""
-    key = _key(weight)
-    hit = _packed_cache.get(key)
-    if hit is None:
-        return None
-    source = hit[0]()
-    # The source must still live in the same storage: an address can be reused by a new tensor.
-    return hit[1] if source is not None and _key(source) == key else None
+    """The current packed tensor that holds ``weight`` (alone or with its siblings), if any."""
+    for key, entry in _packed_cache.items():
+        if any(ref() is weight for ref in entry.sources) and _current(key, entry):
+            return entry.packed
+    return None
 
 
-def keep_only_packed(weight: torch.nn.Parameter) -> int:
-    """Release ``weight``'s unpacked storage: its data becomes a view of its packed copy.
+def keep_only_packed(exclusive: set[int]) -> tuple[int, int]:
+    """Release the unpacked storage of packed parameters whose ``id`` is in ``exclusive``.
 
-    Afterwards memory holds the weight once. The parameter keeps its shape but its
-    values are in packed order, so only tilefx graphs (where every use of it was
-    packed) may read it; packing it again returns the same packed tensor, so a graph
-    compiled later still computes correctly. Returns the bytes released (0 when the
-    packed copy is padded and cannot stand in for the parameter).
+    Each such parameter's data becomes a view of its part of the packed tensor (the
+    weights of a group lie one after another there, or interleaved block by block),
+    so memory holds it once. The parameter keeps its shape but its values are in
+    packed order: only tilefx graphs (where every use of it was packed) may read it.
+    Packing the group again returns the same packed tensor, so a graph compiled later
+    still computes correctly. Returns (bytes released, packed weights kept unpacked:
+    padded packings, which cannot stand in for their parameters).
     """
-    packed = packed_copy(weight)
-    if packed is None or packed.numel() != weight.numel():
-        return 0
-    if packed.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
-        return 0  # already released
-    released = weight.untyped_storage().nbytes()
-    del _packed_cache[_key(weight)]
-    weight.data = packed.view(weight.shape)
-    _packed_cache[_key(weight)] = (weakref.ref(weight), packed)
-    return released
+    current = {key: entry for key, entry in _packed_cache.items() if _current(key, entry)}
+    packings_of = collections.Counter(id(ref()) for entry in current.values() for ref in entry.sources)
+    # A weight packed in two layouts stays: its data cannot be both packed tensors.
+    exclusive = {i for i in exclusive if packings_of[i] == 1}
+    released = kept = 0
+    for key, entry in current.items():
+        sources = [ref() for ref in entry.sources]
+        if not any(id(s) in exclusive for s in sources):
+            continue
+        flat = entry.packed.view(-1)
+        if flat.numel() != sum(s.numel() for s in sources):
+            kept += sum(id(s) in exclusive for s in sources)
+            continue
+        offset = 0
+        for source in sources:
+            if id(source) in exclusive and source.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                released += source.untyped_storage().nbytes()
+                source.data = flat[offset : offset + source.numel()].view(source.shape)
+            offset += source.numel()
+        del _packed_cache[key]
+        _packed_cache[(key[0], tuple(_key(s) for s in sources))] = entry
+    return released, kept
 
 
 def linear_reference(x, packed_weight, bias, out_features):
@@ -103,6 +183,14 @@ def linear_reference(x, packed_weight, bias, out_features):
     return out.to(x.dtype)
 
 
+def linear_silu_mul_reference(x, packed_gate_up, out_features):
+    """The specification: ``silu(x @ gate.T) * (x @ up.T)`` in fp32, rounded to x's dtype."""
+    _check_gate_up(x, packed_gate_up, out_features)
+    gate, up = unpack_gate_up_weight(packed_gate_up, out_features, x.shape[-1])
+    xf = x.float()
+    return (torch.nn.functional.silu(xf @ gate.float().T) * (xf @ up.float().T)).to(x.dtype)
+
+
 def _check(x, packed_weight, bias, out_features) -> None:
     torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
@@ -112,8 +200,20 @@ def _check(x, packed_weight, bias, out_features) -> None:
                          f"x [..., {x.shape[-1]}] -> {out_features} features")
 
 
+def _check_gate_up(x, packed_gate_up, out_features) -> None:
+    blocks, pairs, _, _ = _packed_shape(out_features, x.shape[-1])
+    torch._check(packed_gate_up.dim() == 4 and tuple(packed_gate_up.shape) == (2 * blocks, pairs, BLOCK_N, 2),
+                 lambda: f"tilefx.linear_silu_mul: packed weight {tuple(packed_gate_up.shape)} does not fit "
+                         f"x [..., {x.shape[-1]}] -> {out_features} features; use pack_gate_up_weight")
+
+
 def _linear_fake(x, packed_weight, bias, out_features):
     _check(x, packed_weight, bias, out_features)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_silu_mul_fake(x, packed_gate_up, out_features):
+    _check_gate_up(x, packed_gate_up, out_features)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -121,20 +221,46 @@ def _pack_fake(weight):
     return weight.new_empty(_packed_shape(*weight.shape))
 
 
-_LINEAR_SCHEMA = "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor"
+def _pack_fused_fake(weights):
+    _check_siblings(weights, "pack_fused_linear_weight", last_may_be_partial=True)
+    return weights[0].new_empty(_packed_shape(sum(w.shape[0] for w in weights), weights[0].shape[1]))
+
+
+def _pack_gate_up_fake(gate, up):
+    _check_siblings([gate, up], "pack_gate_up_weight", last_may_be_partial=False)
+    blocks, pairs, _, _ = _packed_shape(*gate.shape)
+    return gate.new_empty((2 * blocks, pairs, BLOCK_N, 2))
+
+
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
-_LIB.define("pack_linear_weight(Tensor weight) -> Tensor")
-_LIB.impl("pack_linear_weight", lambda weight: _pack_linear_weight(weight), "CPU")
-torch.library.register_fake("tilefx::pack_linear_weight", _pack_fake, lib=_LIB)
-# linear: the native CPU kernel (registered by custom_ops/__init__.py) takes the current
-# kernel path; on the reference path, or without the native library, linear_portable runs.
-_LIB.define("linear_portable" + _LINEAR_SCHEMA)
-_LIB.impl("linear_portable", linear_reference, "CPU")
-_LIB.define("linear" + _LINEAR_SCHEMA)
-if isa.native is None:
-    _LIB.impl("linear", linear_reference, "CPU")
-for _name in ("linear", "linear_portable"):
-    torch.library.register_fake(f"tilefx::{_name}", _linear_fake, lib=_LIB)
+for _name, _schema, _impl, _fake in (
+    ("pack_linear_weight", "(Tensor weight) -> Tensor", _pack_linear_weight, _pack_fake),
+    ("pack_fused_linear_weight", "(Tensor[] weights) -> Tensor", _pack_fused_linear_weight, _pack_fused_fake),
+    ("pack_gate_up_weight", "(Tensor gate, Tensor up) -> Tensor", _pack_gate_up_weight, _pack_gate_up_fake),
+):
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _impl, "CPU")
+    torch.library.register_fake(f"tilefx::{_name}", _fake, lib=_LIB)
+
+# linear, linear_silu_mul: the native CPU kernels (registered by custom_ops/__init__.py) take
+# the current kernel path; on the reference path, or without the native library, the
+# *_portable ops run the references.
+for _name, _schema, _reference, _fake in (
+    ("linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor", linear_reference,
+     _linear_fake),
+    ("linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor", linear_silu_mul_reference,
+     _linear_silu_mul_fake),
+):
+    _LIB.define(f"{_name}_portable{_schema}")
+    _LIB.impl(f"{_name}_portable", _reference, "CPU")
+    _LIB.define(_name + _schema)
+    if isa.native is None:
+        _LIB.impl(_name, _reference, "CPU")
+    for _op in (_name, f"{_name}_portable"):
+        torch.library.register_fake(f"tilefx::{_op}", _fake, lib=_LIB)
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
+pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
+pack_gate_up_weight = torch.ops.tilefx.pack_gate_up_weight.default
 linear = torch.ops.tilefx.linear.default
+linear_silu_mul = torch.ops.tilefx.linear_silu_mul.default

@@ -80,14 +80,8 @@ class TilefxRuntime:
             for result in graph.passes:
                 exclusive |= result.packed_exclusively
                 shared |= result.packed_shared
-        released = kept = 0
-        for parameter in self.model.parameters():
-            if id(parameter) in exclusive and id(parameter) not in shared:
-                freed = linear_ops.keep_only_packed(parameter)
-                released += freed
-                kept += freed == 0
-            elif id(parameter) in shared:
-                kept += 1
+        released, kept = linear_ops.keep_only_packed(exclusive - shared)
+        kept += len(shared)
         self.report.released_bytes, self.report.kept_unpacked = released, kept
 
     # -- forward -----------------------------------------------------------------------

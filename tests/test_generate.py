@@ -119,14 +119,14 @@ def test_weights_are_packed_at_compile_time_and_held_once(pair, monkeypatch):
 
     _, compiled = pair
     pack_calls = []
-    original = linear_ops._pack_linear_weight
-    monkeypatch.setattr(linear_ops, "_pack_linear_weight", lambda w: pack_calls.append(w) or original(w))
+    original = linear_ops.pack_linear_weight_reference  # what every packing op ends in
+    monkeypatch.setattr(linear_ops, "pack_linear_weight_reference", lambda w: pack_calls.append(w) or original(w))
     ids, mask = padded_batch([_prompt(6, 3)])
     compiled.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert pack_calls == []  # constant-folded when the graphs were compiled
     linears = [m for m in compiled.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * compiled.config.num_hidden_layers + 1
-    for module in linears:  # the parameter's storage is the packed copy: one copy in memory
+    for module in linears:  # the parameter's storage is the (fused) packed copy: one copy in memory
         packed = linear_ops.packed_copy(module.weight)
         assert packed is not None
         assert packed.untyped_storage().data_ptr() == module.weight.untyped_storage().data_ptr()

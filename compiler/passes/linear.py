@@ -1,10 +1,20 @@
-"""Linear pass: ``linear(x, W, b)`` -> ``tilefx.linear(x, tilefx.pack_linear_weight(W), b, N)``.
+"""Linear pass: every ``linear(x, W, b)`` -> ``tilefx.linear`` over a weight packed at compile time.
 
 Matches every ``torch._C._nn.linear`` / ``F.linear`` call of the Dynamo (Torch IR)
-graph. With Inductor's freezing, parameters are constants, so the inserted
-``pack_linear_weight`` is constant-folded: each weight is packed once when the
-graph is compiled, the graph keeps only the packed copy, and the graphs of one
-model share it (packing is memoized per weight, custom_ops/linear.py).
+graph. With Inductor's freezing, parameters are constants, so the inserted packing
+op is constant-folded: each weight is packed once when the graph is compiled, the
+graph keeps only the packed copy, and the graphs of one model share it (packing is
+memoized, custom_ops/linear.py).
+
+Sibling linears, several weights applied to one input, become one call (``fuse``):
+decode then streams them as one weight, and small projections (k/v: 0.5-2 MB,
+where a call's fixed cost is a large part) stop being separate calls.
+
+- ``silu(linear(x, G)) * linear(x, U)`` (a gated MLP, also a shared expert) ->
+  ``tilefx.linear_silu_mul(x, pack_gate_up_weight(G, U), I)``: SiLU-and-mul is the
+  GEMM's epilogue, the gate and up outputs never go to memory.
+- other siblings (q/k/v) -> one ``tilefx.linear`` over ``pack_fused_linear_weight``
+  whose output is narrowed back into each linear's result.
 
 Preconditions (else the linear is left alone and the reason recorded): freezing
 on (otherwise packing would run every call), the weight is a 2-D bf16 model
@@ -13,10 +23,13 @@ parameter, x is bf16, the bias (if any) is a 1-D bf16 parameter.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
+from tilefx.custom_ops.linear import BLOCK_N
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -44,33 +57,55 @@ def _linear_args(node: torch.fx.Node):
     return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
 
 
+def _is_silu(node) -> bool:
+    return node.op == "call_function" and node.target in (torch.nn.functional.silu, torch._C._nn.silu) and not (
+        node.kwargs.get("inplace") or (len(node.args) > 1 and node.args[1]))
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
 class LinearPass(TilefxPass):
     name = "linear"
 
-    def __init__(self, freezing: bool = True):
+    def __init__(self, freezing: bool = True, fuse: bool = True):
         self.freezing = freezing
+        self.fuse = fuse
 
     def option_key(self) -> str:
-        return f"freezing={self.freezing}"
+        return f"freezing={self.freezing},fuse={self.fuse}"
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
-        packed_weights = {}
+        siblings: dict[tuple, list[torch.fx.Node]] = {}  # (x, has bias) -> packable linears, in graph order
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR]:
-            x, weight, bias = _linear_args(node)
-            why = self._rewrite(graph, node, x, weight, bias)
+            why = self._why_not(*_linear_args(node))
             if why is None:
-                result.rewritten += 1
-                packed_weights[weight] = _parameter(weight)
+                x, _, bias = _linear_args(node)
+                siblings.setdefault((x, bias is not None), []).append(node)
             else:
                 result.skip(node.name, why)
-        pack = torch.ops.tilefx.pack_linear_weight.default
-        for weight, parameter in packed_weights.items():
-            only_packed = all(user.op == "call_function" and user.target is pack for user in weight.users)
-            (result.packed_exclusively if only_packed else result.packed_shared).add(id(parameter))
+        weights = []
+        for (x, _), nodes in siblings.items():
+            groups = self._groups(nodes) if self.fuse else [("single", [n]) for n in nodes]
+            for kind, group in groups:
+                weights += [_linear_args(n)[1] for n in group]
+                result.rewritten += len(group)
+                if kind == "gate_up":
+                    self._gate_up(graph, x, *group)
+                elif len(group) == 1:
+                    self._single(graph, group[0])
+                else:
+                    self._fused(graph, x, group)
+        packing = {torch.ops.tilefx.pack_linear_weight.default, torch.ops.tilefx.pack_fused_linear_weight.default,
+                   torch.ops.tilefx.pack_gate_up_weight.default}
+        for weight in weights:
+            only_packed = all(user.op == "call_function" and user.target in packing for user in weight.users)
+            (result.packed_exclusively if only_packed else result.packed_shared).add(id(_parameter(weight)))
         return result
 
-    def _rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node, x, weight, bias) -> str | None:
+    def _why_not(self, x, weight, bias) -> str | None:
         if not self.freezing:
             return "freezing is off: weights are not constants, packing would run every call"
         x_val, w_val = example_value(x), example_value(weight)
@@ -80,10 +115,79 @@ class LinearPass(TilefxPass):
             return f"dtype {w_val.dtype} (x {None if x_val is None else x_val.dtype}): packed linear is bf16 only"
         if bias is not None and not (_is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
             return "bias is not a bf16 model parameter"
+        return None
+
+    @staticmethod
+    def _groups(nodes: list[torch.fx.Node]) -> list[tuple[str, list[torch.fx.Node]]]:
+        """Gate/up pairs (``silu(a) * b``), then the rest as one group (the block-aligned ones first)."""
+        groups, taken = [], set()
+        for gate in nodes:
+            silu = _only_user(gate)
+            mul = _only_user(silu) if silu is not None and _is_silu(silu) else None
+            if mul is None or mul.target is not operator.mul or len(mul.args) != 2 or mul.kwargs:
+                continue
+            up = mul.args[1] if mul.args[0] is silu else mul.args[0]
+            width = example_value(gate).shape[-1]
+            if (up in nodes and up not in taken and gate not in taken and up is not gate and _only_user(up) is mul
+                    and _linear_args(gate)[2] is None and _linear_args(up)[2] is None
+                    and example_value(up).shape[-1] == width and width % BLOCK_N == 0):
+                groups.append(("gate_up", [gate, up]))
+                taken |= {gate, up}
+        rest = [n for n in nodes if n not in taken]
+        aligned = [n for n in rest if example_value(n).shape[-1] % BLOCK_N == 0]
+        ragged = [n for n in rest if n not in aligned]
+        if len(aligned) > 1 or (aligned and ragged):
+            groups.append(("fused", aligned + ragged[:1]))
+            ragged = ragged[1:]
+        else:
+            ragged = aligned + ragged
+        return groups + [("single", [n]) for n in ragged]
+
+    @staticmethod
+    def _single(graph, node) -> None:
+        x, weight, bias = _linear_args(node)
         with graph.inserting_before(node):
             packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (weight,))
-            fused = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, bias, int(w_val.shape[0])))
-        fused.meta.update(node.meta)
-        node.replace_all_uses_with(fused)
-        graph.erase_node(node)
-        return None
+            fused = graph.call_function(torch.ops.tilefx.linear.default,
+                                        (x, packed, bias, int(example_value(weight).shape[0])))
+        _replace(graph, node, fused)
+
+    @staticmethod
+    def _gate_up(graph, x, gate, up) -> None:
+        mul = _only_user(up)
+        width = int(example_value(gate).shape[-1])
+        with graph.inserting_before(mul):
+            packed = graph.call_function(torch.ops.tilefx.pack_gate_up_weight.default,
+                                         (_linear_args(gate)[1], _linear_args(up)[1]))
+            fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width))
+        silu = _only_user(gate)
+        _replace(graph, mul, fused)
+        graph.erase_node(silu)
+        graph.erase_node(gate)
+        graph.erase_node(up)
+
+    @staticmethod
+    def _fused(graph, x, group) -> None:
+        weights = [_linear_args(n)[1] for n in group]
+        biases = [_linear_args(n)[2] for n in group]
+        widths = [int(example_value(w).shape[0]) for w in weights]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        first = min(group, key=order.__getitem__)
+        for const in [*weights, *biases]:  # Dynamo puts frozen parameters' get_attr right before their use
+            if const is not None and order[const] > order[first]:
+                first.prepend(const)
+        with graph.inserting_before(first):
+            packed = graph.call_function(torch.ops.tilefx.pack_fused_linear_weight.default, (weights,))
+            bias = None if biases[0] is None else graph.call_function(torch.cat, (biases,))
+            fused = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, bias, sum(widths)))
+            fused.meta["example_value"] = example_value(x).new_empty((*example_value(x).shape[:-1], sum(widths)))
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
+        for node, part in zip(group, parts):
+            _replace(graph, node, part)
+
+
+def _replace(graph, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)

@@ -22,11 +22,18 @@ struct LinearProblem {
   uint16_t* y;            // [M, N] bf16 bits
   int64_t M, N, K_pairs;  // K_pairs = padded K / 2
   int64_t ldx;
+  // Gate/up epilogue: the packed weight interleaves blocks of a gate and an up
+  // projection (block 2j = gate columns [32j, 32j + 32), block 2j + 1 = the same
+  // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).
+  bool silu_mul;
 };
 
-// Columns blocks [block_begin, block_end) of y for every row. `scratch` holds
-// max(M, 2) * kBlockN floats.
+// Column blocks [block_begin, block_end) of y for every row. `scratch` holds
+// 2 * max(M, 2) * kBlockN floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+
+// bf16 -> fp32, n values.
+void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
 
 // Streaming read of `bytes` bytes (multiple of 128 * streams) starting at `data`, as
 // `streams` (1 or 2) concurrent sequential streams; returns a value that depends on

@@ -133,6 +133,48 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   }
 }
 
+// silu(g) * u = g * u / (1 + exp(-g)), in fp32.
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+  return _mm256_div_ps(_mm256_mul_ps(g, u), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+// Gate and up results (fp32, rows of kBlockN) -> y = silu(gate) * up (bf16), columns
+// [col0, col0 + kBlockN) clipped to N.
+static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const float* gate, const float* up) {
+  const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const float* g = gate + m * kBlockN;
+    const float* u = up + m * kBlockN;
+    uint16_t* y = p.y + m * p.N + col0;
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) store_bf16x8(y + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+    for (; j < cols; ++j) y[j] = float_to_bf16(g[j] * u[j] / (1.0f + __builtin_expf(-g[j])));
+  }
+}
+
+// Output blocks [begin, end) of the gate/up epilogue: the gate and up blocks of each
+// are adjacent in the packed weight; for M = 1 they are read as two streams at once.
+static void gate_up_blocks(const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
+  const int64_t block_elems = p.K_pairs * kPairStride;
+  float* gate = scratch;
+  float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
+  for (int64_t j = begin; j < end; ++j) {
+    const uint16_t* w_gate = p.w + 2 * j * block_elems;
+    const uint16_t* w_up = w_gate + block_elems;
+    if (p.M == 1) {
+      gemv_row_two_blocks(p.x, w_gate, w_up, p.K_pairs, gate, up);
+    } else if (p.M == 2) {
+      gemv_two_rows(p.x, p.ldx, w_gate, p.K_pairs, gate);
+      gemv_two_rows(p.x, p.ldx, w_up, p.K_pairs, up);
+    } else {
+      gemm_block(p, w_gate, gate);
+      gemm_block(p, w_up, up);
+    }
+    store_block_silu_mul(p, j * kBlockN, gate, up);
+  }
+}
+
 // c (fp32, rows of kBlockN) + bias -> y (bf16), columns [col0, col0 + kBlockN) clipped to N.
 static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
@@ -152,6 +194,7 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
 }  // namespace
 
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  if (p.silu_mul) return gate_up_blocks(p, block_begin, block_end, scratch);
   const int64_t block_elems = p.K_pairs * kPairStride;
   if (p.M == 1) {
     const int64_t half = (block_end - block_begin) / 2;
@@ -175,6 +218,12 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
     }
     store_block(p, nb * kBlockN, scratch);
   }
+}
+
+void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+  for (; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
 namespace {

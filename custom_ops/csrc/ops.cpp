@@ -52,27 +52,46 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
-// Arguments checked by linear_cpu.
+// Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
+// here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
+// thread-local buffer, not an ATen temporary.
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
+                       int64_t out_features, bool silu_mul) {
   const int64_t in_features = x.size(-1);
-  const int64_t k_pairs = packed.size(1);
-  const at::Tensor x2 = x.reshape({-1, in_features});
+  const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
+  const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
   const int64_t rows = x2.size(0);
-  // fp32 activations with K padded to even: converted once, reused by every block.
-  at::Tensor xf = at::empty({rows, 2 * k_pairs}, x.options().dtype(at::kFloat));
-  xf.narrow(1, 0, in_features).copy_(x2);
-  if (2 * k_pairs > in_features) xf.narrow(1, in_features, 1).zero_();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
   at::Tensor y = at::empty(out_shape, x.options());
   if (rows == 0) return y;
 
-  LinearProblem p{xf.data_ptr<float>(), bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs,
-                  2 * k_pairs};
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(std::max<int64_t>(rows, 2) * kBlockN);
+  // fp32 activations with K padded to even, converted once and reused by every block.
+  constexpr int64_t kReusedFloats = 1 << 16;
+  thread_local std::vector<float> reused;
+  at::Tensor xf_tensor;
+  float* xf;
+  if (rows * ldx <= kReusedFloats) {
+    reused.resize(kReusedFloats);
+    xf = reused.data();
+  } else {
+    xf_tensor = at::empty({rows, ldx}, x.options().dtype(at::kFloat));
+    xf = xf_tensor.data_ptr<float>();
+  }
+  const uint16_t* x_bits = bf16_bits(x2);
+  for (int64_t m = 0; m < rows; ++m) {
+    bf16_to_float_avx2(x_bits + m * in_features, xf + m * ldx, in_features);
+    if (ldx > in_features) xf[m * ldx + in_features] = 0.0f;
+  }
+
+  LinearProblem p{xf, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs, ldx,
+                  silu_mul};
+  const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
+  const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     linear_blocks_avx2(p, begin, end, scratch.data());
   });
   return y;
@@ -222,13 +241,32 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::
   if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
     check_packed(x, packed, bias, out_features);
     return path() == Path::amx ? linear_amx(x, packed, bias, out_features)
-                               : linear_avx2(x, packed, bias, out_features);
+                               : linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false);
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::linear_portable", "")
                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
                                                      const c10::optional<at::Tensor>&, int64_t)>();
   return portable.call(x, packed, bias, out_features);
+}
+
+at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
+    const int64_t blocks = (out_features + kBlockN - 1) / kBlockN;
+    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == 2 * blocks,
+                "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", 2 * blocks,
+                " blocks for ", out_features, " features), got ", packed.sizes());
+    check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
+    if (path() == Path::avx2) return linear_avx2(x, packed, c10::nullopt, out_features, /*silu_mul=*/true);
+    // AMX: one GEMM over the interleaved blocks, then the epilogue in ATen.
+    const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
+    const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
+    return (at::silu(gate) * up).flatten(-2).narrow(-1, 0, out_features).to(at::kBFloat16);
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::linear_silu_mul_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return portable.call(x, packed, out_features);
 }
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
@@ -253,6 +291,7 @@ void register_cpu_kernels() {
   cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "tilefx", c10::DispatchKey::CPU, __FILE__,
                                                  __LINE__);
   cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
+  cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
   cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
 }

@@ -1,4 +1,8 @@
-"""The linear pass on captured graphs: every linear -> tilefx.linear over a packed weight; outputs equal eager."""
+"""The linear pass on captured graphs: every linear -> a tilefx op over a packed weight; outputs equal eager.
+
+With sibling fusion (the default) each layer runs q/k/v as one tilefx.linear and
+gate/up as one tilefx.linear_silu_mul; without it, one tilefx.linear per linear.
+"""
 
 from __future__ import annotations
 
@@ -23,24 +27,31 @@ def linears_per_model(config) -> int:
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-@pytest.mark.parametrize("batch,seq", [(1, 1), (1, 6), (2, 3)])
-def test_rewrites_every_linear_and_matches_eager(family, batch, seq):
+@pytest.mark.parametrize("batch,seq,fuse", [(1, 1, True), (1, 6, True), (2, 3, True), (2, 3, False)])
+def test_rewrites_every_linear_and_matches_eager(family, batch, seq, fuse):
     torch._dynamo.reset()
     model = build_model(family, seed=5)
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
 
-    backend = PassTestBackend(AttentionPass(), LinearPass())
+    backend = PassTestBackend(AttentionPass(), LinearPass(fuse=fuse))
     cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
     cache.start(batch)
     got = run(model, cache, ids, backend)
 
-    expected = linears_per_model(model.config)
+    expected, layers = linears_per_model(model.config), model.config.num_hidden_layers
     before, after = backend.before[0], backend.after[0]
     assert count(before, is_linear) == expected
     assert count(after, is_linear) == 0
-    assert count(after, is_op("linear")) == expected and count(after, is_op("pack_linear_weight")) == expected
+    if fuse:  # per layer: q/k/v fused, o, gate/up fused with SiLU-and-mul, down; then lm_head
+        assert count(after, is_op("linear")) == 3 * layers + 1
+        assert count(after, is_op("pack_fused_linear_weight")) == layers
+        assert count(after, is_op("linear_silu_mul")) == count(after, is_op("pack_gate_up_weight")) == layers
+        assert count(after, is_op("pack_linear_weight")) == 2 * layers + 1
+        assert count(after, lambda n: n.target is torch.nn.functional.silu) == 0
+    else:
+        assert count(after, is_op("linear")) == expected and count(after, is_op("pack_linear_weight")) == expected
     linear_result = backend.results[1]
     assert linear_result.rewritten == expected and not linear_result.fallbacks
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -1,4 +1,4 @@
-"""tilefx.linear and pack_linear_weight: every kernel path vs an fp32 matmul of the unpacked weight; opcheck."""
+"""tilefx.linear / linear_silu_mul and the packing ops: every kernel path vs fp32 matmuls of the unpacked weights; opcheck."""
 
 from __future__ import annotations
 
@@ -75,10 +75,79 @@ def test_rejects_unpacked_weight():
         linear_ops.linear(torch.randn(1, 8).to(torch.bfloat16), torch.randn(4, 8).to(torch.bfloat16), None, 4)
 
 
+def _gate_up_problem(rows, width, in_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows, in_features, generator=g).to(torch.bfloat16)
+    gate, up = ((torch.randn(width, in_features, generator=g) * 2 / in_features**0.5).to(torch.bfloat16)
+                for _ in range(2))
+    xf = x.float()
+    want = torch.nn.functional.silu(xf @ gate.float().T) * (xf @ up.float().T)
+    return x, gate, up, want
+
+
+@pytest.mark.parametrize("rows,width,in_features", [
+    ((1,), 64, 64),  # decode: gate and up blocks as two streams
+    ((1,), 32, 7),  # one block, odd K
+    ((2,), 96, 130),  # batch-2 decode
+    ((3,), 32, 129),  # smallest GEMM
+    ((2, 37), 160, 300),  # prefill: rows not a multiple of the tile, K spanning two panels
+])
+def test_linear_silu_mul_matches_reference(kernel_path, rows, width, in_features):
+    x, gate, up, want = _gate_up_problem(rows, width, in_features, seed=width + in_features)
+    packed = linear_ops.pack_gate_up_weight(gate, up)
+    got = linear_ops.linear_silu_mul(x, packed, width)
+    assert got.shape == (*rows, width) and got.dtype == torch.bfloat16
+    assert _relative_error(got, want) < 1e-2
+    assert (want.abs() > 0.1).any() and (want < -0.01).any()  # SiLU's negative side is exercised
+
+
+def test_gate_up_packing_interleaves_blocks():
+    gate, up = torch.randn(64, 10).to(torch.bfloat16), torch.randn(64, 10).to(torch.bfloat16)
+    packed = linear_ops.pack_gate_up_weight_reference(gate, up)
+    assert packed.shape == (4, 5, 32, 2)
+    assert torch.equal(linear_ops.unpack_linear_weight(packed[1:2], 32, 10), up[:32])  # gate 0, up 0, gate 1, up 1
+    got_gate, got_up = linear_ops.unpack_gate_up_weight(packed, 64, 10)
+    assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        linear_ops.pack_gate_up_weight_reference(gate[:40], up[:40])
+
+
+def test_fused_packing_is_the_packed_concatenation(kernel_path):
+    x, q, b, _ = _problem((2,), 64, 48, True, seed=7)
+    k, v = torch.randn(32, 48).to(torch.bfloat16), torch.randn(20, 48).to(torch.bfloat16)  # last may be ragged
+    packed = linear_ops.pack_fused_linear_weight([q, k, v])
+    assert torch.equal(packed, linear_ops.pack_linear_weight_reference(torch.cat([q, k, v])))
+    got = linear_ops.linear(x, packed, None, 116)
+    want = x.float() @ torch.cat([q, k, v]).float().T
+    assert _relative_error(got, want) < 1e-2
+    assert linear_ops.pack_fused_linear_weight([q, k, v]) is packed  # memoized per group
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        linear_ops.pack_fused_linear_weight([v, q])
+
+
+def test_release_makes_each_weight_a_view_of_its_packing():
+    q, k = torch.randn(64, 16).to(torch.bfloat16), torch.randn(32, 16).to(torch.bfloat16)
+    gate, up = torch.randn(32, 16).to(torch.bfloat16), torch.randn(32, 16).to(torch.bfloat16)
+    fused = linear_ops.pack_fused_linear_weight([q, k])
+    gate_up = linear_ops.pack_gate_up_weight(gate, up)
+    released, kept = linear_ops.keep_only_packed({id(q), id(k), id(gate), id(up)})
+    assert (released, kept) == (sum(w.nbytes for w in (q, k, gate, up)), 0)
+    for weight, packed in ((q, fused), (k, fused), (gate, gate_up), (up, gate_up)):
+        assert weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    assert torch.equal(k.view(-1), fused[2:].reshape(-1))  # k is exactly its blocks
+    # packing again (a graph compiled later) returns the same packed tensors
+    assert linear_ops.pack_fused_linear_weight([q, k]) is fused
+    assert linear_ops.pack_gate_up_weight(gate, up) is gate_up
+
+
 def test_opcheck(kernel_path):
     x, weight, b, _ = _problem((3,), 40, 18, True, seed=5)
     torch.library.opcheck(linear_ops.pack_linear_weight, (weight,))
     torch.library.opcheck(linear_ops.linear, (x, linear_ops.pack_linear_weight_reference(weight), b, 40))
+    torch.library.opcheck(linear_ops.pack_fused_linear_weight, ([weight[:32], weight[32:]],))
+    x, gate, up, _ = _gate_up_problem((2,), 32, 18, seed=5)
+    torch.library.opcheck(linear_ops.pack_gate_up_weight, (gate, up))
+    torch.library.opcheck(linear_ops.linear_silu_mul, (x, linear_ops.pack_gate_up_weight_reference(gate, up), 32))
 
 
 @pytest.mark.parametrize("path", ["reference", "avx2"])
