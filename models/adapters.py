@@ -2,12 +2,159 @@
 
 Adding a family means adding a row to ``ADAPTERS``, not editing passes. An adapter
 names the HF classes that hold the regions the passes rewrite, the config fields
-that give the attention dims, and what is special about the family's attention.
+that give the attention dims, and what is special about the family's attention
+(MLA) and MoE blocks: which rule routes tokens (``ROUTING_RULES``), which layers
+are sparse (``SPARSE_LAYER_RULES``) and how shared experts are added.
+
+What the rows describe is transformers 5.x (checked on 5.23): every MoE block holds
+its experts as fused 3-D parameters, ``experts.gate_up_proj [E, 2I, H]`` (gate rows
+first, then up rows) and ``experts.down_proj [E, H, I]``; ``experts(x, ids, weights)``
+computes ``sum_k weights[:, k] * down(silu(gate(x)) * up(x))`` for the ids the
+router chose; the router (``block.gate``) returns ``(logits, weights, ids)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The arguments of the tilefx router op that computes exactly what a family's HF router computes.
+
+    ``op`` is ``"topk_softmax"`` or ``"grouped_topk"`` (custom_ops/moe.py documents both);
+    the remaining fields are that op's arguments. ``correction_bias``: selection adds the
+    router's ``e_score_correction_bias`` buffer (DeepSeek-V3 "noaux_tc").
+    ``weights_in_model_dtype``: HF rounds the routing weights to the model dtype (bf16)
+    before the expert combine (Qwen-MoE); otherwise they stay fp32 (Mixtral, DeepSeek).
+    """
+
+    op: str
+    top_k: int
+    renormalize: bool
+    num_expert_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False
+    weights_in_model_dtype: bool = False
+
+    def route(self, router_logits, correction_bias=None):
+        """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for ``router_logits [T, E]``, through the tilefx op."""
+        import tilefx.custom_ops  # noqa: F401  (defines the ops)
+
+        if self.correction_bias != (correction_bias is not None):
+            raise ValueError(
+                f"routing with correction_bias={self.correction_bias} got "
+                f"{'a' if correction_bias is not None else 'no'} correction bias tensor; pass the router's "
+                f"e_score_correction_bias exactly when the family uses one"
+            )
+        if self.op == "topk_softmax":
+            return torch.ops.tilefx.topk_softmax(router_logits, self.top_k, self.renormalize)
+        return torch.ops.tilefx.grouped_topk(
+            router_logits, correction_bias, self.top_k, self.num_expert_group, self.topk_group,
+            self.scoring_func, self.renormalize, self.routed_scaling_factor,
+        )
+
+
+def _topk_softmax_routing(config) -> Routing:  # Qwen2-MoE, Qwen3-MoE: renormalize per config
+    return Routing("topk_softmax", config.num_experts_per_tok, bool(config.norm_topk_prob), weights_in_model_dtype=True)
+
+
+def _mixtral_routing(config) -> Routing:  # always renormalized, no config field
+    return Routing("topk_softmax", config.num_experts_per_tok, True)
+
+
+def _deepseek_v2_routing(config) -> Routing:
+    # HF 5.x DeepseekV2TopkRouter never renormalizes (it ignores norm_topk_prob) and
+    # groups only for topk_method "group_limited_greedy" (group score = max in group).
+    if config.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(
+            f"deepseek_v2 topk_method={config.topk_method!r}: transformers routes only 'greedy' and "
+            f"'group_limited_greedy'; use one of those (or model_type deepseek_v3 for 'noaux_tc')"
+        )
+    grouped = config.topk_method == "group_limited_greedy"
+    return Routing(
+        "grouped_topk",
+        config.num_experts_per_tok,
+        renormalize=False,
+        num_expert_group=config.n_group if grouped else 1,
+        topk_group=config.topk_group if grouped else 1,
+        routed_scaling_factor=float(config.routed_scaling_factor),
+    )
+
+
+def _deepseek_v3_routing(config) -> Routing:
+    # HF 5.x DeepseekV3TopkRouter is always "noaux_tc": sigmoid scores, + e_score_correction_bias
+    # for choosing only, groups scored by their two best biased scores (topk_method and
+    # scoring_func in the config are not read).
+    return Routing(
+        "grouped_topk",
+        config.num_experts_per_tok,
+        renormalize=bool(config.norm_topk_prob),
+        num_expert_group=config.n_group,
+        topk_group=config.topk_group,
+        scoring_func="sigmoid",
+        routed_scaling_factor=float(config.routed_scaling_factor),
+        correction_bias=True,
+    )
+
+
+ROUTING_RULES = {
+    "topk_softmax": _topk_softmax_routing,
+    "mixtral": _mixtral_routing,
+    "deepseek_v2": _deepseek_v2_routing,
+    "deepseek_v3": _deepseek_v3_routing,
+}
+
+
+def _every_layer(config, layer: int) -> bool:
+    return True
+
+
+def _decoder_sparse_step(config, layer: int) -> bool:  # Qwen-MoE
+    return (
+        layer not in (config.mlp_only_layers or [])
+        and config.num_experts > 0
+        and (layer + 1) % config.decoder_sparse_step == 0
+    )
+
+
+def _after_first_k_dense(config, layer: int) -> bool:  # DeepSeek: the first k layers keep a dense MLP
+    return layer >= config.first_k_dense_replace
+
+
+SPARSE_LAYER_RULES = {
+    "every_layer": _every_layer,
+    "decoder_sparse_step": _decoder_sparse_step,
+    "first_k_dense_replace": _after_first_k_dense,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """A family's sparse MoE block (``decoder_layer.mlp`` on the layers the sparse-layer rule picks)."""
+
+    block_class: str  # the sparse block: router ``gate`` + ``experts`` (+ shared experts)
+    router_class: str  # ``gate``: forward(x) -> (logits, topk_weights, topk_ids)
+    experts_class: str  # ``experts``: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+    routing: str  # key of ROUTING_RULES
+    sparse_layers: str  # key of SPARSE_LAYER_RULES
+    num_experts_field: str  # config field holding the number of routed experts
+    expert_size_field: str  # config field holding I, each routed expert's intermediate size
+    # "none"; "added": block output += shared(x) (DeepSeek ``shared_experts``);
+    # "sigmoid_gated": += sigmoid(shared_expert_gate(x)) * shared_expert(x) (Qwen2-MoE, gate is Linear(H, 1))
+    shared_experts: str = "none"
+    shared_module: str | None = None  # attribute of the block holding the shared MLP
+
+    def shared_intermediate_size(self, config) -> int:
+        if self.shared_experts == "none":
+            return 0
+        if self.shared_experts == "sigmoid_gated":
+            return config.shared_expert_intermediate_size
+        return config.moe_intermediate_size * config.n_shared_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,18 +165,73 @@ class FamilyAdapter:
     decoder_layer_class: str
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on q and k heads before RoPE (Qwen3)
+    # Multi-head latent attention (DeepSeek): q/k heads are qk_nope + qk_rope wide, values
+    # v_head_dim; HF caches only the normalized latent (kv_lora_rank) and the rope key.
+    mla: bool = False
+    moe: MoeSpec | None = None
 
     def attention_dims(self, config) -> dict[str, int]:
+        """The attention's head counts and widths (``head_dim`` of q and k, ``v_head_dim`` of v)."""
         heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if self.mla:
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            return {"layers": config.num_hidden_layers, "q_heads": heads, "kv_heads": kv_heads,
+                    "head_dim": head_dim, "v_head_dim": config.v_head_dim}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return {"layers": config.num_hidden_layers, "q_heads": heads, "kv_heads": kv_heads,
+                "head_dim": head_dim, "v_head_dim": head_dim}
+
+    def cache_dims(self, config) -> dict[str, int]:
+        """What the KV cache holds per layer and token: ``kv_heads`` x (``k_head_dim`` + ``v_head_dim``).
+
+        MLA: HF writes the latent as a one-head "key" and the shared rope key as a one-head
+        "value" (``past_key_values.update(kv_latent, k_rope)``), so that is what is stored.
+        """
+        if self.mla:
+            return {"layers": config.num_hidden_layers, "kv_heads": 1,
+                    "k_head_dim": config.kv_lora_rank, "v_head_dim": config.qk_rope_head_dim}
+        dims = self.attention_dims(config)
+        return {"layers": dims["layers"], "kv_heads": dims["kv_heads"],
+                "k_head_dim": dims["head_dim"], "v_head_dim": dims["v_head_dim"]}
+
+    def mla_dims(self, config) -> dict[str, int | None]:
+        if not self.mla:
+            raise ValueError(f"{self.model_type} has no multi-head latent attention")
+        return {name: getattr(config, name) for name in
+                ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+
+    # -- MoE -------------------------------------------------------------------------------
+    def moe_layers(self, config) -> list[int]:
+        """Indices of the decoder layers whose MLP is the sparse MoE block (the others are dense)."""
+        if self.moe is None:
+            return []
+        rule = SPARSE_LAYER_RULES[self.moe.sparse_layers]
+        return [layer for layer in range(config.num_hidden_layers) if rule(config, layer)]
+
+    def routing(self, config) -> Routing:
+        if self.moe is None:
+            raise ValueError(f"{self.model_type} has no MoE layers")
+        return ROUTING_RULES[self.moe.routing](config)
+
+    def moe_dims(self, config) -> dict[str, int]:
+        """Routed experts ``num_experts`` x ``intermediate`` (I), ``top_k`` per token, shared MLP width."""
+        if self.moe is None:
+            raise ValueError(f"{self.model_type} has no MoE layers")
         return {
-            "layers": config.num_hidden_layers,
-            "q_heads": heads,
-            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "num_experts": getattr(config, self.moe.num_experts_field),
+            "top_k": config.num_experts_per_tok,
+            "hidden": config.hidden_size,
+            "intermediate": getattr(config, self.moe.expert_size_field),
+            "shared_intermediate": self.moe.shared_intermediate_size(config),
         }
 
     def tp_plan(self, config) -> dict[str, str]:
         return dict(getattr(config, "base_model_tp_plan", None) or {})
+
+
+def _moe(prefix: str, block: str, router: str, **fields) -> MoeSpec:
+    return MoeSpec(f"{prefix}{block}", f"{prefix}{router}", f"{prefix}Experts", **fields)
 
 
 ADAPTERS: dict[str, FamilyAdapter] = {
@@ -38,6 +240,36 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         FamilyAdapter("llama", "LlamaForCausalLM", "LlamaAttention", "LlamaDecoderLayer"),
         FamilyAdapter("qwen2", "Qwen2ForCausalLM", "Qwen2Attention", "Qwen2DecoderLayer", qkv_bias=True),
         FamilyAdapter("qwen3", "Qwen3ForCausalLM", "Qwen3Attention", "Qwen3DecoderLayer", qk_norm=True),
+        FamilyAdapter(
+            "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeAttention", "Qwen2MoeDecoderLayer", qkv_bias=True,
+            moe=_moe("Qwen2Moe", "SparseMoeBlock", "TopKRouter", routing="topk_softmax",
+                     sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
+                     expert_size_field="moe_intermediate_size", shared_experts="sigmoid_gated",
+                     shared_module="shared_expert"),
+        ),
+        FamilyAdapter(
+            "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeAttention", "Qwen3MoeDecoderLayer", qk_norm=True,
+            moe=_moe("Qwen3Moe", "SparseMoeBlock", "TopKRouter", routing="topk_softmax",
+                     sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
+                     expert_size_field="moe_intermediate_size"),
+        ),
+        FamilyAdapter(
+            "mixtral", "MixtralForCausalLM", "MixtralAttention", "MixtralDecoderLayer",
+            moe=_moe("Mixtral", "SparseMoeBlock", "TopKRouter", routing="mixtral", sparse_layers="every_layer",
+                     num_experts_field="num_local_experts", expert_size_field="intermediate_size"),
+        ),
+        FamilyAdapter(
+            "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "DeepseekV2DecoderLayer", mla=True,
+            moe=_moe("DeepseekV2", "Moe", "TopkRouter", routing="deepseek_v2", sparse_layers="first_k_dense_replace",
+                     num_experts_field="n_routed_experts", expert_size_field="moe_intermediate_size",
+                     shared_experts="added", shared_module="shared_experts"),
+        ),
+        FamilyAdapter(
+            "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Attention", "DeepseekV3DecoderLayer", mla=True,
+            moe=_moe("DeepseekV3", "MoE", "TopkRouter", routing="deepseek_v3", sparse_layers="first_k_dense_replace",
+                     num_experts_field="n_routed_experts", expert_size_field="moe_intermediate_size",
+                     shared_experts="added", shared_module="shared_experts"),
+        ),
     )
 }
 
@@ -51,4 +283,15 @@ def adapter_for(config) -> FamilyAdapter:
         )
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         raise ValueError(f"{model_type} with use_sliding_window=True is not supported by tilefx yet")
+    if model_type == "mixtral" and getattr(config, "sliding_window", None):
+        raise ValueError(
+            f"mixtral with sliding_window={config.sliding_window} is not supported by tilefx yet; "
+            f"set sliding_window to null in config.json"
+        )
+    if adapter.moe is not None and getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"{model_type} with hidden_act={config.hidden_act!r}: tilefx's MoE experts are SiLU-gated only"
+        )
+    if adapter.moe is not None:
+        adapter.routing(config)  # an unsupported router setting fails here, at load time
     return adapter

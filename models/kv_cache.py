@@ -2,7 +2,10 @@
 
 ``TilefxCache`` speaks transformers' ``Cache`` API, so the unmodified HF attention
 code writes into it. Buffers are ``[max_batch, kv_heads, max_seq_len, head_dim]``
-per layer, allocated once; a request of batch ``B`` uses rows ``[:B]``. The
+per layer (values ``v_head_dim`` wide), allocated once; a request of batch ``B`` uses
+rows ``[:B]``. What a family stores comes from its adapter (``cache_dims``): for
+DeepSeek's MLA, HF writes the normalized latent as a one-head key (``kv_lora_rank``)
+and the shared rope key as a one-head value (``qk_rope_head_dim``). The
 length written so far lives in a 0-d tensor (read by the compiled graph, so it
 never becomes a guard) and in a Python int (read on the host, for validation).
 """
@@ -86,11 +89,12 @@ class TilefxCache(Cache):
     def for_config(cls, config, *, max_batch: int, max_seq_len: int, dtype=torch.bfloat16, device="cpu"):
         from tilefx.models.adapters import adapter_for
 
-        dims = adapter_for(config).attention_dims(config.get_text_config(decoder=True))
+        dims = adapter_for(config).cache_dims(config.get_text_config(decoder=True))
         return cls(
             num_layers=dims["layers"],
             kv_heads=dims["kv_heads"],
-            head_dim=dims["head_dim"],
+            head_dim=dims["k_head_dim"],
+            v_head_dim=dims["v_head_dim"],
             max_batch=max_batch,
             max_seq_len=max_seq_len,
             dtype=dtype,

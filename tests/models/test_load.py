@@ -63,7 +63,8 @@ def test_missing_local_path():
 
 def test_unsupported_family_names_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
-    with pytest.raises(ValueError, match="'gpt2' is not supported.*llama, qwen2, qwen3"):
+    supported = "deepseek_v2, deepseek_v3, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"
+    with pytest.raises(ValueError, match=f"'gpt2' is not supported.*{supported}"):
         tilefx.compile_model(str(tmp_path))
     from transformers import GPT2Config, GPT2LMHeadModel
 
