@@ -1,0 +1,307 @@
+"""tilefx MoE ops against transformers' own routers and experts (the oracle), crafted routing cases, opcheck."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import tilefx.custom_ops  # noqa: F401
+from tilefx.models.adapters import adapter_for
+from tilefx.models.presets import get_preset
+
+FAMILIES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v3"]
+
+
+def _hf_class(config, name):
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    return getattr(module, name)
+
+
+def _config(preset, **overrides):
+    config = get_preset(preset).build_config()
+    for field, value in overrides.items():
+        setattr(config, field, value)
+    return config
+
+
+def _hf_router(config, seed=0, duplicate=()):
+    """The family's HF router module with random bf16 weights; ``duplicate`` pairs (a, b) copy row a to row b."""
+    router = _hf_class(config, adapter_for(config).moe.router_class)(config).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        for a, b in duplicate:
+            router.weight[b] = router.weight[a]
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias.copy_(0.05 * torch.randn(router.weight.shape[0], generator=g))
+    return router
+
+
+def _route(config, router, hidden):
+    """(HF logits, HF weights, HF ids, tilefx weights, tilefx ids) for ``hidden [T, H]``."""
+    with torch.no_grad():
+        logits, weights, ids = router(hidden)
+    bias = getattr(router, "e_score_correction_bias", None)
+    got_weights, got_ids = adapter_for(config).routing(config).route(logits, bias)
+    return logits, weights, ids, got_weights, got_ids
+
+
+def _assert_same_routing(config, weights, ids, got_weights, got_ids):
+    routing = adapter_for(config).routing(config)
+    assert got_weights.dtype == torch.float32 and got_ids.dtype == torch.int32
+    assert got_ids.shape == ids.shape
+    if routing.weights_in_model_dtype:  # Qwen: HF rounds the weights to bf16 right away
+        assert weights.dtype == torch.bfloat16
+        got_weights = got_weights.to(torch.bfloat16)
+    else:
+        assert weights.dtype == torch.float32
+    if routing.op == "topk_softmax":  # HF sorts (torch.topk sorted=True): same order, same ties
+        assert torch.equal(got_ids.long(), ids)
+        assert torch.equal(got_weights, weights)
+    else:  # torch.topk(sorted=False): compare as sets, weights matched by expert id
+        got_order, order = got_ids.long().sort(dim=-1), ids.sort(dim=-1)
+        assert torch.equal(got_order.values, order.values)
+        assert torch.equal(got_weights.gather(1, got_order.indices), weights.gather(1, order.indices))
+
+
+# -- routers vs HF ----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_router_equals_hf(family, tokens):
+    config = _config(family)
+    router = _hf_router(config, seed=tokens)
+    hidden = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(100 + tokens))
+    _assert_same_routing(config, *_route(config, router, hidden.to(torch.bfloat16))[1:])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_equals_hf_on_ties(family):
+    """Equal router rows give exactly tied scores (and, for DeepSeek, tied groups); zero input ties every expert."""
+    config = _config(family)
+    experts = adapter_for(config).moe_dims(config)["num_experts"]
+    duplicate = [(0, 1), (0, experts - 1), (2, experts // 2)]
+    router = _hf_router(config, seed=3, duplicate=duplicate)
+    if hasattr(router, "e_score_correction_bias"):
+        with torch.no_grad():
+            bias = router.e_score_correction_bias
+            bias[[1, experts - 1]] = bias[0].item()
+            bias[experts // 2] = bias[2].item()
+    hidden = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    hidden[:4] = 0  # all logits 0
+    logits, *result = _route(config, router, hidden)
+    assert (logits[:, 0] == logits[:, 1]).all() and (logits[:4] == 0).all()
+    _assert_same_routing(config, *result)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2-moe", "tiny-qwen3-moe"])
+def test_qwen_renormalization_follows_config(family):
+    for norm in (False, True):
+        config = _config(family, norm_topk_prob=norm)
+        assert adapter_for(config).routing(config).renormalize is norm
+        hidden = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        logits, *result = _route(config, _hf_router(config, seed=2), hidden)
+        _assert_same_routing(config, *result)
+        sums = result[2].sum(-1)
+        assert torch.allclose(sums, torch.ones_like(sums)) is norm
+
+
+@pytest.mark.parametrize("topk_method,n_group,topk_group", [("greedy", 4, 2), ("group_limited_greedy", 4, 2),
+                                                             ("group_limited_greedy", 2, 1),
+                                                             ("group_limited_greedy", 1, 1),
+                                                             # one group of 2 for 3 experts: HF fills in a
+                                                             # masked expert of score 0
+                                                             ("group_limited_greedy", 4, 1)])
+def test_deepseek_v2_topk_methods_equal_hf(topk_method, n_group, topk_group):
+    config = _config("tiny-deepseek-v2", topk_method=topk_method, n_group=n_group, topk_group=topk_group,
+                     num_experts_per_tok=3)
+    routing = adapter_for(config).routing(config)
+    assert routing.num_expert_group == (n_group if topk_method == "group_limited_greedy" else 1)
+    hidden = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    logits, *result = _route(config, _hf_router(config, seed=4), hidden)
+    _assert_same_routing(config, *result)
+    group_size = 8 // n_group
+    if topk_method == "group_limited_greedy" and topk_group * group_size >= 3:  # experts lie in topk_group groups
+        groups = result[3].long() // group_size
+        assert all(len(set(row)) <= topk_group for row in groups.tolist())
+    if topk_group * group_size < 3:
+        assert (result[2] == 0).sum() == 40
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(4, 2, True), (4, 1, False), (2, 2, True), (1, 1, True)])
+def test_deepseek_v3_noaux_tc_equals_hf(n_group, topk_group, norm):
+    config = _config("tiny-deepseek-v3", n_group=n_group, topk_group=topk_group, norm_topk_prob=norm)
+    hidden = torch.randn(40, config.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    logits, *result = _route(config, _hf_router(config, seed=6), hidden)
+    _assert_same_routing(config, *result)
+    groups = result[3].long() // (16 // n_group)
+    assert all(len(set(row)) <= topk_group for row in groups.tolist())
+
+
+def test_deepseek_v2_unsupported_topk_method_fails_at_load():
+    config = _config("tiny-deepseek-v2", topk_method="noaux_tc")
+    with pytest.raises(ValueError, match="topk_method='noaux_tc'.*greedy"):
+        adapter_for(config)
+
+
+# -- routers on crafted logits (semantics independent of HF) -----------------------------------
+def test_topk_softmax_crafted():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.0, 0.0, 0.0]])
+    weights, ids = torch.ops.tilefx.topk_softmax(logits, 2, False)
+    probs = logits.softmax(-1)
+    assert ids[0].tolist() == [1, 2] and torch.allclose(weights[0], probs[0, [1, 2]])
+    assert sorted(ids[1].tolist()) == [0, 1]
+    weights, _ = torch.ops.tilefx.topk_softmax(logits, 2, True)
+    assert torch.allclose(weights.sum(-1), torch.ones(2)) and torch.allclose(weights[1], torch.full((2,), 0.5))
+
+
+def test_group_limit_excludes_the_global_best():
+    # 4 groups of 2. Group maxima 5, 4.85, 4.95, 0: the best 2 groups are 0 and 2, so expert 3
+    # (4.85, third best overall) is out and expert 1 (1.0) is in.
+    logits = torch.tensor([[5.0, 1.0, 4.8, 4.85, 4.95, -10.0, 0.0, 0.0]])
+    _, ids = torch.ops.tilefx.grouped_topk(logits, None, 3, 1, 1, "softmax", False, 1.0)
+    assert sorted(ids[0].tolist()) == [0, 3, 4]
+    weights, ids = torch.ops.tilefx.grouped_topk(logits, None, 3, 4, 2, "softmax", False, 2.0)
+    assert sorted(ids[0].tolist()) == [0, 1, 4]
+    probs = logits.softmax(-1)[0]
+    assert torch.allclose(weights[0], 2.0 * probs[ids[0].long()])
+
+
+def test_correction_bias_chooses_but_does_not_weight():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, 0.4, -2.0, -3.0]])
+    bias = torch.zeros(8)
+    bias[3] = 3.0
+    weights, ids = torch.ops.tilefx.grouped_topk(logits, bias, 2, 1, 1, "sigmoid", False, 1.0)
+    assert sorted(ids[0].tolist()) == [0, 3]  # expert 3 only through its bias
+    assert torch.allclose(weights[0], logits[0, ids[0].long()].sigmoid())
+    weights, _ = torch.ops.tilefx.grouped_topk(logits, bias, 2, 1, 1, "sigmoid", True, 2.5)
+    assert torch.allclose(weights.sum(-1), torch.tensor([2.5]))
+
+
+def test_noaux_tc_scores_a_group_by_its_two_best():
+    # group 0: one strong expert (0.982 + 0.0001); group 1: two good ones (0.731 + 0.711)
+    logits = torch.tensor([[4.0, -9.0, 1.0, 0.9, -9.0, -9.0, -9.0, -9.0]])
+    _, ids = torch.ops.tilefx.grouped_topk(logits, torch.zeros(8), 2, 4, 1, "sigmoid", False, 1.0)
+    assert sorted(ids[0].tolist()) == [2, 3]
+    _, ids = torch.ops.tilefx.grouped_topk(logits, None, 2, 4, 1, "sigmoid", False, 1.0)  # no bias: its best
+    assert sorted(ids[0].tolist()) == [0, 1]
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.zeros(4, 8), None, 9, 1, 1, "softmax", False, 1.0), "top_k=9 must be in 1..8"),
+    ((torch.zeros(4, 8), None, 2, 3, 1, "softmax", False, 1.0), "do not split into num_expert_group=3"),
+    ((torch.zeros(4, 8), None, 2, 4, 5, "softmax", False, 1.0), "topk_group=5 must be in 1..4"),
+    ((torch.zeros(4, 8), None, 2, 1, 1, "tanh", False, 1.0), "scoring_func='tanh'"),
+    ((torch.zeros(4, 8), torch.zeros(7), 2, 1, 1, "sigmoid", False, 1.0), "correction_bias shape"),
+    ((torch.zeros(4, 8), torch.zeros(8), 2, 8, 2, "sigmoid", False, 1.0), "at least 2"),
+])
+def test_grouped_topk_rejects_bad_arguments(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.tilefx.grouped_topk(*args)
+
+
+# -- fused_moe vs HF experts ------------------------------------------------------------------
+def _hf_experts(config, implementation, seed=0):
+    config._experts_implementation = implementation
+    experts = _hf_class(config, adapter_for(config).moe.experts_class)(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in (experts.gate_up_proj, experts.down_proj):
+            parameter.copy_(0.1 * torch.randn(parameter.shape, generator=g))
+    return experts.to(torch.bfloat16)
+
+
+def _rel_error(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _routing_case(case, tokens, experts, top_k, g):
+    if case == "random":
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    elif case == "one_expert_idle":  # every expert but the last is used
+        ids = torch.stack([torch.randperm(experts - 1, generator=g)[:top_k] for _ in range(tokens)])
+    elif case == "all_on_one":  # every token's first choice is expert 3
+        ids = torch.stack([torch.cat([torch.tensor([3]), (torch.randperm(experts - 1, generator=g)[: top_k - 1] + 4)
+                                      % experts]) for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g) + 0.1
+    return weights, ids
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("tokens,case", [(1, "random"), (10, "random"), (6, "one_expert_idle"), (9, "all_on_one"),
+                                         (2 * 5, "batch")])
+def test_fused_moe_equals_hf_experts(family, implementation, tokens, case):
+    config = _config(family)
+    dims = adapter_for(config).moe_dims(config)
+    experts = _hf_experts(config, implementation, seed=tokens)
+    g = torch.Generator().manual_seed(tokens)
+    if case == "batch":  # a [2, 5, H] batch flattened, routed by the family's own router
+        hidden = torch.randn(2, 5, config.hidden_size, generator=g).to(torch.bfloat16).view(tokens, -1)
+        router = _hf_router(config, seed=tokens)
+        with torch.no_grad():
+            _, weights, ids = router(hidden)
+    else:
+        hidden = torch.randn(tokens, config.hidden_size, generator=g).to(torch.bfloat16)
+        weights, ids = _routing_case(case, tokens, dims["num_experts"], dims["top_k"], g)
+    if case == "one_expert_idle":
+        assert (ids != dims["num_experts"] - 1).all()
+    with torch.no_grad():
+        want = experts(hidden, ids, weights)
+    got = torch.ops.tilefx.fused_moe(hidden, experts.gate_up_proj.data, experts.down_proj.data, weights,
+                                     ids.to(torch.int32))
+    assert got.dtype == hidden.dtype and got.shape == hidden.shape
+    assert _rel_error(got, want) < 1e-2
+
+
+def test_fused_moe_is_the_silu_gated_sum():
+    """Independent of HF: per token, sum_k w_k * down_e(silu(gate_e x) * up_e x) with gate rows first."""
+    g = torch.Generator().manual_seed(0)
+    experts, hidden_size, inter, tokens = 4, 16, 8, 3
+    w13 = torch.randn(experts, 2 * inter, hidden_size, generator=g)
+    w2 = torch.randn(experts, hidden_size, inter, generator=g)
+    x = torch.randn(tokens, hidden_size, generator=g)
+    ids = torch.tensor([[0, 2], [1, 0], [3, 3 - 1]], dtype=torch.int32)
+    weights = torch.rand(tokens, 2, generator=g)
+    got = torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids)
+    for t in range(tokens):
+        want = sum(weights[t, k] * w2[e] @ (torch.nn.functional.silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t]))
+                   for k, e in enumerate(ids[t].tolist()))
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_rejects_bad_arguments():
+    x = torch.zeros(3, 16, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(4, 16, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 8, dtype=torch.bfloat16)
+    weights, ids = torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="topk_ids dtype torch.int64, expected torch.int32"):
+        torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids.long())
+    with pytest.raises(RuntimeError, match=r"w2 \(4, 8, 16\), expected experts.down_proj \[4, 16, 8\]"):
+        torch.ops.tilefx.fused_moe(x, w13, w2.transpose(1, 2), weights, ids)
+    with pytest.raises(ValueError, match="topk_ids must lie in 0..3"):
+        torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids + 4)
+
+
+# -- opcheck ----------------------------------------------------------------------------------
+def _opcheck_cases():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 16, generator=g)
+    bias = 0.1 * torch.randn(16, generator=g)
+    hidden = torch.randn(5, 32, generator=g).to(torch.bfloat16)
+    w13 = torch.randn(16, 2 * 8, 32, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(16, 32, 8, generator=g).to(torch.bfloat16)
+    weights, ids = torch.ops.tilefx.topk_softmax(logits, 4, True)
+    return [
+        ("topk_softmax", (logits.to(torch.bfloat16), 4, False)),
+        ("topk_softmax", (logits, 4, True)),
+        ("grouped_topk", (logits, None, 4, 4, 2, "softmax", False, 1.5)),
+        ("grouped_topk", (logits, bias, 4, 4, 2, "sigmoid", True, 2.5)),
+        ("fused_moe", (hidden, w13, w2, weights, ids)),
+        ("fused_moe", (hidden[:1], w13, w2, weights[:1].to(torch.bfloat16), ids[:1])),
+    ]
+
+
+@pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.tilefx, name).default, args)
