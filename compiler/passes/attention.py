@@ -13,10 +13,13 @@ prefix only, without repeating K/V for GQA. Preconditions (else the region is
 left alone and the reason recorded): K and V trace back to whole cache buffers
 through views only, both are written by one ``index_copy_`` along the sequence
 with the same positions, a boolean 4-D mask is given, no dropout, not causal-flag.
+DeepSeek's MLA fails the first: HF caches the latent and expands it to K/V with
+``kv_b_proj`` over the whole cache every step; that region is the MLA pass's.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 
@@ -82,6 +85,9 @@ class AttentionPass(TilefxPass):
         k_base, k_chain = _view_source(key)
         v_base, v_chain = _view_source(value)
         if k_base.op != "placeholder" or v_base.op != "placeholder":
+            if _computed_from_cache(key, writes) or _computed_from_cache(value, writes):
+                return ("K/V are computed from the cache, not views of it (MLA: the latent is expanded by "
+                        "kv_b_proj over the whole cache); left for the MLA pass")
             return "K/V are not views of graph-input cache buffers"
         k_buf, q_val, key_val = example_value(k_base), example_value(q), example_value(key)
         if k_buf is None or k_buf.dim() != 4 or key_val.shape[2] != k_buf.shape[2] or mask_val.shape[-1] != k_buf.shape[2]:
@@ -114,6 +120,19 @@ class AttentionPass(TilefxPass):
             _erase_unused(graph, _view_source(target)[1])
         _erase_unused(graph, k_chain + v_chain)
         return None
+
+
+def _computed_from_cache(node: torch.fx.Node, writes, limit: int = 64) -> bool:
+    """Whether ``node`` is computed (within ``limit`` nodes back) from a buffer the cache writes go to."""
+    seen, frontier = set(), collections.deque([node])
+    while frontier and len(seen) < limit:
+        current = frontier.popleft()
+        if current in writes:
+            return True
+        if current not in seen:
+            seen.add(current)
+            frontier.extend(current.all_input_nodes)
+    return False
 
 
 def _erase_unused(graph: torch.fx.Graph, nodes) -> None:

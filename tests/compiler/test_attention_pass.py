@@ -55,6 +55,29 @@ def test_leaves_attention_without_cache_alone():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("family", ["tiny-deepseek-v2", "tiny-deepseek-v3"])
+def test_leaves_mla_attention_alone_and_says_why(family):
+    """DeepSeek expands the cached latent with kv_b_proj: not this pass's region; the cache write stays."""
+    torch._dynamo.reset()
+    model = build_model(family, seed=3)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    backend = PassTestBackend(AttentionPass())
+    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    assert cache.layers[0].keys.shape == (2, 1, 32, model.config.kv_lora_rank)  # the latent, one head
+    assert cache.layers[0].values.shape == (2, 1, 32, model.config.qk_rope_head_dim)  # the rope key
+    cache.start(2)
+    got = run(model, cache, ids, backend)
+    result = backend.results[0]
+    assert result.rewritten == 0 and len(result.fallbacks) == layers
+    assert all("computed from the cache" in why and "MLA" in why for why in result.fallbacks)
+    after = backend.after[0]
+    assert count(after, is_sdpa) == layers and count(after, is_index_copy) == 2 * layers
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_uuid_changes_with_options():
     from tilefx.compiler import PassManager
 
