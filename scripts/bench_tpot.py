@@ -47,14 +47,23 @@ class TokenClock:
 
 
 def decode_bytes(model, context: int) -> int:
-    """Bytes one decode step reads: every weight once (the input embedding only a row), plus the KV cache."""
+    """Bytes one decode step reads: every weight once (the input embedding only a row), plus the KV cache.
+
+    Of a MoE layer's routed experts, a token reads only the ``top_k`` its router chose.
+    """
     embed = model.get_input_embeddings().weight
     lm_head = model.get_output_embeddings().weight
     total = sum(p.nbytes for p in model.parameters())
     if lm_head.data_ptr() != embed.data_ptr():
         total -= embed.nbytes
-    dims = adapter_for(model.config).attention_dims(model.config)
-    kv = 2 * dims["layers"] * dims["kv_heads"] * dims["head_dim"] * context * embed.element_size()
+    adapter = adapter_for(model.config)
+    if adapter.moe is not None:
+        moe = adapter.moe_dims(model.config)
+        experts = sum(p.nbytes for name, p in model.named_parameters() if ".experts." in name)
+        total -= experts * (moe["num_experts"] - moe["top_k"]) // moe["num_experts"]
+    dims = adapter.cache_dims(model.config)
+    per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
+    kv = per_token * context * embed.element_size()
     return total + kv
 
 
