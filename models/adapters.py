@@ -230,10 +230,6 @@ class FamilyAdapter:
         return dict(getattr(config, "base_model_tp_plan", None) or {})
 
 
-def _moe(prefix: str, block: str, router: str, **fields) -> MoeSpec:
-    return MoeSpec(f"{prefix}{block}", f"{prefix}{router}", f"{prefix}Experts", **fields)
-
-
 ADAPTERS: dict[str, FamilyAdapter] = {
     adapter.model_type: adapter
     for adapter in (
@@ -242,33 +238,36 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         FamilyAdapter("qwen3", "Qwen3ForCausalLM", "Qwen3Attention", "Qwen3DecoderLayer", qk_norm=True),
         FamilyAdapter(
             "qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2MoeAttention", "Qwen2MoeDecoderLayer", qkv_bias=True,
-            moe=_moe("Qwen2Moe", "SparseMoeBlock", "TopKRouter", routing="topk_softmax",
-                     sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
-                     expert_size_field="moe_intermediate_size", shared_experts="sigmoid_gated",
-                     shared_module="shared_expert"),
+            moe=MoeSpec("Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts", routing="topk_softmax",
+                        sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
+                        expert_size_field="moe_intermediate_size", shared_experts="sigmoid_gated",
+                        shared_module="shared_expert"),
         ),
         FamilyAdapter(
             "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeAttention", "Qwen3MoeDecoderLayer", qk_norm=True,
-            moe=_moe("Qwen3Moe", "SparseMoeBlock", "TopKRouter", routing="topk_softmax",
-                     sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
-                     expert_size_field="moe_intermediate_size"),
+            moe=MoeSpec("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts", routing="topk_softmax",
+                        sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
+                        expert_size_field="moe_intermediate_size"),
         ),
         FamilyAdapter(
             "mixtral", "MixtralForCausalLM", "MixtralAttention", "MixtralDecoderLayer",
-            moe=_moe("Mixtral", "SparseMoeBlock", "TopKRouter", routing="mixtral", sparse_layers="every_layer",
-                     num_experts_field="num_local_experts", expert_size_field="intermediate_size"),
+            moe=MoeSpec("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts", routing="mixtral",
+                        sparse_layers="every_layer", num_experts_field="num_local_experts",
+                        expert_size_field="intermediate_size"),
         ),
         FamilyAdapter(
             "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "DeepseekV2DecoderLayer", mla=True,
-            moe=_moe("DeepseekV2", "Moe", "TopkRouter", routing="deepseek_v2", sparse_layers="first_k_dense_replace",
-                     num_experts_field="n_routed_experts", expert_size_field="moe_intermediate_size",
-                     shared_experts="added", shared_module="shared_experts"),
+            moe=MoeSpec("DeepseekV2Moe", "DeepseekV2TopkRouter", "DeepseekV2Experts", routing="deepseek_v2",
+                        sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
+                        expert_size_field="moe_intermediate_size", shared_experts="added",
+                        shared_module="shared_experts"),
         ),
         FamilyAdapter(
             "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Attention", "DeepseekV3DecoderLayer", mla=True,
-            moe=_moe("DeepseekV3", "MoE", "TopkRouter", routing="deepseek_v3", sparse_layers="first_k_dense_replace",
-                     num_experts_field="n_routed_experts", expert_size_field="moe_intermediate_size",
-                     shared_experts="added", shared_module="shared_experts"),
+            moe=MoeSpec("DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3Experts", routing="deepseek_v3",
+                        sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
+                        expert_size_field="moe_intermediate_size", shared_experts="added",
+                        shared_module="shared_experts"),
         ),
     )
 }
