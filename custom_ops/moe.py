@@ -21,8 +21,10 @@ Numerics of the HF experts (default ``grouped_mm`` path, bf16 model), which the 
 follows: each grouped matmul accumulates in fp32 and rounds its output to bf16; SiLU and
 the gate*up product run on those bf16 values (rounded again); the weighted sum over the
 k experts of a token is fp32 (``proj_out * weights`` with fp32 weights, ``.sum(dim=1)``),
-rounded once to bf16. With bf16 weights (Qwen-MoE) HF rounds each product to bf16 before
-summing; the reference keeps the combine fp32 (one rounding fewer). HF's ``eager``
+rounded once to bf16. With fp32 routing weights (Mixtral, DeepSeek) the reference therefore
+equals HF's output but for matmul summation order (>99% of elements bitwise, the rest one
+bf16 ulp). With bf16 weights (Qwen-MoE) HF rounds each product to bf16 before summing; the
+reference keeps the combine fp32 (one rounding fewer; ~2e-3 relative). HF's ``eager``
 experts path instead accumulates the k terms in bf16 with ``index_add_``.
 """
 

@@ -255,6 +255,24 @@ def test_fused_moe_equals_hf_experts(family, implementation, tokens, case):
     assert _rel_error(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v3"])
+def test_reference_rounds_where_hf_grouped_mm_rounds(family):
+    """With fp32 routing weights the reference is HF's default experts path up to matmul summation order."""
+    from tilefx.custom_ops.moe import fused_moe_reference
+
+    config = _config(family)
+    experts, router = _hf_experts(config, "grouped_mm", seed=1), _hf_router(config, seed=1)
+    hidden = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        _, weights, ids = router(hidden)
+        want = experts(hidden, ids, weights)
+    assert weights.dtype == torch.float32
+    got = fused_moe_reference(hidden, experts.gate_up_proj.data, experts.down_proj.data, weights, ids.to(torch.int32))
+    assert (got == want).float().mean() > 0.99  # bitwise, but for a rare accumulation-order difference
+    scale = want.abs().max().item()  # ... of about one bf16 ulp (of the output's scale where terms cancel)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
+
+
 def test_fused_moe_is_the_silu_gated_sum():
     """Independent of HF: per token, sum_k w_k * down_e(silu(gate_e x) * up_e x) with gate rows first."""
     g = torch.Generator().manual_seed(0)
