@@ -20,10 +20,10 @@ class Backend:
     graph cache hit) and Inductor's cache key covers the graph it produced.
     """
 
-    def __init__(self, options: CompileOptions, report: CompileReport | None = None):
+    def __init__(self, options: CompileOptions, report: CompileReport | None = None, moe_blocks: dict | None = None):
         self.options = options
         self.report = report if report is not None else CompileReport()
-        self.pass_manager = PassManager(options, self.report)
+        self.pass_manager = PassManager(options, self.report, moe_blocks=moe_blocks)
 
     def inductor_config(self) -> dict:
         return {

@@ -20,23 +20,29 @@ from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.base import PassResult, TilefxPass
 from tilefx.compiler.passes.linear import LinearPass
+from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.report import CompileReport
 
 
-def build_passes(options: CompileOptions) -> list[TilefxPass]:
+def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> list[TilefxPass]:
+    """The passes, in order. ``moe_blocks``: module path of each sparse MoE block -> its ``Routing``
+    (from the family adapter; the MoE pass needs no more of the model)."""
     passes: list[TilefxPass] = []
     if options.attention:
         passes.append(AttentionPass())
+    if options.moe and moe_blocks:
+        passes.append(MoePass(moe_blocks, freezing=options.freezing))
     if options.linear:
         passes.append(LinearPass(freezing=options.freezing, fuse=options.fuse_linears))
     return passes
 
 
 class PassManager(CustomGraphPass):
-    def __init__(self, options: CompileOptions, report: CompileReport | None = None, passes=None):
+    def __init__(self, options: CompileOptions, report: CompileReport | None = None, passes=None,
+                 moe_blocks: dict | None = None):
         self.options = options
         self.report = report if report is not None else CompileReport()
-        self.passes = build_passes(options) if passes is None else list(passes)
+        self.passes = build_passes(options, moe_blocks) if passes is None else list(passes)
         self._dump_dir = os.environ.get("TILEFX_DUMP_GRAPHS")
 
     def __call__(self, graph: torch.fx.Graph) -> None:

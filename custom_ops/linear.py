@@ -83,6 +83,43 @@ def unpack_gate_up_weight(packed: torch.Tensor, out_features: int, in_features: 
     return tuple(unpack_linear_weight(interleaved[:, i], out_features, in_features) for i in (0, 1))
 
 
+def pack_expert_gate_up_weight_reference(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """HF ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) -> per expert the
+    ``pack_gate_up_weight`` layout: ``[E, 2 * I/BLOCK_N, ceil(H/2), BLOCK_N, 2]``."""
+    torch._check(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % (2 * BLOCK_N) == 0,
+                 lambda: f"pack_expert_gate_up_weight: gate_up_proj must be [E, 2I, H] with I a multiple of "
+                         f"{BLOCK_N}, got {tuple(gate_up_proj.shape)}")
+    experts, two_inter, hidden = gate_up_proj.shape
+    blocks, pairs = two_inter // 2 // BLOCK_N, -(-hidden // 2)
+    padded = torch.nn.functional.pad(gate_up_proj, (0, 2 * pairs - hidden))
+    # [E, (gate|up), I/32, 32, H/2, 2] -> [E, I/32, (gate|up), H/2, 32, 2]
+    split = padded.view(experts, 2, blocks, BLOCK_N, pairs, 2).permute(0, 2, 1, 4, 3, 5)
+    return split.reshape(experts, 2 * blocks, pairs, BLOCK_N, 2).contiguous()
+
+
+def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
+    """HF ``experts.down_proj [E, H, I]`` -> per expert the packed linear layout ``[E, ceil(H/32), ceil(I/2), 32, 2]``."""
+    torch._check(down_proj.dim() == 3, lambda: f"pack_expert_down_weight: down_proj must be [E, H, I], got "
+                                               f"{tuple(down_proj.shape)}")
+    experts, hidden, inter = down_proj.shape
+    blocks, pairs, _, _ = _packed_shape(hidden, inter)
+    padded = torch.nn.functional.pad(down_proj, (0, 2 * pairs - inter, 0, blocks * BLOCK_N - hidden))
+    return padded.view(experts, blocks, BLOCK_N, pairs, 2).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def unpack_expert_gate_up_weight(packed: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The inverse of expert gate/up packing: ``[E, 2I, H]``."""
+    experts, two_blocks, pairs, _, _ = packed.shape
+    split = packed.view(experts, two_blocks // 2, 2, pairs, BLOCK_N, 2).permute(0, 2, 1, 4, 3, 5)
+    return split.reshape(experts, two_blocks * BLOCK_N, 2 * pairs)[:, :, :hidden]
+
+
+def unpack_expert_down_weight(packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
+    """The inverse of expert down packing: ``[E, H, I]``."""
+    experts, blocks, pairs, _, _ = packed.shape
+    return packed.permute(0, 1, 3, 2, 4).reshape(experts, blocks * BLOCK_N, 2 * pairs)[:, :hidden, :inter]
+
+
 @dataclasses.dataclass
 class _Packing:
     """One packed tensor and the weights it was made from."""
@@ -128,6 +165,14 @@ def _pack_fused_linear_weight(weights: list[torch.Tensor]) -> torch.Tensor:
 
 def _pack_gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _memoized("gate_up", [gate, up], lambda: pack_gate_up_weight_reference(gate, up))
+
+
+def _pack_expert_gate_up_weight(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    return _memoized("expert_gate_up", [gate_up_proj], lambda: pack_expert_gate_up_weight_reference(gate_up_proj))
+
+
+def _pack_expert_down_weight(down_proj: torch.Tensor) -> torch.Tensor:
+    return _memoized("expert_down", [down_proj], lambda: pack_expert_down_weight_reference(down_proj))
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
@@ -226,6 +271,16 @@ def _pack_fused_fake(weights):
     return weights[0].new_empty(_packed_shape(sum(w.shape[0] for w in weights), weights[0].shape[1]))
 
 
+def _pack_expert_gate_up_fake(gate_up_proj):
+    experts, two_inter, hidden = gate_up_proj.shape
+    return gate_up_proj.new_empty((experts, two_inter // BLOCK_N, -(-hidden // 2), BLOCK_N, 2))
+
+
+def _pack_expert_down_fake(down_proj):
+    experts, hidden, inter = down_proj.shape
+    return down_proj.new_empty((experts, *_packed_shape(hidden, inter)))
+
+
 def _pack_gate_up_fake(gate, up):
     _check_siblings([gate, up], "pack_gate_up_weight", last_may_be_partial=False)
     blocks, pairs, _, _ = _packed_shape(*gate.shape)
@@ -237,6 +292,9 @@ for _name, _schema, _impl, _fake in (
     ("pack_linear_weight", "(Tensor weight) -> Tensor", _pack_linear_weight, _pack_fake),
     ("pack_fused_linear_weight", "(Tensor[] weights) -> Tensor", _pack_fused_linear_weight, _pack_fused_fake),
     ("pack_gate_up_weight", "(Tensor gate, Tensor up) -> Tensor", _pack_gate_up_weight, _pack_gate_up_fake),
+    ("pack_expert_gate_up_weight", "(Tensor gate_up_proj) -> Tensor", _pack_expert_gate_up_weight,
+     _pack_expert_gate_up_fake),
+    ("pack_expert_down_weight", "(Tensor down_proj) -> Tensor", _pack_expert_down_weight, _pack_expert_down_fake),
 ):
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _impl, "CPU")
@@ -262,5 +320,7 @@ for _name, _schema, _reference, _fake in (
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
 pack_gate_up_weight = torch.ops.tilefx.pack_gate_up_weight.default
+pack_expert_gate_up_weight = torch.ops.tilefx.pack_expert_gate_up_weight.default
+pack_expert_down_weight = torch.ops.tilefx.pack_expert_down_weight.default
 linear = torch.ops.tilefx.linear.default
 linear_silu_mul = torch.ops.tilefx.linear_silu_mul.default

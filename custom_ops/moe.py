@@ -12,13 +12,17 @@ within a row and tie-breaking (``torch.topk``'s) are HF's. Conventions:
   Row order: ``topk_softmax`` by descending weight (``torch.topk(sorted=True)``, as HF);
   ``grouped_topk`` as ``torch.topk(sorted=False)`` returns it, as HF (callers must not
   rely on an order there).
-- ``fused_moe(hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])``
-  takes the HF experts' parameters unchanged: ``w13 = experts.gate_up_proj`` (rows
-  ``[:I]`` gate, ``[I:]`` up), ``w2 = experts.down_proj``; it returns
+- ``fused_moe(hidden [T, H], w13, w2, topk_weights [T, k], topk_ids [T, k])`` runs the
+  HF experts ``gate_up_proj [E, 2I, H]`` (rows ``[:I]`` gate, ``[I:]`` up) and
+  ``down_proj [E, H, I]`` packed once (``w13 = pack_expert_gate_up_weight(gate_up_proj)``,
+  ``w2 = pack_expert_down_weight(down_proj)``, custom_ops/linear.py: per expert the
+  layouts of ``tilefx.linear_silu_mul`` and ``tilefx.linear``); it returns
   ``sum_k topk_weights[:, k] * down(silu(gate(x)) * up(x))`` in ``hidden``'s dtype.
+  ``experts_reference`` is the same on the unpacked HF parameters: the specification.
 
 Numerics of the HF experts (default ``grouped_mm`` path, bf16 model), which the reference
-follows: each grouped matmul accumulates in fp32 and rounds its output to bf16; SiLU and
+follows (the native kernel keeps the gate/up/down results in fp32 instead, one rounding
+at the end): each grouped matmul accumulates in fp32 and rounds its output to bf16; SiLU and
 the gate*up product run on those bf16 values (rounded again); the weighted sum over the
 k experts of a token is fp32 (``proj_out * weights`` with fp32 weights, ``.sum(dim=1)``),
 rounded once to bf16. With fp32 routing weights (Mixtral, DeepSeek) the reference therefore
@@ -32,6 +36,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tilefx.custom_ops import isa
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops.linear import BLOCK_N
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -137,17 +145,25 @@ def _grouped_topk_fake(router_logits, correction_bias, top_k, num_expert_group, 
 
 
 # -- experts ---------------------------------------------------------------------------------
-def _check_experts(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+def _check_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids) -> None:
     torch._check(hidden_states.dim() == 2,
                  lambda: f"tilefx.fused_moe: hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
     tokens, hidden = hidden_states.shape
-    torch._check(w13.dim() == 3 and w13.shape[2] == hidden and w13.shape[1] % 2 == 0,
-                 lambda: f"tilefx.fused_moe: w13 {tuple(w13.shape)}, expected experts.gate_up_proj "
+    torch._check(gate_up_proj.dim() == 3 and gate_up_proj.shape[2] == hidden and gate_up_proj.shape[1] % 2 == 0,
+                 lambda: f"tilefx.fused_moe: gate_up_proj {tuple(gate_up_proj.shape)}, expected "
                          f"[experts, 2 * intermediate, {hidden}]")
-    experts, intermediate = w13.shape[0], w13.shape[1] // 2
-    torch._check(w2.shape == (experts, hidden, intermediate),
-                 lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)}, expected experts.down_proj "
+    experts, intermediate = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    torch._check(down_proj.shape == (experts, hidden, intermediate),
+                 lambda: f"tilefx.fused_moe: down_proj {tuple(down_proj.shape)}, expected "
                          f"[{experts}, {hidden}, {intermediate}]")
+    _check_routing(hidden_states, topk_weights, topk_ids)
+    torch._check(gate_up_proj.dtype == hidden_states.dtype and down_proj.dtype == hidden_states.dtype,
+                 lambda: f"tilefx.fused_moe: weights {gate_up_proj.dtype}/{down_proj.dtype} and hidden_states "
+                         f"{hidden_states.dtype} must share one dtype")
+
+
+def _check_routing(hidden_states, topk_weights, topk_ids) -> None:
+    tokens = hidden_states.shape[0]
     torch._check(topk_ids.dim() == 2 and topk_ids.shape[0] == tokens,
                  lambda: f"tilefx.fused_moe: topk_ids {tuple(topk_ids.shape)}, expected [{tokens}, top_k]")
     torch._check(topk_ids.dtype == torch.int32,
@@ -156,9 +172,23 @@ def _check_experts(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
                  lambda: f"tilefx.fused_moe: topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
     torch._check(topk_weights.dtype.is_floating_point,
                  lambda: f"tilefx.fused_moe: topk_weights dtype {topk_weights.dtype}, expected a float dtype")
+
+
+def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+    torch._check(hidden_states.dim() == 2,
+                 lambda: f"tilefx.fused_moe: hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
+    hidden = hidden_states.shape[1]
+    torch._check(w13.dim() == 5 and w13.shape[2:] == (-(-hidden // 2), BLOCK_N, 2) and w13.shape[1] % 2 == 0,
+                 lambda: f"tilefx.fused_moe: w13 {tuple(w13.shape)} is not a packed gate_up_proj for hidden size "
+                         f"{hidden}; use tilefx.custom_ops.linear.pack_expert_gate_up_weight")
+    experts, intermediate = w13.shape[0], w13.shape[1] // 2 * BLOCK_N
+    torch._check(w2.dim() == 5 and w2.shape == (experts, -(-hidden // BLOCK_N), -(-intermediate // 2), BLOCK_N, 2),
+                 lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
+                         f"hidden {hidden}, intermediate {intermediate}; use pack_expert_down_weight")
     torch._check(w13.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype,
                  lambda: f"tilefx.fused_moe: weights {w13.dtype}/{w2.dtype} and hidden_states "
                          f"{hidden_states.dtype} must share one dtype")
+    _check_routing(hidden_states, topk_weights, topk_ids)
 
 
 def _matmul(x, weight):
@@ -166,26 +196,36 @@ def _matmul(x, weight):
     return (x.float() @ weight.float().T).to(x.dtype)
 
 
-def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids):
-    """The specification: each token through its k experts, SiLU-gated, weighted sum in fp32."""
-    _check_experts(hidden_states, w13, w2, topk_weights, topk_ids)
+def experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids):
+    """The specification, on HF's expert parameters: each token through its k experts, SiLU-gated,
+    weighted sum in fp32."""
+    _check_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    experts, intermediate = w13.shape[0], w13.shape[1] // 2
+    experts, intermediate = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     if tokens and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < experts):
         raise ValueError(f"tilefx.fused_moe: topk_ids must lie in 0..{experts - 1}, got "
                          f"{int(topk_ids.min())}..{int(topk_ids.max())}")
     per_slot = hidden_states.new_zeros((tokens, top_k, hidden_states.shape[1]), dtype=torch.float32)
     for expert in topk_ids.unique().tolist():
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up = _matmul(hidden_states[token], w13[expert])
+        gate_up = _matmul(hidden_states[token], gate_up_proj[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out = _matmul(act, w2[expert])
+        out = _matmul(act, down_proj[expert])
         per_slot[token, slot] = out.float() * topk_weights[token, slot].float().unsqueeze(-1)
     return per_slot.sum(dim=1).to(hidden_states.dtype)
 
 
+def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids):
+    """``experts_reference`` on the unpacked experts."""
+    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids)
+    hidden, intermediate = hidden_states.shape[1], w13.shape[1] // 2 * BLOCK_N
+    gate_up_proj = linear_ops.unpack_expert_gate_up_weight(w13, hidden)
+    down_proj = linear_ops.unpack_expert_down_weight(w2, hidden, intermediate)
+    return experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
 def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids):
-    _check_experts(hidden_states, w13, w2, topk_weights, topk_ids)
+    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -193,11 +233,19 @@ _LIB = torch.library.Library("tilefx", "FRAGMENT")
 for _name, _schema, _reference, _fake in (
     ("topk_softmax", _TOPK_SOFTMAX_SCHEMA, topk_softmax_reference, _topk_softmax_fake),
     ("grouped_topk", _GROUPED_TOPK_SCHEMA, grouped_topk_reference, _grouped_topk_fake),
-    ("fused_moe", _FUSED_MOE_SCHEMA, fused_moe_reference, _fused_moe_fake),
 ):
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _reference, "CPU")
     torch.library.register_fake(f"tilefx::{_name}", _fake, lib=_LIB)
+# fused_moe: the native CPU kernel (registered by custom_ops/__init__.py) takes the current
+# kernel path; on the reference path, or without the native library, fused_moe_portable runs.
+_LIB.define("fused_moe_portable" + _FUSED_MOE_SCHEMA)
+_LIB.impl("fused_moe_portable", fused_moe_reference, "CPU")
+_LIB.define("fused_moe" + _FUSED_MOE_SCHEMA)
+if isa.native is None:
+    _LIB.impl("fused_moe", fused_moe_reference, "CPU")
+for _name in ("fused_moe", "fused_moe_portable"):
+    torch.library.register_fake(f"tilefx::{_name}", _fused_moe_fake, lib=_LIB)
 
 topk_softmax = torch.ops.tilefx.topk_softmax.default
 grouped_topk = torch.ops.tilefx.grouped_topk.default

@@ -283,7 +283,7 @@ PRESETS: dict[str, Preset] = {
             "-",
             "deepseek_v3",
             _tiny_mla("deepseek_v3", q_lora_rank=32, n_routed_experts=16, num_experts_per_tok=4,
-                      moe_intermediate_size=16, n_group=4, topk_group=2, norm_topk_prob=True,
+                      moe_intermediate_size=32, n_group=4, topk_group=2, norm_topk_prob=True,
                       routed_scaling_factor=2.5, first_k_dense_replace=1,
                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
             logit_scale=16.0,

@@ -37,6 +37,17 @@ def _private_frame(forward):
     return types.FunctionType(code, tilefx_forward.__globals__, code.co_name, None, tilefx_forward.__closure__)
 
 
+def moe_blocks(config) -> dict:
+    """Module path of each sparse MoE block -> the ``Routing`` its router computes (empty for dense models)."""
+    from tilefx.models.adapters import adapter_for
+
+    adapter = adapter_for(config)
+    if adapter.moe is None:
+        return {}
+    routing = adapter.routing(config)
+    return {f"model.layers.{layer}.mlp": routing for layer in adapter.moe_layers(config)}
+
+
 class TilefxRuntime:
     def __init__(self, model, options: CompileOptions, report: CompileReport | None = None):
         self.model = model
@@ -47,7 +58,7 @@ class TilefxRuntime:
         )
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)
-        self.backend = Backend(options, self.report)
+        self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
         self.compiled_forward = torch.compile(
             _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False
         )

@@ -8,11 +8,14 @@ For each op: relative error against the reference implementation (fresh random
 bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
 the streaming-read bandwidth measured in the same run, next to each shape. M=1
 linears cycle through enough weight copies to miss the L3 cache, as decode does.
+Linears are measured as decode runs them, siblings fused (q/k/v as one weight,
+gate/up with SiLU-and-mul as one op), and also unfused for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -51,19 +54,35 @@ def relative_error(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def linear_shapes(preset_name: str) -> dict[str, tuple[int, int]]:
-    """name -> (out_features N, in_features K) of every distinct linear of the preset."""
+@dataclasses.dataclass(frozen=True)
+class LinearCase:
+    name: str  # what the preset uses it as
+    N: int  # output features (for gate/up: of each of gate and up)
+    K: int  # input features
+    gate_up: bool = False  # tilefx.linear_silu_mul over gate and up packed together
+    in_decode: bool = True  # False: only runs with fuse_linears=False (siblings unfused)
+
+    @property
+    def weight_bytes(self) -> int:
+        return (2 if self.gate_up else 1) * self.N * self.K * 2
+
+
+def linear_cases(preset_name: str) -> list[LinearCase]:
+    """Every distinct linear the preset's decode step runs (siblings fused, as the linear pass does),
+    then the unfused sibling projections for comparison."""
     config = get_preset(preset_name).build_config(layers=1)
     hidden, head_dim = config.hidden_size, config.head_dim
-    shapes = {
-        "q_proj": (config.num_attention_heads * head_dim, hidden),
-        "k/v_proj": (config.num_key_value_heads * head_dim, hidden),
-        "o_proj": (hidden, config.num_attention_heads * head_dim),
-        "gate/up_proj": (config.intermediate_size, hidden),
-        "down_proj": (hidden, config.intermediate_size),
-        "lm_head": (config.vocab_size, hidden),
-    }
-    return shapes
+    q, kv, inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.intermediate_size
+    return [
+        LinearCase("qkv_proj", q + 2 * kv, hidden),
+        LinearCase("o_proj", hidden, q),
+        LinearCase("gate_up_proj + SiLU-and-mul", inter, hidden, gate_up=True),
+        LinearCase("down_proj", hidden, inter),
+        LinearCase("lm_head", config.vocab_size, hidden),
+        LinearCase("q_proj (unfused)", q, hidden, in_decode=False),
+        LinearCase("k/v_proj (unfused)", kv, hidden, in_decode=False),
+        LinearCase("gate/up_proj (unfused)", inter, hidden, in_decode=False),
+    ]
 
 
 def onednn_linear(weight):
@@ -80,32 +99,44 @@ def onednn_linear(weight):
 def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> list[dict]:
     rows, seen = [], set()
     for preset in presets:
-        for name, (n, k) in linear_shapes(preset).items():
-            if (n, k) in seen:
+        for case in linear_cases(preset):
+            n, k = case.N, case.K
+            if (n, k, case.gate_up) in seen:
                 continue
-            seen.add((n, k))
-            weight = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
-            packed = linear_ops.pack_linear_weight_reference(weight)
+            seen.add((n, k, case.gate_up))
+            weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
+            weight = torch.cat(weights)  # what PyTorch would read: one [N or 2N, K] linear
+            if case.gate_up:
+                packed = linear_ops.pack_gate_up_weight_reference(*weights)
+                op = lambda x, w: linear_ops.linear_silu_mul(x, w, n)  # noqa: E731
+                reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n)  # noqa: E731
+            else:
+                packed = linear_ops.pack_linear_weight_reference(weight)
+                op = lambda x, w: linear_ops.linear(x, w, None, n)  # noqa: E731
+                reference = lambda x, w: linear_ops.linear_reference(x, w, None, n)  # noqa: E731
             x = torch.randn(1, k).to(torch.bfloat16)
             gbps = isa.stream_read_gbps(size_mib=stream_mib, repeats=3)
-            err = relative_error(linear_ops.linear(x, packed, None, n), linear_ops.linear_reference(x, packed, None, n))
-            t_tilefx = median_seconds_per_copy(lambda w: linear_ops.linear(x, w, None, n), cold_copies(packed), repeats)
+            err = relative_error(op(x, packed), reference(x, packed))
+            t_tilefx = median_seconds_per_copy(lambda w: op(x, w), cold_copies(packed), repeats)
             t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
             onednn = onednn_linear(weight)
             t_onednn = median_seconds(lambda: onednn(x), repeats) if onednn else None
             xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
-            t_prefill = median_seconds(lambda: linear_ops.linear(xp, packed, None, n), max(3, repeats // 10))
+            t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
             t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))
-            tilefx_gbps = weight.nbytes / t_tilefx / 1e9
+            tilefx_gbps = case.weight_bytes / t_tilefx / 1e9
+            flops = 2 * prefill_rows * weight.shape[0] * k
             rows.append({
-                "preset": preset, "linear": name, "N": n, "K": k, "rel_err": err, "stream_gbps": gbps,
+                "preset": preset, "linear": case.name, "N": weight.shape[0], "K": k, "in_decode": case.in_decode,
+                "rel_err": err, "stream_gbps": gbps,
                 "tilefx_us": t_tilefx * 1e6, "tilefx_gbps": tilefx_gbps, "fraction_of_stream": tilefx_gbps / gbps,
                 "torch_gbps": weight.nbytes / t_torch / 1e9,
                 "onednn_gbps": weight.nbytes / t_onednn / 1e9 if t_onednn else None,
-                "prefill_tilefx_gflops": 2 * prefill_rows * n * k / t_prefill / 1e9,
-                "prefill_torch_gflops": 2 * prefill_rows * n * k / t_prefill_torch / 1e9,
+                "prefill_tilefx_gflops": flops / t_prefill / 1e9,
+                "prefill_torch_gflops": flops / t_prefill_torch / 1e9,
             })
-            print(f"  linear {n}x{k}: {tilefx_gbps:.1f} GB/s ({tilefx_gbps / gbps:.0%} of {gbps:.1f})", flush=True)
+            print(f"  {case.name} {weight.shape[0]}x{k}: {tilefx_gbps:.1f} GB/s ({tilefx_gbps / gbps:.0%} of {gbps:.1f})",
+                  flush=True)
     return rows
 
 
@@ -191,14 +222,15 @@ def main(argv=None) -> int:
     print("| shape N x K | used as | rel err | tilefx GB/s | of stream | torch bf16 GB/s | oneDNN packed GB/s "
           "| prefill tilefx GFLOP/s | prefill torch GFLOP/s |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in linears:
+    for r in sorted(linears, key=lambda r: not r["in_decode"]):
         onednn = f"{r['onednn_gbps']:.1f}" if r["onednn_gbps"] else "n/a"
         print(f"| {r['N']} x {r['K']} | {r['preset']} {r['linear']} | {r['rel_err']:.1e} | {r['tilefx_gbps']:.1f} "
               f"| {r['fraction_of_stream']:.0%} | {r['torch_gbps']:.1f} | {onednn} "
               f"| {r['prefill_tilefx_gflops']:.0f} | {r['prefill_torch_gflops']:.0f} |")
-    worst = min(linears, key=lambda r: r["fraction_of_stream"])
-    print(f"\nslowest M=1 shape: {worst['N']} x {worst['K']} at {worst['fraction_of_stream']:.0%} of the "
-          f"streaming read measured next to it")
+    worst = min((r for r in linears if r["in_decode"]), key=lambda r: r["fraction_of_stream"])
+    print(f"\nslowest M=1 shape that decode runs: {worst['N']} x {worst['K']} ({worst['linear']}) at "
+          f"{worst['fraction_of_stream']:.0%} of the streaming read measured next to it. N x K is the whole packed "
+          "weight (gate and up together); '(unfused)' rows run only with fuse_linears=False.")
 
     attention = bench_attention(presets[0], contexts, args.repeats, args.stream_mib)
     print(f"\n## attention ({presets[0]} heads), tilefx kernel vs PyTorch SDPA over the valid prefix\n")

@@ -58,3 +58,8 @@ def test_explain_says_what_was_left_alone(pair):
         assert "tilefx.decode_attention" not in text
     else:
         assert f"tilefx.decode_attention x{layers}" in text
+    moe_layers = len(adapter_for(compiled.config).moe_layers(compiled.config))
+    router_op = adapter_for(compiled.config).routing(compiled.config).op
+    for phase in compiled.tilefx.report.graphs:  # prefill and decode: every MoE block through tilefx ops
+        assert phase.tilefx_ops.get("tilefx.fused_moe") == moe_layers, phase.tilefx_ops
+        assert phase.tilefx_ops.get(f"tilefx.{router_op}") == moe_layers, phase.tilefx_ops

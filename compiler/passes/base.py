@@ -31,6 +31,20 @@ def example_value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def model_parameter(node) -> torch.nn.Parameter | None:
+    """The model parameter a node stands for: a graph attribute (freezing at trace time) or a Dynamo input."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "get_attr":
+        value = getattr(node.graph.owning_module, node.target, None)
+    elif node.op == "placeholder" and node.meta.get("grapharg") is not None:
+        value = node.meta["grapharg"].example
+    else:
+        return None
+    return value if isinstance(value, torch.nn.Parameter) else None
+
+
+
 class TilefxPass:
     """One pass: ``__call__(graph) -> PassResult`` and ``uuid()`` for Inductor's FX graph cache.
 

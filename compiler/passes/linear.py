@@ -28,27 +28,14 @@ import operator
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
+from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value, model_parameter
 from tilefx.custom_ops.linear import BLOCK_N
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
-def _parameter(node) -> torch.nn.Parameter | None:
-    """The model parameter a node stands for: a graph attribute (freezing at trace time) or a Dynamo input."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if node.op == "get_attr":
-        value = getattr(node.graph.owning_module, node.target, None)
-    elif node.op == "placeholder" and node.meta.get("grapharg") is not None:
-        value = node.meta["grapharg"].example
-    else:
-        return None
-    return value if isinstance(value, torch.nn.Parameter) else None
-
-
 def _is_parameter(node) -> bool:
-    return _parameter(node) is not None
+    return model_parameter(node) is not None
 
 
 def _linear_args(node: torch.fx.Node):
@@ -102,7 +89,7 @@ class LinearPass(TilefxPass):
                    torch.ops.tilefx.pack_gate_up_weight.default}
         for weight in weights:
             only_packed = all(user.op == "call_function" and user.target in packing for user in weight.users)
-            (result.packed_exclusively if only_packed else result.packed_shared).add(id(_parameter(weight)))
+            (result.packed_exclusively if only_packed else result.packed_shared).add(id(model_parameter(weight)))
         return result
 
     def _why_not(self, x, weight, bias) -> str | None:

@@ -19,9 +19,11 @@ struct LinearProblem {
   const float* x;         // [M, ldx] fp32 activations; columns [K, ldx) are zero
   const uint16_t* w;      // packed weight (bf16 bits)
   const uint16_t* bias;   // [N] bf16 bits, or nullptr
-  uint16_t* y;            // [M, N] bf16 bits
+  uint16_t* y;            // [M, ldy] bf16 bits, or nullptr when yf is set
   int64_t M, N, K_pairs;  // K_pairs = padded K / 2
   int64_t ldx;
+  float* yf;              // [M, ldy] fp32 output instead of y (fused MoE keeps its intermediates fp32)
+  int64_t ldy;
   // Gate/up epilogue: the packed weight interleaves blocks of a gate and an up
   // projection (block 2j = gate columns [32j, 32j + 32), block 2j + 1 = the same
   // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).

@@ -146,8 +146,14 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
   for (int64_t m = 0; m < p.M; ++m) {
     const float* g = gate + m * kBlockN;
     const float* u = up + m * kBlockN;
-    uint16_t* y = p.y + m * p.N + col0;
     int64_t j = 0;
+    if (p.yf) {
+      float* y = p.yf + m * p.ldy + col0;
+      for (; j + 8 <= cols; j += 8) _mm256_storeu_ps(y + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
+      for (; j < cols; ++j) y[j] = g[j] * u[j] / (1.0f + __builtin_expf(-g[j]));
+      continue;
+    }
+    uint16_t* y = p.y + m * p.ldy + col0;
     for (; j + 8 <= cols; j += 8) store_bf16x8(y + j, silu_mul8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j)));
     for (; j < cols; ++j) y[j] = float_to_bf16(g[j] * u[j] / (1.0f + __builtin_expf(-g[j])));
   }
@@ -180,8 +186,13 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
   for (int64_t m = 0; m < p.M; ++m) {
     const float* cm = c + m * kBlockN;
-    uint16_t* y = p.y + m * p.N + col0;
     int64_t j = 0;
+    if (p.yf) {
+      float* y = p.yf + m * p.ldy + col0;
+      for (; j < cols; ++j) y[j] = cm[j] + (p.bias ? bf16_to_float(p.bias[col0 + j]) : 0.0f);
+      continue;
+    }
+    uint16_t* y = p.y + m * p.ldy + col0;
     for (; j + 8 <= cols; j += 8) {
       __m256 v = _mm256_loadu_ps(cm + j);
       if (p.bias) v = _mm256_add_ps(v, load_bf16x8(p.bias + col0 + j));

@@ -22,6 +22,10 @@ bool amx_available();
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t out_features);
 
+// Defined in moe.cpp.
+at::Tensor fused_moe_avx2(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+
 namespace {
 
 bool cpu_has(const std::string& feature) {
@@ -86,7 +90,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
 
   LinearProblem p{xf, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs, ldx,
-                  silu_mul};
+                  /*yf=*/nullptr, /*ldy=*/out_features, silu_mul};
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -269,6 +273,42 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
   return portable.call(x, packed, out_features);
 }
 
+void check_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+               const at::Tensor& topk_ids) {
+  TORCH_CHECK(hidden.dim() == 2, "tilefx fused_moe: hidden must be [tokens, hidden_size], got ", hidden.sizes());
+  const int64_t hidden_size = hidden.size(1);
+  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w13.dim() == 5 && w13.is_contiguous() && w13.size(1) % 2 == 0 &&
+                  w13.size(3) == kBlockN && w13.size(4) == 2 && w13.size(2) == (hidden_size + 1) / 2,
+              "tilefx fused_moe: w13 must be pack_expert_gate_up_weight's bf16 [E, 2 * I/", kBlockN, ", ",
+              (hidden_size + 1) / 2, ", ", kBlockN, ", 2], got ", w13.scalar_type(), " ", w13.sizes());
+  const int64_t inter = w13.size(1) / 2 * kBlockN;
+  TORCH_CHECK(w2.scalar_type() == at::kBFloat16 && w2.dim() == 5 && w2.is_contiguous() && w2.size(0) == w13.size(0) &&
+                  w2.size(1) == (hidden_size + kBlockN - 1) / kBlockN && w2.size(2) == (inter + 1) / 2 &&
+                  w2.size(3) == kBlockN && w2.size(4) == 2,
+              "tilefx fused_moe: w2 must be pack_expert_down_weight's bf16 [", w13.size(0), ", ",
+              (hidden_size + kBlockN - 1) / kBlockN, ", ", (inter + 1) / 2, ", ", kBlockN, ", 2], got ",
+              w2.scalar_type(), " ", w2.sizes());
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == hidden.size(0) && topk_ids.scalar_type() == at::kInt,
+              "tilefx fused_moe: topk_ids must be int32 [tokens, k] (the router ops' ids), got ", topk_ids.scalar_type(), " ",
+              topk_ids.sizes());
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes() && at::isFloatingType(topk_weights.scalar_type()),
+              "tilefx fused_moe: topk_weights must be floating [tokens, k] like topk_ids, got ",
+              topk_weights.scalar_type(), " ", topk_weights.sizes());
+}
+
+at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  if (hidden.scalar_type() == at::kBFloat16 && path() != Path::reference) {
+    check_moe(hidden, w13, w2, topk_weights, topk_ids);
+    return fused_moe_avx2(hidden, w13, w2, topk_weights, topk_ids);  // AVX2 also serves AMX CPUs
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::fused_moe_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                     const at::Tensor&, const at::Tensor&)>();
+  return portable.call(hidden, w13, w2, topk_weights, topk_ids);
+}
+
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,
                          double scale) {
@@ -292,6 +332,7 @@ void register_cpu_kernels() {
                                                  __LINE__);
   cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
   cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
+  cpu_kernels->impl("fused_moe", TORCH_FN(fused_moe_cpu));
   cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
 }
@@ -303,7 +344,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
   m.def("set_path", &tilefx::set_path, "the kernel path the CPU kernels take: reference, avx2 or amx");
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
-        "register the CPU kernels of tilefx::linear and tilefx::*_attention with the dispatcher");
+        "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe and *_attention with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }

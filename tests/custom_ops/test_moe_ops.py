@@ -7,6 +7,8 @@ import importlib
 import pytest
 import torch
 
+from tilefx.custom_ops import linear as linear_ops
+
 import tilefx.custom_ops  # noqa: F401
 from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import get_preset
@@ -212,6 +214,11 @@ def _hf_experts(config, implementation, seed=0):
     return experts.to(torch.bfloat16)
 
 
+def _packed(gate_up_proj, down_proj):
+    return (linear_ops.pack_expert_gate_up_weight_reference(gate_up_proj),
+            linear_ops.pack_expert_down_weight_reference(down_proj))
+
+
 def _rel_error(got, want):
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
@@ -232,7 +239,7 @@ def _routing_case(case, tokens, experts, top_k, g):
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
 @pytest.mark.parametrize("tokens,case", [(1, "random"), (10, "random"), (6, "one_expert_idle"), (9, "all_on_one"),
                                          (2 * 5, "batch")])
-def test_fused_moe_equals_hf_experts(family, implementation, tokens, case):
+def test_fused_moe_equals_hf_experts(kernel_path, family, implementation, tokens, case):
     config = _config(family)
     dims = adapter_for(config).moe_dims(config)
     experts = _hf_experts(config, implementation, seed=tokens)
@@ -249,7 +256,7 @@ def test_fused_moe_equals_hf_experts(family, implementation, tokens, case):
         assert (ids != dims["num_experts"] - 1).all()
     with torch.no_grad():
         want = experts(hidden, ids, weights)
-    got = torch.ops.tilefx.fused_moe(hidden, experts.gate_up_proj.data, experts.down_proj.data, weights,
+    got = torch.ops.tilefx.fused_moe(hidden, *_packed(experts.gate_up_proj.data, experts.down_proj.data), weights,
                                      ids.to(torch.int32))
     assert got.dtype == hidden.dtype and got.shape == hidden.shape
     assert _rel_error(got, want) < 1e-2
@@ -258,7 +265,7 @@ def test_fused_moe_equals_hf_experts(family, implementation, tokens, case):
 @pytest.mark.parametrize("family", ["tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v3"])
 def test_reference_rounds_where_hf_grouped_mm_rounds(family):
     """With fp32 routing weights the reference is HF's default experts path up to matmul summation order."""
-    from tilefx.custom_ops.moe import fused_moe_reference
+    from tilefx.custom_ops.moe import experts_reference
 
     config = _config(family)
     experts, router = _hf_experts(config, "grouped_mm", seed=1), _hf_router(config, seed=1)
@@ -267,14 +274,16 @@ def test_reference_rounds_where_hf_grouped_mm_rounds(family):
         _, weights, ids = router(hidden)
         want = experts(hidden, ids, weights)
     assert weights.dtype == torch.float32
-    got = fused_moe_reference(hidden, experts.gate_up_proj.data, experts.down_proj.data, weights, ids.to(torch.int32))
+    got = experts_reference(hidden, experts.gate_up_proj.data, experts.down_proj.data, weights, ids.to(torch.int32))
     assert (got == want).float().mean() > 0.99  # bitwise, but for a rare accumulation-order difference
     scale = want.abs().max().item()  # ... of about one bf16 ulp (of the output's scale where terms cancel)
     torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
 
 
-def test_fused_moe_is_the_silu_gated_sum():
+def test_experts_reference_is_the_silu_gated_sum():
     """Independent of HF: per token, sum_k w_k * down_e(silu(gate_e x) * up_e x) with gate rows first."""
+    from tilefx.custom_ops.moe import experts_reference
+
     g = torch.Generator().manual_seed(0)
     experts, hidden_size, inter, tokens = 4, 16, 8, 3
     w13 = torch.randn(experts, 2 * inter, hidden_size, generator=g)
@@ -282,22 +291,42 @@ def test_fused_moe_is_the_silu_gated_sum():
     x = torch.randn(tokens, hidden_size, generator=g)
     ids = torch.tensor([[0, 2], [1, 0], [3, 3 - 1]], dtype=torch.int32)
     weights = torch.rand(tokens, 2, generator=g)
-    got = torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids)
+    got = experts_reference(x, w13, w2, weights, ids)
     for t in range(tokens):
         want = sum(weights[t, k] * w2[e] @ (torch.nn.functional.silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t]))
                    for k, e in enumerate(ids[t].tolist()))
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_moe_rejects_bad_arguments():
+@pytest.mark.parametrize("tokens,hidden_size,inter", [(1, 64, 32), (3, 30, 64), (40, 96, 96)])
+def test_packed_experts_round_trip_and_fused_moe_matches(kernel_path, tokens, hidden_size, inter):
+    """Packed experts unpack to HF's; the op on them equals the reference (odd H, prefill-sized T)."""
+    from tilefx.custom_ops.moe import experts_reference
+
+    g = torch.Generator().manual_seed(tokens)
+    experts = 6
+    gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    w13, w2 = _packed(gate_up, down)
+    assert torch.equal(linear_ops.unpack_expert_gate_up_weight(w13, hidden_size), gate_up)
+    assert torch.equal(linear_ops.unpack_expert_down_weight(w2, hidden_size, inter), down)
+    x = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, 3, generator=g) + 0.1
+    want = experts_reference(x, gate_up, down, weights, ids)
+    got = torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids)
+    assert _rel_error(got, want) < 1e-2
+
+
+def test_fused_moe_rejects_bad_arguments(kernel_path):
     x = torch.zeros(3, 16, dtype=torch.bfloat16)
-    w13, w2 = torch.zeros(4, 16, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 8, dtype=torch.bfloat16)
+    w13, w2 = _packed(torch.zeros(4, 64, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 32, dtype=torch.bfloat16))
     weights, ids = torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="topk_ids dtype torch.int64, expected torch.int32"):
+    with pytest.raises(RuntimeError, match="int32"):
         torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids.long())
-    with pytest.raises(RuntimeError, match=r"w2 \(4, 8, 16\), expected experts.down_proj \[4, 16, 8\]"):
-        torch.ops.tilefx.fused_moe(x, w13, w2.transpose(1, 2), weights, ids)
-    with pytest.raises(ValueError, match="topk_ids must lie in 0..3"):
+    with pytest.raises(RuntimeError, match="w2"):
+        torch.ops.tilefx.fused_moe(x, w13, w2.transpose(2, 3), weights, ids)
+    with pytest.raises((RuntimeError, ValueError), match="0..3|outside"):
         torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids + 4)
 
 
@@ -307,8 +336,8 @@ def _opcheck_cases():
     logits = torch.randn(5, 16, generator=g)
     bias = 0.1 * torch.randn(16, generator=g)
     hidden = torch.randn(5, 32, generator=g).to(torch.bfloat16)
-    w13 = torch.randn(16, 2 * 8, 32, generator=g).to(torch.bfloat16)
-    w2 = torch.randn(16, 32, 8, generator=g).to(torch.bfloat16)
+    w13, w2 = _packed(torch.randn(16, 2 * 32, 32, generator=g).to(torch.bfloat16),
+                      torch.randn(16, 32, 32, generator=g).to(torch.bfloat16))
     weights, ids = torch.ops.tilefx.topk_softmax(logits, 4, True)
     return [
         ("topk_softmax", (logits.to(torch.bfloat16), 4, False)),
@@ -317,6 +346,8 @@ def _opcheck_cases():
         ("grouped_topk", (logits, bias, 4, 4, 2, "sigmoid", True, 2.5)),
         ("fused_moe", (hidden, w13, w2, weights, ids)),
         ("fused_moe", (hidden[:1], w13, w2, weights[:1].to(torch.bfloat16), ids[:1])),
+        ("pack_expert_gate_up_weight", (w13[:0].new_zeros(3, 64, 32),)),
+        ("pack_expert_down_weight", (w13[:0].new_zeros(3, 32, 31),)),
     ]
 
 

@@ -1,0 +1,137 @@
+// tilefx::fused_moe on the native path: the routed experts of a MoE layer in one op.
+//
+// Tokens are sorted by expert (counting sort of the (token, slot) pairs), so each
+// selected expert's weights are read once per step whatever number of its tokens:
+//   1. gather: the rows of x routed to each expert, fp32, one after another;
+//   2. gate/up: per expert, silu(x_e @ gate_e^T) * (x_e @ up_e^T) -> act_e (fp32),
+//      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp);
+//   3. down: per expert, act_e @ down_e^T -> out_e (fp32);
+//   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16.
+// Steps 2 and 3 hand the threads contiguous ranges of (expert, column block) work
+// units over the active experts only, so in decode a thread streams a few experts'
+// weights front to back and experts that no token chose are never touched.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tilefx {
+
+namespace {
+
+struct ExpertRows {
+  int64_t expert, begin, count;  // rows [begin, begin + count) of the sorted pairs
+};
+
+// Runs `linear` (a LinearProblem for one expert) over work units: each expert owns
+// `blocks_per_expert` consecutive units; threads get contiguous ranges.
+template <typename MakeProblem>
+void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_per_expert, int64_t max_rows,
+                       MakeProblem make_problem) {
+  const int64_t units = static_cast<int64_t>(experts.size()) * blocks_per_expert;
+  const size_t scratch_floats = 2 * std::max<int64_t>(max_rows, 2) * kBlockN;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+    for (int64_t unit = begin; unit < end;) {
+      const int64_t i = unit / blocks_per_expert, first = unit % blocks_per_expert;
+      const int64_t last = std::min(blocks_per_expert, first + (end - unit));
+      linear_blocks_avx2(make_problem(experts[i]), first, last, scratch.data());
+      unit += last - first;
+    }
+  });
+}
+
+}  // namespace
+
+// Arguments checked by the caller (ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
+// (pack_gate_up_weight per expert); w2 [E, H/32 (padded), I/2 (padded), 32, 2]; topk_ids [T, k] in [0, E).
+at::Tensor fused_moe_avx2(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
+  const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2 * kBlockN;
+  const int64_t h_pairs = w13.size(2), i_pairs = w2.size(2);
+  const int64_t ldx = 2 * h_pairs, ld_act = 2 * i_pairs;
+  at::Tensor y = at::empty({tokens, hidden_size}, hidden.options());
+  if (tokens == 0) return y;
+
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t pairs = tokens * top_k;
+
+  // Counting sort of the (token, slot) pairs by expert, stable in pair order.
+  std::vector<int64_t> start(num_experts + 1, 0), sorted(pairs), row_of_pair(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_experts, "tilefx fused_moe: expert id ", id[i], " outside [0, ",
+                num_experts, ")");
+    ++start[id[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i) {
+    sorted[fill[id[i]]] = i;
+    row_of_pair[i] = fill[id[i]]++;
+  }
+  std::vector<ExpertRows> active;
+  int64_t max_rows = 0;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count > 0) active.push_back({e, start[e], count});
+    max_rows = std::max(max_rows, count);
+  }
+
+  // 1. gather the routed rows of x, fp32, K padded to even with zeros.
+  const at::Tensor x = hidden.contiguous();
+  const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  at::Tensor xs_tensor = at::empty({pairs, ldx}, hidden.options().dtype(at::kFloat));
+  float* xs = xs_tensor.data_ptr<float>();
+  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      bf16_to_float_avx2(x_bits + (sorted[r] / top_k) * hidden_size, xs + r * ldx, hidden_size);
+      if (ldx > hidden_size) xs[r * ldx + hidden_size] = 0.0f;
+    }
+  });
+
+  // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
+  at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
+  float* act = act_tensor.data_ptr<float>();
+  const uint16_t* w13_bits = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
+  const int64_t w13_expert = w13[0].numel();
+  for_expert_blocks(active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
+    return LinearProblem{xs + r.begin * ldx, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter,
+                         h_pairs, ldx, act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
+  });
+
+  // 3. down -> out (fp32).
+  at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
+  float* out = out_tensor.data_ptr<float>();
+  const uint16_t* w2_bits = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
+  const int64_t w2_expert = w2[0].numel();
+  for_expert_blocks(active, w2.size(1), max_rows, [&](const ExpertRows& r) {
+    return LinearProblem{act + r.begin * ld_act, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count,
+                         hidden_size, i_pairs, ld_act, out + r.begin * hidden_size, hidden_size, false};
+  });
+
+  // 4. weighted combine in fp32.
+  const float* w = weights.data_ptr<float>();
+  at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(hidden_size);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < top_k; ++s) {
+        const float ws = w[t * top_k + s];
+        const float* src = out + row_of_pair[t * top_k + s] * hidden_size;
+        for (int64_t h = 0; h < hidden_size; ++h) acc[h] += ws * src[h];
+      }
+      for (int64_t h = 0; h < hidden_size; ++h) y_data[t * hidden_size + h] = static_cast<at::BFloat16>(acc[h]);
+    }
+  });
+  return y;
+}
+
+}  // namespace tilefx
