@@ -90,6 +90,17 @@ def forced(path: str):
         _set(previous)
 
 
+def stream_probe(size_mib: int = 1024):
+    """A function that runs one streaming-read pass (1 and 2 streams per thread, the better) over a
+    buffer allocated once, returning GB/s: for benchmarks that pair each kernel measurement with one."""
+    import torch
+
+    buffer = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
+    if native is not None and native.cpu_has("avx2"):
+        return lambda: max(native.stream_read_gbps(buffer, streams) for streams in (1, 2))
+    return lambda: stream_read_gbps(size_mib, repeats=1)
+
+
 def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
     """Streaming-read bandwidth of this machine, GB/s, over a ``size_mib`` buffer.
 
