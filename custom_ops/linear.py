@@ -148,7 +148,9 @@ def _memoized(layout: str, weights, pack) -> torch.Tensor:
     hit = _packed_cache.get(key)
     if hit is not None and _current(key, hit):
         return hit.packed
-    packed = pack()
+    made = pack()
+    packed = isa.huge_page_empty(tuple(made.shape), made.dtype).copy_(made)  # streamed every token: huge pages
+    del made
     _packed_cache[key] = _Packing(tuple(weakref.ref(w) for w in weights), packed)
     for stale in [k for k, entry in _packed_cache.items() if not _current(k, entry)]:
         del _packed_cache[stale]

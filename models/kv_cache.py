@@ -16,6 +16,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def _zeros(shape, dtype, device) -> torch.Tensor:
+    """Cache buffers on the CPU live in huge pages: decode reads the whole valid prefix every token."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    from tilefx.custom_ops import isa
+
+    return isa.huge_page_empty(shape, dtype).zero_()
+
+
 class TilefxCacheLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
@@ -77,8 +86,8 @@ class TilefxCache(Cache):
         v_head_dim = v_head_dim or head_dim
         layers = [
             TilefxCacheLayer(
-                torch.zeros(max_batch, kv_heads, max_seq_len, head_dim, dtype=dtype, device=device),
-                torch.zeros(max_batch, kv_heads, max_seq_len, v_head_dim, dtype=dtype, device=device),
+                _zeros((max_batch, kv_heads, max_seq_len, head_dim), dtype, device),
+                _zeros((max_batch, kv_heads, max_seq_len, v_head_dim), dtype, device),
                 self.length,
             )
             for _ in range(num_layers)
