@@ -83,28 +83,43 @@ def unpack_gate_up_weight(packed: torch.Tensor, out_features: int, in_features: 
     return tuple(unpack_linear_weight(interleaved[:, i], out_features, in_features) for i in (0, 1))
 
 
-def pack_expert_gate_up_weight_reference(gate_up_proj: torch.Tensor) -> torch.Tensor:
-    """HF ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) -> per expert the
-    ``pack_gate_up_weight`` layout: ``[E, 2 * I/BLOCK_N, ceil(H/2), BLOCK_N, 2]``."""
+def _expert_gate_up_order(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """A view (a copy only if H is odd) of ``gate_up_proj`` whose element order is the packed layout."""
     torch._check(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % (2 * BLOCK_N) == 0,
                  lambda: f"pack_expert_gate_up_weight: gate_up_proj must be [E, 2I, H] with I a multiple of "
                          f"{BLOCK_N}, got {tuple(gate_up_proj.shape)}")
     experts, two_inter, hidden = gate_up_proj.shape
     blocks, pairs = two_inter // 2 // BLOCK_N, -(-hidden // 2)
-    padded = torch.nn.functional.pad(gate_up_proj, (0, 2 * pairs - hidden))
+    padded = gate_up_proj if 2 * pairs == hidden else torch.nn.functional.pad(gate_up_proj, (0, 1))
     # [E, (gate|up), I/32, 32, H/2, 2] -> [E, I/32, (gate|up), H/2, 32, 2]
-    split = padded.view(experts, 2, blocks, BLOCK_N, pairs, 2).permute(0, 2, 1, 4, 3, 5)
-    return split.reshape(experts, 2 * blocks, pairs, BLOCK_N, 2).contiguous()
+    return padded.reshape(experts, 2, blocks, BLOCK_N, pairs, 2).permute(0, 2, 1, 4, 3, 5)
 
 
-def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
-    """HF ``experts.down_proj [E, H, I]`` -> per expert the packed linear layout ``[E, ceil(H/32), ceil(I/2), 32, 2]``."""
+def _expert_gate_up_shape(gate_up_proj) -> tuple[int, ...]:
+    experts, two_inter, hidden = gate_up_proj.shape
+    return (experts, two_inter // BLOCK_N, -(-hidden // 2), BLOCK_N, 2)
+
+
+def pack_expert_gate_up_weight_reference(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """HF ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) -> per expert the
+    ``pack_gate_up_weight`` layout: ``[E, 2 * I/BLOCK_N, ceil(H/2), BLOCK_N, 2]``."""
+    return _expert_gate_up_order(gate_up_proj).reshape(_expert_gate_up_shape(gate_up_proj)).contiguous()
+
+
+def _expert_down_order(down_proj: torch.Tensor) -> torch.Tensor:
     torch._check(down_proj.dim() == 3, lambda: f"pack_expert_down_weight: down_proj must be [E, H, I], got "
                                                f"{tuple(down_proj.shape)}")
     experts, hidden, inter = down_proj.shape
     blocks, pairs, _, _ = _packed_shape(hidden, inter)
-    padded = torch.nn.functional.pad(down_proj, (0, 2 * pairs - inter, 0, blocks * BLOCK_N - hidden))
-    return padded.view(experts, blocks, BLOCK_N, pairs, 2).permute(0, 1, 3, 2, 4).contiguous()
+    padded = down_proj
+    if (2 * pairs, blocks * BLOCK_N) != (inter, hidden):
+        padded = torch.nn.functional.pad(down_proj, (0, 2 * pairs - inter, 0, blocks * BLOCK_N - hidden))
+    return padded.reshape(experts, blocks, BLOCK_N, pairs, 2).permute(0, 1, 3, 2, 4)
+
+
+def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
+    """HF ``experts.down_proj [E, H, I]`` -> per expert the packed linear layout ``[E, ceil(H/32), ceil(I/2), 32, 2]``."""
+    return _expert_down_order(down_proj).contiguous()
 
 
 def unpack_expert_gate_up_weight(packed: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -143,13 +158,16 @@ def _current(entry_key: tuple, entry: _Packing) -> bool:
     return all(s is not None for s in sources) and tuple(_key(s) for s in sources) == entry_key[1]
 
 
-def _memoized(layout: str, weights, pack) -> torch.Tensor:
+def _memoized(layout: str, weights, pack, shape=None) -> torch.Tensor:
+    """The packed tensor of ``weights`` in ``layout``: made by ``pack()`` (whose element order is the
+    packed one; ``shape``, if given, is the packed shape) once, then shared while the weights are unchanged."""
     key = (layout, tuple(_key(w) for w in weights))
     hit = _packed_cache.get(key)
     if hit is not None and _current(key, hit):
         return hit.packed
-    made = pack()
-    packed = isa.huge_page_empty(tuple(made.shape), made.dtype).copy_(made)  # streamed every token: huge pages
+    made = pack()  # a view where it can be: copied once, straight into huge pages (streamed every token)
+    packed = isa.huge_page_empty(tuple(shape or made.shape), made.dtype)
+    packed.view(made.shape).copy_(made)
     del made
     _packed_cache[key] = _Packing(tuple(weakref.ref(w) for w in weights), packed)
     for stale in [k for k, entry in _packed_cache.items() if not _current(k, entry)]:
@@ -170,11 +188,12 @@ def _pack_gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_expert_gate_up_weight(gate_up_proj: torch.Tensor) -> torch.Tensor:
-    return _memoized("expert_gate_up", [gate_up_proj], lambda: pack_expert_gate_up_weight_reference(gate_up_proj))
+    return _memoized("expert_gate_up", [gate_up_proj], lambda: _expert_gate_up_order(gate_up_proj),
+                     _expert_gate_up_shape(gate_up_proj))
 
 
 def _pack_expert_down_weight(down_proj: torch.Tensor) -> torch.Tensor:
-    return _memoized("expert_down", [down_proj], lambda: pack_expert_down_weight_reference(down_proj))
+    return _memoized("expert_down", [down_proj], lambda: _expert_down_order(down_proj))
 
 
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
