@@ -118,8 +118,12 @@ class MoePass(TilefxPass):
         experts.sort(key=order.__getitem__)
         inside = set(experts)
         outputs = [n for n in experts if any(user not in inside for user in n.users)]
+        # Shape values (a SymInt Dynamo computed here and later layers reuse) stay, with what they read.
+        shapes = [n for n in outputs if example_value(n) is None]
+        keep = _ancestors(shapes, stop=None) & inside
+        outputs = [n for n in outputs if n not in shapes]
         if len(outputs) != 1:
-            return f"experts region has {len(outputs)} outputs, expected 1"
+            return f"experts region has {len(outputs)} tensor outputs, expected 1"
         output = outputs[0]
         inputs = _inputs(experts)
         params = [n for n in inputs if (v := example_value(n)) is not None and v.dim() == 3]
@@ -202,7 +206,8 @@ class MoePass(TilefxPass):
             only_packed = set(param.users) <= set(experts) | {packed}
             (result.packed_exclusively if only_packed else result.packed_shared).add(id(model_parameter(param)))
         for node in reversed(experts):
-            graph.erase_node(node)
+            if node not in keep:
+                graph.erase_node(node)
         for node in sorted(routing_nodes, key=order.__getitem__, reverse=True):  # HF's routing, now unused
             if not node.users:
                 graph.erase_node(node)
