@@ -328,6 +328,22 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   return portable.call(hidden, w13, w2, topk_weights, topk_ids);
 }
 
+// The router of Qwen-MoE and Mixtral: the same ATen calls as topk_softmax_reference (so the
+// same bits and tie order as HF), without a Python frame per call (~0.1 ms per MoE layer).
+std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor& router_logits, int64_t top_k, bool renormalize) {
+  if (path() != Path::reference && router_logits.dim() == 2 && top_k >= 1 && top_k <= router_logits.size(1) &&
+      at::isFloatingType(router_logits.scalar_type())) {
+    const at::Tensor probs = at::softmax(router_logits, -1, at::kFloat);
+    auto [weights, ids] = at::topk(probs, top_k, -1);
+    if (renormalize) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    return {weights, ids.to(at::kInt)};
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::topk_softmax_portable", "")
+                                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, bool)>();
+  return portable.call(router_logits, top_k, renormalize);
+}
+
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,
                          double scale) {
@@ -352,6 +368,7 @@ void register_cpu_kernels() {
   cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
   cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
   cpu_kernels->impl("fused_moe", TORCH_FN(fused_moe_cpu));
+  cpu_kernels->impl("topk_softmax", TORCH_FN(topk_softmax_cpu));
   cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
 }

@@ -354,3 +354,16 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name,args", _opcheck_cases(), ids=lambda v: v if isinstance(v, str) else "")
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(torch.ops.tilefx, name).default, args)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_topk_softmax_is_the_reference_on_every_path(kernel_path, renormalize):
+    """The native router makes the reference's ATen calls from C++: the same bits and tie order."""
+    from tilefx.custom_ops.moe import topk_softmax_reference
+
+    g = torch.Generator().manual_seed(int(renormalize))
+    logits = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    logits[:4, 10:14] = logits[:4, 20:24] = 3.0  # ties at the top
+    got_weights, got_ids = torch.ops.tilefx.topk_softmax(logits, 8, renormalize)
+    want_weights, want_ids = topk_softmax_reference(logits, 8, renormalize)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_weights, want_weights)
