@@ -230,19 +230,20 @@ def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids):
 
 
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
+# The routers: the native CPU kernels make the references' ATen calls from C++ (the same bits,
+# no Python frame per MoE layer); on the reference path, or without the native library, the
+# *_portable ops run the references.
 for _name, _schema, _reference, _fake in (
-    ("topk_softmax_portable", _TOPK_SOFTMAX_SCHEMA, topk_softmax_reference, _topk_softmax_fake),
+    ("topk_softmax", _TOPK_SOFTMAX_SCHEMA, topk_softmax_reference, _topk_softmax_fake),
     ("grouped_topk", _GROUPED_TOPK_SCHEMA, grouped_topk_reference, _grouped_topk_fake),
 ):
+    _LIB.define(f"{_name}_portable{_schema}")
+    _LIB.impl(f"{_name}_portable", _reference, "CPU")
     _LIB.define(_name + _schema)
-    _LIB.impl(_name, _reference, "CPU")
-    torch.library.register_fake(f"tilefx::{_name}", _fake, lib=_LIB)
-# topk_softmax: the native CPU kernel makes the reference's ATen calls from C++ (no Python frame);
-# on the reference path, or without the native library, topk_softmax_portable runs.
-_LIB.define("topk_softmax" + _TOPK_SOFTMAX_SCHEMA)
-if isa.native is None:
-    _LIB.impl("topk_softmax", topk_softmax_reference, "CPU")
-torch.library.register_fake("tilefx::topk_softmax", _topk_softmax_fake, lib=_LIB)
+    if isa.native is None:
+        _LIB.impl(_name, _reference, "CPU")
+    for _op in (_name, f"{_name}_portable"):
+        torch.library.register_fake(f"tilefx::{_op}", _fake, lib=_LIB)
 # fused_moe: the native CPU kernel (registered by custom_ops/__init__.py) takes the current
 # kernel path; on the reference path, or without the native library, fused_moe_portable runs.
 _LIB.define("fused_moe_portable" + _FUSED_MOE_SCHEMA)

@@ -367,3 +367,23 @@ def test_topk_softmax_is_the_reference_on_every_path(kernel_path, renormalize):
     got_weights, got_ids = torch.ops.tilefx.topk_softmax(logits, 8, renormalize)
     want_weights, want_ids = topk_softmax_reference(logits, 8, renormalize)
     assert torch.equal(got_ids, want_ids) and torch.equal(got_weights, want_weights)
+
+
+@pytest.mark.parametrize("bias,groups,topk_group,scoring,renormalize,scale", [
+    (False, 1, 1, "softmax", False, 1.0),  # DeepSeek-V2 greedy
+    (False, 4, 2, "softmax", False, 1.5),  # group-limited greedy
+    (True, 4, 2, "sigmoid", True, 2.5),  # DeepSeek-V3 noaux_tc
+    (True, 1, 1, "sigmoid", False, 1.0),
+])
+def test_grouped_topk_is_the_reference_on_every_path(kernel_path, bias, groups, topk_group, scoring, renormalize,
+                                                     scale):
+    from tilefx.custom_ops.moe import grouped_topk_reference
+
+    g = torch.Generator().manual_seed(groups)
+    logits = torch.randn(29, 16, generator=g)
+    logits[:3, 4:8] = 2.0  # ties
+    correction = 0.1 * torch.randn(16, generator=g) if bias else None
+    args = (logits, correction, 4, groups, topk_group, scoring, renormalize, scale)
+    got_weights, got_ids = torch.ops.tilefx.grouped_topk(*args)
+    want_weights, want_ids = grouped_topk_reference(*args)
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_weights, want_weights)
