@@ -90,6 +90,21 @@ def forced(path: str):
         _set(previous)
 
 
+def define_native_op(lib, name: str, schema: str, reference, fake) -> None:
+    """Define ``tilefx::<name>`` (its CPU kernel is native, registered from C++ by custom_ops/__init__.py,
+    and takes the current kernel path) and ``tilefx::<name>_portable`` (the reference, which the native
+    kernel calls on the reference path). Without the native library ``<name>`` runs the reference."""
+    import torch
+
+    lib.define(f"{name}_portable{schema}")
+    lib.impl(f"{name}_portable", reference, "CPU")
+    lib.define(name + schema)
+    if native is None:
+        lib.impl(name, reference, "CPU")
+    for op in (name, f"{name}_portable"):
+        torch.library.register_fake(f"tilefx::{op}", fake, lib=lib)
+
+
 HUGE_PAGE_MIN_BYTES = 2 << 20  # below this a 2 MiB page would waste more than it saves
 
 

@@ -321,22 +321,11 @@ for _name, _schema, _impl, _fake in (
     _LIB.impl(_name, _impl, "CPU")
     torch.library.register_fake(f"tilefx::{_name}", _fake, lib=_LIB)
 
-# linear, linear_silu_mul: the native CPU kernels (registered by custom_ops/__init__.py) take
-# the current kernel path; on the reference path, or without the native library, the
-# *_portable ops run the references.
-for _name, _schema, _reference, _fake in (
-    ("linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor", linear_reference,
-     _linear_fake),
-    ("linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor", linear_silu_mul_reference,
-     _linear_silu_mul_fake),
-):
-    _LIB.define(f"{_name}_portable{_schema}")
-    _LIB.impl(f"{_name}_portable", _reference, "CPU")
-    _LIB.define(_name + _schema)
-    if isa.native is None:
-        _LIB.impl(_name, _reference, "CPU")
-    for _op in (_name, f"{_name}_portable"):
-        torch.library.register_fake(f"tilefx::{_op}", _fake, lib=_LIB)
+# linear, linear_silu_mul: native CPU kernels, the references as *_portable ops (isa.define_native_op).
+isa.define_native_op(_LIB, "linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+                     linear_reference, _linear_fake)
+isa.define_native_op(_LIB, "linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor",
+                     linear_silu_mul_reference, _linear_silu_mul_fake)
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default

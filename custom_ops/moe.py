@@ -230,29 +230,11 @@ def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids):
 
 
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
-# The routers: the native CPU kernels make the references' ATen calls from C++ (the same bits,
-# no Python frame per MoE layer); on the reference path, or without the native library, the
-# *_portable ops run the references.
-for _name, _schema, _reference, _fake in (
-    ("topk_softmax", _TOPK_SOFTMAX_SCHEMA, topk_softmax_reference, _topk_softmax_fake),
-    ("grouped_topk", _GROUPED_TOPK_SCHEMA, grouped_topk_reference, _grouped_topk_fake),
-):
-    _LIB.define(f"{_name}_portable{_schema}")
-    _LIB.impl(f"{_name}_portable", _reference, "CPU")
-    _LIB.define(_name + _schema)
-    if isa.native is None:
-        _LIB.impl(_name, _reference, "CPU")
-    for _op in (_name, f"{_name}_portable"):
-        torch.library.register_fake(f"tilefx::{_op}", _fake, lib=_LIB)
-# fused_moe: the native CPU kernel (registered by custom_ops/__init__.py) takes the current
-# kernel path; on the reference path, or without the native library, fused_moe_portable runs.
-_LIB.define("fused_moe_portable" + _FUSED_MOE_SCHEMA)
-_LIB.impl("fused_moe_portable", fused_moe_reference, "CPU")
-_LIB.define("fused_moe" + _FUSED_MOE_SCHEMA)
-if isa.native is None:
-    _LIB.impl("fused_moe", fused_moe_reference, "CPU")
-for _name in ("fused_moe", "fused_moe_portable"):
-    torch.library.register_fake(f"tilefx::{_name}", _fused_moe_fake, lib=_LIB)
+# Native CPU kernels, the references as *_portable ops (isa.define_native_op). The routers' kernels
+# make the references' ATen calls from C++: the same bits, no Python frame per MoE layer.
+isa.define_native_op(_LIB, "topk_softmax", _TOPK_SOFTMAX_SCHEMA, topk_softmax_reference, _topk_softmax_fake)
+isa.define_native_op(_LIB, "grouped_topk", _GROUPED_TOPK_SCHEMA, grouped_topk_reference, _grouped_topk_fake)
+isa.define_native_op(_LIB, "fused_moe", _FUSED_MOE_SCHEMA, fused_moe_reference, _fused_moe_fake)
 
 topk_softmax = torch.ops.tilefx.topk_softmax.default
 grouped_topk = torch.ops.tilefx.grouped_topk.default
