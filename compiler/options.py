@@ -14,6 +14,7 @@ class CompileOptions:
     max_batch: int = 1
     dtype: torch.dtype = torch.bfloat16
     attention: bool = True  # swap HF attention + cache update for tilefx attention ops
+    mla: bool = True  # DeepSeek latent attention: weight-absorbed tilefx.mla_attention over the latent cache
     moe: bool = True  # swap each sparse MoE block's routing + experts for tilefx router ops + fused_moe
     linear: bool = True  # swap every linear for tilefx.linear over a weight packed at compile time
     fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear

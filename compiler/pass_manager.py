@@ -20,6 +20,7 @@ from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.base import PassResult, TilefxPass
 from tilefx.compiler.passes.linear import LinearPass
+from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.report import CompileReport
 
@@ -30,6 +31,8 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
     passes: list[TilefxPass] = []
     if options.attention:
         passes.append(AttentionPass())
+    if options.mla:
+        passes.append(MlaPass())
     if options.moe and moe_blocks:
         passes.append(MoePass(moe_blocks, freezing=options.freezing))
     if options.linear:

@@ -49,23 +49,27 @@ def _write_kv(k, v, k_cache, v_cache, positions) -> int:
     return int(positions[-1]) + 1
 
 
-def attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale):
-    """The specification: write K/V into the cache, then masked softmax attention in fp32."""
-    _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
+def _attend(q, keys, values, mask, scale):
+    """Masked softmax attention in fp32: q ``[B, Hq, S, D]`` over ``keys``/``values`` ``[B, Hkv, T, *]``."""
     batch, q_heads, seq, _ = q.shape
-    kv_heads = k.shape[1]
-    end = _write_kv(k, v, k_cache, v_cache, positions)
-    keys = k_cache[:batch, :, :end].float()  # [B, Hkv, T, D]
-    values = v_cache[:batch, :, :end].float()
+    kv_heads, end = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
     qg = q.float().reshape(batch, kv_heads, group * seq, -1)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [B, Hkv, G*S, T]
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale  # [B, Hkv, G*S, T]
     scores = scores.view(batch, kv_heads, group, seq, end)
     allowed = mask[:batch, :, :, :end].reshape(batch, 1, 1, seq, end)
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no allowed key -> 0
-    out = torch.matmul(probs.view(batch, kv_heads, group * seq, end), values)
+    out = torch.matmul(probs.view(batch, kv_heads, group * seq, end), values.float())
     return out.view(batch, q_heads, seq, -1).to(q.dtype)
+
+
+def attention_reference(q, k, v, k_cache, v_cache, positions, mask, scale):
+    """The specification: write K/V into the cache, then masked softmax attention in fp32."""
+    _check_shapes(q, k, v, k_cache, v_cache, positions, mask)
+    batch = q.shape[0]
+    end = _write_kv(k, v, k_cache, v_cache, positions)
+    return _attend(q, k_cache[:batch, :, :end], v_cache[:batch, :, :end], mask, scale)
 
 
 def attention_portable(q, k, v, k_cache, v_cache, positions, mask, scale):
@@ -102,3 +106,77 @@ for _name in ("extend_attention", "decode_attention", "attention_portable"):
 
 extend_attention = torch.ops.tilefx.extend_attention.default
 decode_attention = torch.ops.tilefx.decode_attention.default
+
+
+# -- MLA --------------------------------------------------------------------------------
+# DeepSeek's multi-head latent attention, weight-absorbed (the MLA pass): every query
+# head attends the one latent "head" of the cache, key = [latent | rope key], value =
+# the latent. Shapes:
+# - ``q_latent`` ``[B, H, S, R]``: q_nope times the key half of ``kv_b_proj`` per head (R = kv_lora_rank)
+# - ``q_rope``   ``[B, H, S, Dr]``: the rope part of the query (RoPE applied)
+# - ``latent``, ``k_rope`` ``[B, 1, S, R]`` / ``[B, 1, S, Dr]``: the new tokens' normalized latent and rope key
+# - ``latent_cache``, ``rope_cache`` ``[max_batch, 1, max_seq_len, R / Dr]``: whole buffers (as above)
+# - returns ``[B, H, S, R]``: the attention-weighted latent per head (``kv_b_proj``'s value half maps it to V).
+_MLA_SCHEMA = (
+    "(Tensor q_latent, Tensor q_rope, Tensor latent, Tensor k_rope, Tensor(a!) latent_cache, "
+    "Tensor(b!) rope_cache, Tensor positions, Tensor mask, float scale) -> Tensor"
+)
+
+
+def _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask) -> None:
+    batch, heads, seq, rank = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    torch._check(q_rope.shape[:3] == (batch, heads, seq), lambda: f"q_rope shape {tuple(q_rope.shape)}")
+    torch._check(latent.shape == (batch, 1, seq, rank), lambda: f"latent shape {tuple(latent.shape)}")
+    torch._check(k_rope.shape == (batch, 1, seq, rope_dim), lambda: f"k_rope shape {tuple(k_rope.shape)}")
+    torch._check(latent_cache.shape[0] >= batch and latent_cache.shape[1] == 1 and latent_cache.shape[3] == rank,
+                 lambda: f"latent_cache shape {tuple(latent_cache.shape)}")
+    torch._check(rope_cache.shape[:3] == latent_cache.shape[:3] and rope_cache.shape[3] == rope_dim,
+                 lambda: f"rope_cache shape {tuple(rope_cache.shape)}")
+    torch._check(positions.shape == (seq,), lambda: f"positions shape {tuple(positions.shape)}")
+    torch._check(mask.dtype == torch.bool, lambda: f"mask dtype {mask.dtype}, expected bool")
+    torch._check(mask.shape[-2] == seq and mask.shape[-1] == latent_cache.shape[2], lambda: "mask shape")
+
+
+def mla_attention_reference(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
+    """The specification: write the latent and rope key, then attention with key [latent | rope], value latent."""
+    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    batch = q_latent.shape[0]
+    end = _write_kv(latent, k_rope, latent_cache, rope_cache, positions)
+    values = latent_cache[:batch, :, :end]
+    keys = torch.cat([values, rope_cache[:batch, :, :end]], dim=-1)
+    return _attend(torch.cat([q_latent, q_rope], dim=-1), keys, values, mask, scale)
+
+
+def mla_attention_portable(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
+    """The portable implementation (reference path): PyTorch's fused SDPA, all heads over the one latent head."""
+    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    batch = q_latent.shape[0]
+    end = _write_kv(latent, k_rope, latent_cache, rope_cache, positions)
+    values = latent_cache[:batch, :, :end]
+    allowed = mask[:batch, :, :, :end]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        torch.cat([q_latent, q_rope], dim=-1),
+        torch.cat([values, rope_cache[:batch, :, :end]], dim=-1),
+        values,
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=True,
+    )
+    if q_latent.shape[2] > 1:
+        out = out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def _mla_fake(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
+    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    return q_latent.new_empty(q_latent.shape)
+
+
+for _name in ("mla_attention", "mla_attention_portable"):
+    _LIB.define(_name + _MLA_SCHEMA)
+    if _name == "mla_attention_portable" or isa.native is None:
+        _LIB.impl(_name, mla_attention_portable, "CPU")
+    torch.library.register_fake(f"tilefx::{_name}", _mla_fake, lib=_LIB)
+
+mla_attention = torch.ops.tilefx.mla_attention.default

@@ -53,9 +53,11 @@ def test_explain_says_what_was_left_alone(pair):
     _, compiled = pair
     text = tilefx.explain(compiled)
     layers = compiled.config.num_hidden_layers
-    if adapter_for(compiled.config).mla:  # DeepSeek: attention is the (coming) MLA pass's region
+    mla = adapter_for(compiled.config).mla
+    if mla:  # DeepSeek: the attention pass leaves the latent attention to the MLA pass, which absorbs it
         assert text.count("left for the MLA pass") == 2 * layers
         assert "tilefx.decode_attention" not in text
+        assert f"tilefx.mla_attention x{layers}" in text
     else:
         assert f"tilefx.decode_attention x{layers}" in text
     moe_layers = len(adapter_for(compiled.config).moe_layers(compiled.config))
@@ -63,3 +65,5 @@ def test_explain_says_what_was_left_alone(pair):
     for phase in compiled.tilefx.report.graphs:  # prefill and decode: every MoE block through tilefx ops
         assert phase.tilefx_ops.get("tilefx.fused_moe") == moe_layers, phase.tilefx_ops
         assert phase.tilefx_ops.get(f"tilefx.{router_op}") == moe_layers, phase.tilefx_ops
+        if mla:
+            assert phase.tilefx_ops.get("tilefx.mla_attention") == layers, phase.tilefx_ops

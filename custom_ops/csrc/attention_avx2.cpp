@@ -19,12 +19,55 @@ namespace {
 constexpr int kHeadTile = 4;   // query heads per pass over the keys
 constexpr int kValueVecs = 2;  // 8-lane output vectors per head per pass over the values
 
+// Scores of two keys (a, b) for the kHeadTile query heads at q0 (row stride `qdim`),
+// over `len` values of the key part at ka / kb and the query columns from q0:
+// eight independent FMA chains hide the FMA latency.
+inline void scores_two_keys(const uint16_t* ka, const uint16_t* kb, const float* q0, int64_t qdim,
+                                   int64_t len, __m256 (&a)[kHeadTile], __m256 (&b)[kHeadTile]) {
+  for (int64_t d = 0; d < len; d += 16) {
+    __m256 ka_even, ka_odd, kb_even, kb_odd;
+    load_vnni_pair(ka + d, ka_even, ka_odd);
+    load_vnni_pair(kb + d, kb_even, kb_odd);
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      const __m256 q_even = _mm256_loadu_ps(q0 + h * qdim + d);
+      const __m256 q_odd = _mm256_loadu_ps(q0 + h * qdim + d + 8);
+      a[h] = _mm256_fmadd_ps(q_odd, ka_odd, _mm256_fmadd_ps(q_even, ka_even, a[h]));
+      b[h] = _mm256_fmadd_ps(q_odd, kb_odd, _mm256_fmadd_ps(q_even, kb_even, b[h]));
+    }
+  }
+}
+
+inline void scores_one_key(const uint16_t* k, const float* q0, int64_t qdim, int64_t len,
+                                  __m256 (&a)[kHeadTile]) {
+  for (int64_t d = 0; d < len; d += 16) {
+    __m256 k_even, k_odd;
+    load_vnni_pair(k + d, k_even, k_odd);
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      a[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + h * qdim + d + 8), k_odd,
+                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + h * qdim + d), k_even, a[h]));
+    }
+  }
+}
+
+// Scaled query rows in fp32, the rope part after the first part, per 16-value chunk
+// in [8 even | 8 odd] order (how load_vnni_pair splits a key row).
+inline void load_query(const uint16_t* src, int64_t len, float scale, bool zero, float* dst) {
+  for (int64_t d = 0; d < len; d += 16) {
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    if (!zero) load_vnni_pair(src + d, even, odd);
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(even, _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(dst + d + 8, _mm256_mul_ps(odd, _mm256_set1_ps(scale)));
+  }
+}
+
 }  // namespace
 
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
                          int64_t key_end, const AttentionPartial& part) {
   const int64_t group = p.q_heads / p.kv_heads;
-  const int64_t dim = p.head_dim;  // multiple of 16 (checked by the dispatch code)
+  const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, qdim = k_dim + rope_dim, v_dim = p.v_dim;
   const bool* allowed = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
   // Masked keys at either end (the causal future of a prompt row, left padding) cost nothing.
   while (key_begin < key_end && !allowed[key_begin]) ++key_begin;
@@ -37,8 +80,9 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
     }
     return;
   }
-  const uint16_t* k_rows = p.k_cache + b * p.kv_stride_b + kv_head * p.kv_stride_h;
-  const uint16_t* v_rows = p.v_cache + b * p.kv_stride_b + kv_head * p.kv_stride_h;
+  const uint16_t* k_rows = p.k_cache + b * p.k_stride_b + kv_head * p.k_stride_h;
+  const uint16_t* kr_rows = rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h : nullptr;
+  const uint16_t* v_rows = p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Inside the trimmed range a decode row has no masked key; a padded batch row may.
@@ -48,16 +92,13 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   // Scaled queries in fp32, padded with zero heads to a multiple of kHeadTile.
   const int64_t padded_group = (group + kHeadTile - 1) / kHeadTile * kHeadTile;
   float* q = part.query;
-  // Rows are read 16 values at a time as one 32-byte load split into even and odd
-  // elements (load_vnni_pair): queries are stored in that order too, per 16-value
-  // chunk [8 even | 8 odd], so a dot product pairs them up without any shuffle.
   for (int64_t g = 0; g < padded_group; ++g) {
-    const uint16_t* src = p.q + b * p.q_stride_b + (kv_head * group + g) * p.q_stride_h + s * p.q_stride_s;
-    for (int64_t d = 0; d < dim; d += 16) {
-      __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-      if (g < group) load_vnni_pair(src + d, even, odd);
-      _mm256_storeu_ps(q + g * dim + d, _mm256_mul_ps(even, _mm256_set1_ps(p.scale)));
-      _mm256_storeu_ps(q + g * dim + d + 8, _mm256_mul_ps(odd, _mm256_set1_ps(p.scale)));
+    const int64_t head = kv_head * group + (g < group ? g : 0);
+    load_query(p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s, k_dim, p.scale, g >= group,
+               q + g * qdim);
+    if (rope_dim) {
+      load_query(p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s, rope_dim, p.scale,
+                 g >= group, q + g * qdim + k_dim);
     }
   }
 
@@ -67,56 +108,37 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   const int64_t padded_keys = keys + (keys & 1);
   for (int64_t g0 = 0; g0 < padded_group; g0 += kHeadTile) {
     const int64_t heads = group - g0 < kHeadTile ? group - g0 : kHeadTile;
-    const float* q0 = q + g0 * dim;
+    const float* q0 = q + g0 * qdim;
     float* scores = part.scores + (g0 / kHeadTile) * padded_keys * kHeadTile;
 
-    // Two keys per iteration: eight independent FMA chains hide the FMA latency.
     int64_t t = 0;
     if (dense) {
       for (; t + 2 <= keys; t += 2) {
-        const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
-        const uint16_t* k_next = k + p.kv_stride_t;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        for (int64_t d = 0; d < dim; d += 16) {
-          __m256 ka_even, ka_odd, kb_even, kb_odd;
-          load_vnni_pair(k + d, ka_even, ka_odd);
-          load_vnni_pair(k_next + d, kb_even, kb_odd);
-#define TILEFX_QK_HEAD(h, acc_a, acc_b)                                              \
-  {                                                                                  \
-    const __m256 q_even = _mm256_loadu_ps(q0 + (h) * dim + d);                       \
-    const __m256 q_odd = _mm256_loadu_ps(q0 + (h) * dim + d + 8);                    \
-    acc_a = _mm256_fmadd_ps(q_odd, ka_odd, _mm256_fmadd_ps(q_even, ka_even, acc_a)); \
-    acc_b = _mm256_fmadd_ps(q_odd, kb_odd, _mm256_fmadd_ps(q_even, kb_even, acc_b)); \
-  }
-          TILEFX_QK_HEAD(0, a0, b0)
-          TILEFX_QK_HEAD(1, a1, b1)
-          TILEFX_QK_HEAD(2, a2, b2)
-          TILEFX_QK_HEAD(3, a3, b3)
-#undef TILEFX_QK_HEAD
+        const int64_t at = key_begin + t;
+        __m256 a[kHeadTile], c[kHeadTile];
+#pragma GCC unroll 4
+        for (int h = 0; h < kHeadTile; ++h) a[h] = c[h] = _mm256_setzero_ps();
+        scores_two_keys(k_rows + at * p.k_stride_t, k_rows + (at + 1) * p.k_stride_t, q0, qdim, k_dim, a, c);
+        if (rope_dim) {
+          scores_two_keys(kr_rows + at * p.kr_stride_t, kr_rows + (at + 1) * p.kr_stride_t, q0 + k_dim, qdim,
+                          rope_dim, a, c);
         }
-        _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
-        _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(b0, b1, b2, b3));
+        _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
+        _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(c[0], c[1], c[2], c[3]));
       }
     }
     for (; t < keys; ++t) {
-      if (!dense && !allowed[key_begin + t]) {
+      const int64_t at = key_begin + t;
+      if (!dense && !allowed[at]) {
         _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
         continue;
       }
-      const uint16_t* k = k_rows + (key_begin + t) * p.kv_stride_t;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < dim; d += 16) {
-        __m256 k_even, k_odd;
-        load_vnni_pair(k + d, k_even, k_odd);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d + 8), k_odd, _mm256_fmadd_ps(_mm256_loadu_ps(q0 + d), k_even, a0));
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d + 8), k_odd,
-                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + dim + d), k_even, a1));
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d + 8), k_odd,
-                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * dim + d), k_even, a2));
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d + 8), k_odd,
-                             _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * dim + d), k_even, a3));
-      }
-      _mm_storeu_ps(scores + t * kHeadTile, hsum4(a0, a1, a2, a3));
+      __m256 a[kHeadTile];
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeadTile; ++h) a[h] = _mm256_setzero_ps();
+      scores_one_key(k_rows + at * p.k_stride_t, q0, qdim, k_dim, a);
+      if (rope_dim) scores_one_key(kr_rows + at * p.kr_stride_t, q0 + k_dim, qdim, rope_dim, a);
+      _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
     }
     if (padded_keys > keys) _mm_storeu_ps(scores + keys * kHeadTile, _mm_set1_ps(neg_inf));
 
@@ -149,7 +171,7 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
     }
 
     // Unnormalized output: per slice of 16 lanes, every key's value row times each head's weight.
-    for (int64_t d = 0; d < dim; d += 8 * kValueVecs) {
+    for (int64_t d = 0; d < v_dim; d += 8 * kValueVecs) {
       __m256 acc[kHeadTile][kValueVecs];
 #pragma GCC unroll 4
       for (int h = 0; h < kHeadTile; ++h)
@@ -157,7 +179,7 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
       for (int64_t t = 0; t < keys; ++t) {
         if (!dense && !allowed[key_begin + t]) continue;
         __m256 v0, v1;  // the even and the odd elements of the 16-value slice
-        load_vnni_pair(v_rows + (key_begin + t) * p.kv_stride_t + d, v0, v1);
+        load_vnni_pair(v_rows + (key_begin + t) * p.v_stride_t + d, v0, v1);
         const float* w = scores + t * kHeadTile;
 #pragma GCC unroll 4
         for (int h = 0; h < kHeadTile; ++h) {
@@ -172,8 +194,8 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
         if (h < heads) {  // back to natural order: interleave even and odd elements
           const __m256 low = _mm256_unpacklo_ps(acc[h][0], acc[h][1]);
           const __m256 high = _mm256_unpackhi_ps(acc[h][0], acc[h][1]);
-          _mm256_storeu_ps(part.out + (g0 + h) * dim + d, _mm256_permute2f128_ps(low, high, 0x20));
-          _mm256_storeu_ps(part.out + (g0 + h) * dim + d + 8, _mm256_permute2f128_ps(low, high, 0x31));
+          _mm256_storeu_ps(part.out + (g0 + h) * v_dim + d, _mm256_permute2f128_ps(low, high, 0x20));
+          _mm256_storeu_ps(part.out + (g0 + h) * v_dim + d + 8, _mm256_permute2f128_ps(low, high, 0x31));
         }
       }
     }

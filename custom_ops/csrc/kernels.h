@@ -46,23 +46,33 @@ float stream_read_avx2(const void* data, int64_t bytes, int streams);
 // one (batch row, KV head, query row, key split): the query heads of that KV head
 // attend keys [key_begin, key_end) allowed by the mask row; the task writes its
 // partial result as running max, sum of exp and unnormalized output per head.
+//
+// A key may come in two parts read from two buffers, the query likewise: DeepSeek's
+// MLA (weight-absorbed) attends with key = [latent | rope key] and value = latent,
+// so `v_cache` then points at the latent (`k_cache`) and no K/V is ever expanded.
 struct AttentionProblem {
-  const uint16_t* q;  // [B, Hq, S, D] strides below (elements)
+  const uint16_t* q;  // [B, Hq, S, k_dim] strides below (elements)
   int64_t q_stride_b, q_stride_h, q_stride_s;
-  const uint16_t* k_cache;  // [maxB, Hkv, maxL, D]
-  const uint16_t* v_cache;
-  int64_t kv_stride_b, kv_stride_h, kv_stride_t;
+  const uint16_t* q_rope;  // [B, Hq, S, rope_dim], or nullptr when rope_dim == 0
+  int64_t qr_stride_b, qr_stride_h, qr_stride_s;
+  const uint16_t* k_cache;  // [maxB, Hkv, maxL, k_dim]
+  int64_t k_stride_b, k_stride_h, k_stride_t;
+  const uint16_t* k_rope_cache;  // [maxB, Hkv, maxL, rope_dim], or nullptr
+  int64_t kr_stride_b, kr_stride_h, kr_stride_t;
+  const uint16_t* v_cache;  // [maxB, Hkv, maxL, v_dim]
+  int64_t v_stride_b, v_stride_h, v_stride_t;
   const bool* mask;  // [B, 1, S, maxL]
   int64_t mask_stride_b, mask_stride_s;
-  int64_t q_heads, kv_heads, head_dim;
+  int64_t q_heads, kv_heads;
+  int64_t k_dim, rope_dim, v_dim;  // multiples of 16
   float scale;
 };
 
 struct AttentionPartial {
-  float* query;  // scratch: [group rounded up to 4, head_dim]
+  float* query;  // scratch: [group rounded up to 4, k_dim + rope_dim]
   float* max;    // [group]
   float* sum;    // [group]
-  float* out;    // [group, head_dim]
+  float* out;    // [group, v_dim]
   float* scores; // scratch: [group rounded up to 4, key_end - key_begin rounded up to even]
 };
 

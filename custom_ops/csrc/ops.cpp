@@ -117,28 +117,9 @@ void write_kv(const at::Tensor& new_rows, at::Tensor& cache, const int64_t* posi
                     src + b * rows.stride(0) + h * rows.stride(1) + s * rows.stride(2), dim * sizeof(at::BFloat16));
 }
 
-at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
-                          at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in,
-                          double scale) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
-                "tilefx attention: q, k, v and the caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
-                t->sizes());
-  }
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "tilefx attention: caches must be contiguous and of one shape");
-  const int64_t batch = q_in.size(0), q_heads = q_in.size(1), seq = q_in.size(2), dim = q_in.size(3);
-  const int64_t kv_heads = k.size(1), max_len = k_cache.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == seq && k.size(3) == dim,
-              "tilefx attention: k/v ", k.sizes(), " do not match q ", q_in.sizes());
-  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0 && k_cache.size(1) == kv_heads && k_cache.size(0) >= batch &&
-                  k_cache.size(3) == dim,
-              "tilefx attention: cache ", k_cache.sizes(), " does not fit k ", k.sizes());
-  TORCH_CHECK(dim % 16 == 0, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
-  TORCH_CHECK(mask_in.scalar_type() == at::kBool && mask_in.dim() == 4 && mask_in.size(0) >= batch &&
-                  mask_in.size(2) == seq && mask_in.size(3) == max_len,
-              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask_in.scalar_type(), " ",
-              mask_in.sizes());
+// Checks the positions of the new tokens (contiguous increasing cache slots) and
+// returns them as int64.
+at::Tensor checked_positions(const at::Tensor& positions_in, int64_t seq, int64_t max_len) {
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   TORCH_CHECK(seq > 0 && positions.dim() == 1 && positions.numel() == seq,
               "tilefx attention: one position per new token");
@@ -147,16 +128,24 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
     TORCH_CHECK(pos[s] >= 0 && pos[s] < max_len && (s == 0 || pos[s] == pos[s - 1] + 1),
                 "tilefx attention: positions must be increasing cache slots below ", max_len);
   }
-  write_kv(k, k_cache, pos);
-  write_kv(v, v_cache, pos);
-  const int64_t end = pos[seq - 1] + 1;
+  return positions;
+}
 
-  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+void check_mask(const at::Tensor& mask, int64_t batch, int64_t seq, int64_t max_len) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) >= batch &&
+                  mask.size(2) == seq && mask.size(3) == max_len,
+              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask.scalar_type(), " ", mask.sizes());
+}
+
+// Runs `p` (query, cache and mask pointers set) over keys [0, end) and returns
+// [batch, q_heads, seq, v_dim] bf16. Tasks are (batch row, KV head, query row, key
+// split); with few rows the keys are split so every thread has work (flash-decoding),
+// and the splits are merged here.
+at::Tensor run_attention(const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+                         const at::TensorOptions& options) {
+  const int64_t q_heads = p.q_heads, kv_heads = p.kv_heads, dim = p.v_dim;
   const int64_t group = q_heads / kv_heads;
   const int64_t padded_group = (group + 3) / 4 * 4;
-
-  // Flash-decoding: with few (row, head) tasks, split the keys so every thread has work.
   const int64_t rows = batch * kv_heads * seq;
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
@@ -165,12 +154,8 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
   splits = (end + split_len - 1) / split_len;
 
   std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
-  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
-                     bf16_bits(k_cache), bf16_bits(v_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2), q_heads, kv_heads, dim,
-                     static_cast<float>(scale)};
   at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores(padded_group * (split_len + 1)), query(padded_group * dim);
+    std::vector<float> scores(padded_group * (split_len + 1)), query(padded_group * (p.k_dim + p.rope_dim));
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t row = task / splits, split = task % splits;
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
@@ -182,7 +167,7 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
   });
 
   // Merge the splits of each (row, head); rows that may attend no key are zero.
-  at::Tensor y = at::empty({batch, q_heads, seq, dim}, q.options());
+  at::Tensor y = at::empty({batch, q_heads, seq, dim}, options);
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> acc(dim);
@@ -210,6 +195,88 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
     }
   });
   return y;
+}
+
+at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                          at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in,
+                          double scale) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
+                "tilefx attention: q, k, v and the caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "tilefx attention: caches must be contiguous and of one shape");
+  const int64_t batch = q_in.size(0), q_heads = q_in.size(1), seq = q_in.size(2), dim = q_in.size(3);
+  const int64_t kv_heads = k.size(1), max_len = k_cache.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == seq && k.size(3) == dim,
+              "tilefx attention: k/v ", k.sizes(), " do not match q ", q_in.sizes());
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0 && k_cache.size(1) == kv_heads && k_cache.size(0) >= batch &&
+                  k_cache.size(3) == dim,
+              "tilefx attention: cache ", k_cache.sizes(), " does not fit k ", k.sizes());
+  TORCH_CHECK(dim % 16 == 0, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
+  check_mask(mask_in, batch, seq, max_len);
+  const at::Tensor positions = checked_positions(positions_in, seq, max_len);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  write_kv(k, k_cache, pos);
+  write_kv(v, v_cache, pos);
+
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                     nullptr, 0, 0, 0,
+                     bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     nullptr, 0, 0, 0,
+                     bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                     q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
+  return run_attention(p, batch, seq, pos[seq - 1] + 1, q.options());
+}
+
+// Weight-absorbed MLA over the latent cache: key = [latent | rope key], value = the
+// latent, every query head against the one latent "head". Writes the new tokens'
+// latent and rope key first.
+at::Tensor mla_attention_avx2(const at::Tensor& q_latent_in, const at::Tensor& q_rope_in, const at::Tensor& latent,
+                              const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
+                              const at::Tensor& positions_in, const at::Tensor& mask_in, double scale) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_latent_in, &q_rope_in, &latent, &k_rope,
+                                                                        &latent_cache, &rope_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
+                "tilefx mla_attention: queries, latent, rope key and caches must be 4-D bfloat16, got ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  const int64_t batch = q_latent_in.size(0), heads = q_latent_in.size(1), seq = q_latent_in.size(2);
+  const int64_t rank = q_latent_in.size(3), rope_dim = q_rope_in.size(3), max_len = latent_cache.size(2);
+  TORCH_CHECK(latent_cache.is_contiguous() && rope_cache.is_contiguous() &&
+                  latent_cache.sizes().slice(0, 3) == rope_cache.sizes().slice(0, 3) && latent_cache.size(1) == 1 &&
+                  latent_cache.size(0) >= batch && latent_cache.size(3) == rank && rope_cache.size(3) == rope_dim,
+              "tilefx mla_attention: caches ", latent_cache.sizes(), " / ", rope_cache.sizes(),
+              " do not fit the queries ", q_latent_in.sizes(), " / ", q_rope_in.sizes());
+  TORCH_CHECK(q_rope_in.sizes().slice(0, 3) == q_latent_in.sizes().slice(0, 3) &&
+                  latent.sizes() == at::IntArrayRef({batch, 1, seq, rank}) &&
+                  k_rope.sizes() == at::IntArrayRef({batch, 1, seq, rope_dim}),
+              "tilefx mla_attention: latent ", latent.sizes(), " / rope key ", k_rope.sizes(),
+              " do not match the queries ", q_latent_in.sizes());
+  TORCH_CHECK(rank % 16 == 0 && rope_dim % 16 == 0,
+              "tilefx mla_attention: kv_lora_rank and the rope dim must be multiples of 16, got ", rank, ", ",
+              rope_dim);
+  check_mask(mask_in, batch, seq, max_len);
+  const at::Tensor positions = checked_positions(positions_in, seq, max_len);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  write_kv(latent, latent_cache, pos);
+  write_kv(k_rope, rope_cache, pos);
+
+  const at::Tensor q = q_latent_in.stride(3) == 1 ? q_latent_in : q_latent_in.contiguous();
+  const at::Tensor qr = q_rope_in.stride(3) == 1 ? q_rope_in : q_rope_in.contiguous();
+  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                     bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
+                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                     bf16_bits(rope_cache), rope_cache.stride(0), rope_cache.stride(1), rope_cache.stride(2),
+                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                     heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
+  return run_attention(p, batch, seq, pos[seq - 1] + 1, q.options());
 }
 
 // Streaming-read bandwidth over `buffer`, GB/s, one pass: every thread reads a
@@ -409,6 +476,23 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return portable.call(q, k, v, k_cache, v_cache, positions, mask, scale);
 }
 
+at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
+                             const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
+                             const at::Tensor& positions, const at::Tensor& mask, double scale) {
+  if (path() != Path::reference && q_latent.scalar_type() == at::kBFloat16 &&
+      latent_cache.scalar_type() == at::kBFloat16 && q_latent.dim() == 4 && q_latent.size(3) % 16 == 0 &&
+      q_rope.dim() == 4 && q_rope.size(3) % 16 == 0) {
+    return mla_attention_avx2(q_latent, q_rope.to(at::kBFloat16), latent.to(at::kBFloat16),
+                              k_rope.to(at::kBFloat16), latent_cache, rope_cache, positions, mask, scale);
+  }
+  static const auto portable =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tilefx::mla_attention_portable", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return portable.call(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale);
+}
+
 // Called once by custom_ops/__init__.py after the op schemas are defined.
 std::unique_ptr<torch::Library> cpu_kernels;
 void register_cpu_kernels() {
@@ -422,6 +506,7 @@ void register_cpu_kernels() {
   cpu_kernels->impl("grouped_topk", TORCH_FN(grouped_topk_cpu));
   cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
+  cpu_kernels->impl("mla_attention", TORCH_FN(mla_attention_cpu));
 }
 
 }  // namespace
@@ -431,7 +516,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
   m.def("set_path", &tilefx::set_path, "the kernel path the CPU kernels take: reference, avx2 or amx");
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
-        "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe and *_attention with the dispatcher");
+        "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
   m.def("huge_page_empty", &tilefx::huge_page_empty,
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");

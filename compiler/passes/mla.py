@@ -1,0 +1,187 @@
+"""MLA pass: DeepSeek's latent attention -> weight-absorbed, head-folded ``tilefx.mla_attention``.
+
+HF's DeepSeek-V2/V3 attention caches the normalized latent ``c`` (``kv_lora_rank`` R
+values per token) and the shared rope key, then every step expands the *whole*
+cache through ``kv_b_proj`` into per-head keys and values:
+
+    latent[:B].index_copy_(2, positions, c_new) ; rope[:B].index_copy_(2, positions, k_pe_new)
+    kv = linear(latent[:B], W_kvb).view(B, T, H, dn + dv).transpose(1, 2)   # T = max_seq_len
+    k_nope, v = kv.split([dn, dv], -1) ; K = [k_nope | rope.expand(H)]
+    out = scaled_dot_product_attention(cat(q_nope, q_pe), K, v, attn_mask=mask, scale=s)
+
+``W_kvb`` per head h is ``[W_uk[h] (dn x R); W_uv[h] (dv x R)]``, so
+``q_nope . (W_uk c) = (W_uk^T q_nope) . c`` and ``sum_t p_t W_uv c_t = W_uv sum_t p_t c_t``:
+the pass absorbs ``W_uk`` into the query and ``W_uv`` into the output,
+
+    q_latent = q_nope @ W_uk                         # [B, H, S, R]
+    o_latent = tilefx.mla_attention(q_latent, q_pe, c_new, k_pe_new, latent, rope, positions, mask, s)
+    out      = o_latent @ W_uv^T                     # [B, H, S, dv]
+
+and every head attends the one latent "head" (head folding: the cache is read once
+for all heads, over the valid prefix only). Nothing is expanded: per token the
+step reads ``kv_b_proj`` once instead of computing it over the whole cache.
+Preconditions (else the region is left alone and the reason recorded): the expanded
+keys come from a bias-free linear over a cache buffer written by one ``index_copy_``,
+the rope key buffer is written at the same positions, the query is ``cat(q_nope, q_pe)``,
+and a boolean mask and a constant scale are given.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from tilefx.compiler.passes.attention import _SDPA, _cache_writes, _view_source
+from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
+
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+class MlaPass(TilefxPass):
+    name = "mla"
+
+    def __call__(self, graph: torch.fx.Graph) -> PassResult:
+        result = PassResult(self.name)
+        writes = _cache_writes(graph)
+        expansions = [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR
+                      and _view_source(n.args[0])[0] in writes]
+        for index, expand in enumerate(expansions):
+            why = self._rewrite(graph, expand, writes)
+            if why is None:
+                result.rewritten += 1
+            else:
+                result.skip(f"latent attention #{index}", why)
+        return result
+
+    def _rewrite(self, graph: torch.fx.Graph, expand: torch.fx.Node, writes) -> str | None:
+        latent_buf, _ = _view_source(expand.args[0])
+        latent_writes = writes[latent_buf]
+        if len(latent_writes) != 1:
+            return f"expected one write of the latent cache, found {len(latent_writes)}"
+        latent_write = latent_writes[0]
+        positions = latent_write.args[2]
+        rope_writes = [w for buf, ws in writes.items() if buf is not latent_buf for w in ws if w.args[2] is positions]
+        if len(rope_writes) != 1:
+            return "no rope-key cache write at the latent's positions"
+        rope_write = rope_writes[0]
+        rope_buf, _ = _view_source(rope_write.args[0])
+        if latent_buf.op != "placeholder" or rope_buf.op != "placeholder":
+            return "latent / rope key are not graph-input cache buffers"
+        weight = expand.args[1]
+        if (len(expand.args) > 2 and expand.args[2] is not None) or expand.kwargs.get("bias") is not None:
+            return "kv_b_proj has a bias (absorption assumes none)"
+        sdpa = _first_user(expand, lambda n: n.op == "call_function" and n.target in _SDPA)
+        if sdpa is None:
+            return "no attention reads the expanded latent"
+        if len(sdpa.args) != 3 or sdpa.kwargs.get("dropout_p", 0.0) not in (0, 0.0) or sdpa.kwargs.get("is_causal"):
+            return "attention call form not understood (positional mask, dropout or is_causal)"
+        query, mask, scale = sdpa.args[0], sdpa.kwargs.get("attn_mask"), sdpa.kwargs.get("scale")
+        if not (query.op == "call_function" and query.target is torch.cat and len(query.args[0]) == 2
+                and query.kwargs.get("dim", query.args[1] if len(query.args) > 1 else 0) in (-1, 3)):
+            return "the query is not cat(q_nope, q_pe) along the head dimension"
+        q_nope, q_pe = query.args[0]
+        mask_val = example_value(mask)
+        if mask_val is None or mask_val.dtype != torch.bool or mask_val.dim() != 4:
+            return "no boolean 4-D attention mask"
+        if not isinstance(scale, (int, float)):
+            return "attention scale is not a constant"
+        q_val, w_val, latent_val = example_value(q_nope), example_value(weight), example_value(latent_buf)
+        out_val = example_value(sdpa)
+        if q_val is None or w_val is None or latent_val is None or out_val is None:
+            return "shapes unknown (no example values)"
+        heads, nope, rank, v_dim = q_val.shape[1], q_val.shape[-1], latent_val.shape[-1], out_val.shape[-1]
+        if tuple(w_val.shape) != (heads * (nope + v_dim), rank) or latent_val.shape[1] != 1:
+            return (f"kv_b_proj {tuple(w_val.shape)} does not split into {heads} heads of "
+                    f"{nope} key + {v_dim} value rows over a rank-{rank} latent")
+
+        fake = _FakeValues(detect_fake_mode([q_val, w_val]))
+        with graph.inserting_before(sdpa):
+            per_head = fake(graph.call_method("view", (weight, (heads, nope + v_dim, rank))))
+            w_uk = fake(graph.call_function(operator.getitem, (per_head, (slice(None), slice(None, nope)))))
+            w_uv_t = fake(graph.call_method("transpose", (
+                fake(graph.call_function(operator.getitem, (per_head, (slice(None), slice(nope, None))))), 1, 2)))
+            q_latent = fake(graph.call_function(torch.matmul, (q_nope, w_uk)))
+            o_latent = fake(graph.call_function(torch.ops.tilefx.mla_attention.default, (
+                q_latent, q_pe, latent_write.args[3], rope_write.args[3], latent_buf, rope_buf, positions, mask,
+                float(scale))))
+            out = graph.call_function(torch.matmul, (o_latent, w_uv_t))
+        out.meta.update(sdpa.meta)
+        sdpa.replace_all_uses_with(out)
+        _erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})
+        return None
+
+
+class _FakeValues:
+    """Records a new node's example value by running its op on the inputs' fake tensors."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __call__(self, node: torch.fx.Node) -> torch.fx.Node:
+        def value(arg):
+            value = example_value(arg) if isinstance(arg, torch.fx.Node) else arg
+            if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not self.mode:
+                # Dynamo's parameter inputs can carry another fake mode: same metadata, this mode
+                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+            return value
+
+        with self.mode:
+            args = torch.fx.node.map_aggregate(node.args, value)
+            if node.op == "call_method":
+                result = getattr(args[0], node.target)(*args[1:])
+            else:
+                result = node.target(*args)
+        node.meta["example_value"] = result
+        return node
+
+
+def _first_user(node: torch.fx.Node, predicate, limit: int = 64) -> torch.fx.Node | None:
+    """The first node (breadth-first, within ``limit`` nodes) downstream of ``node`` that satisfies ``predicate``."""
+    seen, frontier = set(), collections.deque(node.users)
+    while frontier and len(seen) < limit:
+        current = frontier.popleft()
+        if predicate(current):
+            return current
+        if current not in seen:
+            seen.add(current)
+            frontier.extend(current.users)
+    return None
+
+
+def _erase_region(graph: torch.fx.Graph, roots: list[torch.fx.Node], keep: set) -> None:
+    """Erase ``roots`` and every node that only fed them (or only wrote into what fed them).
+
+    HF builds the expanded key with ``new_empty`` + in-place ``copy_`` into slices of it:
+    a node whose other users all write into it dies with those writes.
+    """
+    dead = set(roots)
+    frontier = list(roots)
+    while frontier:
+        node = frontier.pop()
+        for source in node.all_input_nodes:
+            if source in dead or source in keep or source.op in ("placeholder", "get_attr"):
+                continue
+            writes = _writes_into(source)
+            if set(source.users) - writes <= dead:
+                dead |= {source} | writes
+                frontier += [source, *writes]
+    for node in reversed(list(graph.nodes)):  # users come after their inputs
+        if node in dead:
+            graph.erase_node(node)
+
+
+def _writes_into(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The ``copy_`` nodes writing into ``node`` or into slices of it, with those slices."""
+    found = set()
+    for user in node.users:
+        if user.op == "call_method" and user.target == "copy_" and user.args[0] is node:
+            found.add(user)
+        elif user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
+            inner = _writes_into(user)
+            if inner and set(user.users) <= inner:
+                found |= inner | {user}
+    return found
