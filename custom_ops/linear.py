@@ -1,4 +1,4 @@
-"""``tilefx::linear`` and ``tilefx::linear_silu_mul`` over weights packed once, and the packing ops.
+"""``tilefx::linear``, ``tilefx::linear_silu_mul`` and ``tilefx::linear_per_head`` over weights packed once, and the packing ops.
 
 Packed layout (one for every kernel path; csrc/kernels.h explains why):
 ``W [N, K]`` -> ``[ceil(N / BLOCK_N), ceil(K / 2), BLOCK_N, 2]`` bf16, zero padded:
@@ -13,6 +13,11 @@ tensor so decode streams them as one weight in one call:
 - ``pack_gate_up_weight(gate, up)`` interleaves blocks, gate block ``j`` then up block
   ``j``, so ``tilefx.linear_silu_mul`` computes ``silu(x @ gate.T) * (x @ up.T)`` for
   those columns while both are in registers (SiLU-and-mul as the GEMM's epilogue).
+
+Per-head weights (MLA's absorbed ``kv_b_proj``) use the expert layout, one packed
+linear per head: ``pack_mla_absorbed_weight(kv_b_proj.weight, heads, nope_dim, value)``
+gives per head ``W_uk^T [R, nope]`` (the query side) or ``W_uv [v, R]`` (the output
+side), and ``tilefx.linear_per_head`` applies head ``h``'s weight to ``x[..., h, :, :]``.
 
 The passes insert a packing op in front of every linear; Inductor's freezing
 constant-folds it, so each weight is packed once when the graph is compiled. Every
@@ -122,6 +127,23 @@ def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
     return _expert_down_order(down_proj).contiguous()
 
 
+def _mla_absorbed_order(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
+    rows, rank = kv_b_weight.shape
+    torch._check(rows % heads == 0 and 0 < nope_dim < rows // heads,
+                 lambda: f"pack_mla_absorbed_weight: kv_b_proj {tuple(kv_b_weight.shape)} does not split into "
+                         f"{heads} heads with {nope_dim} key rows")
+    per_head = kv_b_weight.view(heads, rows // heads, rank)
+    part = per_head[:, nope_dim:] if value else per_head[:, :nope_dim].transpose(1, 2)
+    return _expert_down_order(part)
+
+
+def pack_mla_absorbed_weight_reference(kv_b_weight: torch.Tensor, heads: int, nope_dim: int,
+                                       value: bool) -> torch.Tensor:
+    """``kv_b_proj.weight [H * (nope + v), R]`` -> per head, packed: ``W_uk^T [R, nope]`` (value=False) or
+    ``W_uv [v, R]`` (value=True), i.e. ``[H, N/32, K/2, 32, 2]``."""
+    return _mla_absorbed_order(kv_b_weight, heads, nope_dim, value).contiguous()
+
+
 def unpack_expert_gate_up_weight(packed: torch.Tensor, hidden: int) -> torch.Tensor:
     """The inverse of expert gate/up packing: ``[E, 2I, H]``."""
     experts, two_blocks, pairs, _, _ = packed.shape
@@ -196,6 +218,11 @@ def _pack_expert_down_weight(down_proj: torch.Tensor) -> torch.Tensor:
     return _memoized("expert_down", [down_proj], lambda: _expert_down_order(down_proj))
 
 
+def _pack_mla_absorbed_weight(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
+    return _memoized(f"mla_{'value' if value else 'key'}_{heads}_{nope_dim}", [kv_b_weight],
+                     lambda: _mla_absorbed_order(kv_b_weight, heads, nope_dim, value))
+
+
 def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The current packed tensor that holds ``weight`` (alone or with its siblings), if any."""
     for key, entry in _packed_cache.items():
@@ -257,6 +284,22 @@ def linear_silu_mul_reference(x, packed_gate_up, out_features):
     return (torch.nn.functional.silu(xf @ gate.float().T) * (xf @ up.float().T)).to(x.dtype)
 
 
+def linear_per_head_reference(x, packed_weight, out_features):
+    """The specification: ``y[..., h, s, :] = x[..., h, s, :] @ W_h.T`` in fp32, rounded to x's dtype."""
+    _check_per_head(x, packed_weight, out_features)
+    weight = unpack_expert_down_weight(packed_weight, out_features, x.shape[-1])  # [H, N, K]
+    return torch.matmul(x.float(), weight.float().transpose(1, 2)).to(x.dtype)
+
+
+def _check_per_head(x, packed_weight, out_features) -> None:
+    torch._check(packed_weight.dim() == 5 and packed_weight.shape[3:] == (BLOCK_N, 2),
+                 lambda: f"tilefx.linear_per_head: weight is not packed per head (shape {tuple(packed_weight.shape)})")
+    torch._check(x.dim() >= 3 and x.shape[-3] == packed_weight.shape[0]
+                 and packed_weight.shape[1:] == _packed_shape(out_features, x.shape[-1]),
+                 lambda: f"tilefx.linear_per_head: packed weight {tuple(packed_weight.shape)} does not fit "
+                         f"x {tuple(x.shape)} -> {out_features} features")
+
+
 def _check(x, packed_weight, bias, out_features) -> None:
     torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
@@ -281,6 +324,17 @@ def _linear_fake(x, packed_weight, bias, out_features):
 def _linear_silu_mul_fake(x, packed_gate_up, out_features):
     _check_gate_up(x, packed_gate_up, out_features)
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_per_head_fake(x, packed_weight, out_features):
+    _check_per_head(x, packed_weight, out_features)
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _pack_mla_absorbed_fake(kv_b_weight, heads, nope_dim, value):
+    rows, rank = kv_b_weight.shape
+    shape = (rows // heads - nope_dim, rank) if value else (rank, nope_dim)
+    return kv_b_weight.new_empty((heads, *_packed_shape(*shape)))
 
 
 def _pack_fake(weight):
@@ -316,6 +370,8 @@ for _name, _schema, _impl, _fake in (
     ("pack_expert_gate_up_weight", "(Tensor gate_up_proj) -> Tensor", _pack_expert_gate_up_weight,
      _pack_expert_gate_up_fake),
     ("pack_expert_down_weight", "(Tensor down_proj) -> Tensor", _pack_expert_down_weight, _pack_expert_down_fake),
+    ("pack_mla_absorbed_weight", "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
+     _pack_mla_absorbed_weight, _pack_mla_absorbed_fake),
 ):
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _impl, "CPU")
@@ -326,11 +382,15 @@ isa.define_native_op(_LIB, "linear", "(Tensor x, Tensor packed_weight, Tensor? b
                      linear_reference, _linear_fake)
 isa.define_native_op(_LIB, "linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor",
                      linear_silu_mul_reference, _linear_silu_mul_fake)
+isa.define_native_op(_LIB, "linear_per_head", "(Tensor x, Tensor packed_weight, int out_features) -> Tensor",
+                     linear_per_head_reference, _linear_per_head_fake)
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
 pack_gate_up_weight = torch.ops.tilefx.pack_gate_up_weight.default
 pack_expert_gate_up_weight = torch.ops.tilefx.pack_expert_gate_up_weight.default
 pack_expert_down_weight = torch.ops.tilefx.pack_expert_down_weight.default
+pack_mla_absorbed_weight = torch.ops.tilefx.pack_mla_absorbed_weight.default
 linear = torch.ops.tilefx.linear.default
 linear_silu_mul = torch.ops.tilefx.linear_silu_mul.default
+linear_per_head = torch.ops.tilefx.linear_per_head.default

@@ -212,8 +212,9 @@ def _tiny(model_type: str, **extra) -> dict:
 
 
 def _tiny_mla(model_type: str, **extra) -> dict:
-    """Tiny DeepSeek: MLA (kv heads = heads; q/k 16 + 8 wide, v 16), shared experts."""
-    fields = _tiny(model_type, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    """Tiny DeepSeek: MLA (kv heads = heads; q/k 16 + 16 wide, v 16; the native MLA kernel takes
+    multiples of 16), shared experts."""
+    fields = _tiny(model_type, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                    n_shared_experts=1, **extra)
     fields.update(num_key_value_heads=fields["num_attention_heads"])
     del fields["head_dim"]  # DeepSeek configs derive it (qk_rope_head_dim)

@@ -13,13 +13,15 @@ cache through ``kv_b_proj`` into per-head keys and values:
 ``q_nope . (W_uk c) = (W_uk^T q_nope) . c`` and ``sum_t p_t W_uv c_t = W_uv sum_t p_t c_t``:
 the pass absorbs ``W_uk`` into the query and ``W_uv`` into the output,
 
-    q_latent = q_nope @ W_uk                         # [B, H, S, R]
+    q_latent = tilefx.linear_per_head(q_nope, pack(W_uk^T))       # q_nope @ W_uk: [B, H, S, R]
     o_latent = tilefx.mla_attention(q_latent, q_pe, c_new, k_pe_new, latent, rope, positions, mask, s)
-    out      = o_latent @ W_uv^T                     # [B, H, S, dv]
+    out      = tilefx.linear_per_head(o_latent, pack(W_uv))        # o_latent @ W_uv^T: [B, H, S, dv]
 
 and every head attends the one latent "head" (head folding: the cache is read once
 for all heads, over the valid prefix only). Nothing is expanded: per token the
-step reads ``kv_b_proj`` once instead of computing it over the whole cache.
+step reads ``kv_b_proj`` once instead of computing it over the whole cache. Both
+halves are packed per head when the graph is compiled (``pack_mla_absorbed_weight``,
+constant-folded under freezing, memoized on the weight).
 Preconditions (else the region is left alone and the reason recorded): the expanded
 keys come from a bias-free linear over a cache buffer written by one ``index_copy_``,
 the rope key buffer is written at the same positions, the query is ``cat(q_nope, q_pe)``,
@@ -99,16 +101,15 @@ class MlaPass(TilefxPass):
                     f"{nope} key + {v_dim} value rows over a rank-{rank} latent")
 
         fake = _FakeValues(detect_fake_mode([q_val, w_val]))
+        ops = torch.ops.tilefx
         with graph.inserting_before(sdpa):
-            per_head = fake(graph.call_method("view", (weight, (heads, nope + v_dim, rank))))
-            w_uk = fake(graph.call_function(operator.getitem, (per_head, (slice(None), slice(None, nope)))))
-            w_uv_t = fake(graph.call_method("transpose", (
-                fake(graph.call_function(operator.getitem, (per_head, (slice(None), slice(nope, None))))), 1, 2)))
-            q_latent = fake(graph.call_function(torch.matmul, (q_nope, w_uk)))
-            o_latent = fake(graph.call_function(torch.ops.tilefx.mla_attention.default, (
+            w_uk = fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, False)))
+            w_uv = fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, True)))
+            q_latent = fake(graph.call_function(ops.linear_per_head.default, (q_nope, w_uk, rank)))
+            o_latent = fake(graph.call_function(ops.mla_attention.default, (
                 q_latent, q_pe, latent_write.args[3], rope_write.args[3], latent_buf, rope_buf, positions, mask,
                 float(scale))))
-            out = graph.call_function(torch.matmul, (o_latent, w_uv_t))
+            out = graph.call_function(ops.linear_per_head.default, (o_latent, w_uv, v_dim))
         out.meta.update(sdpa.meta)
         sdpa.replace_all_uses_with(out)
         _erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})

@@ -359,6 +359,72 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
   return portable.call(x, packed, out_features);
 }
 
+// One linear per head: y[..., h, s, :] = x[..., h, s, :] @ W_h^T, with W packed per
+// head ([H, N/32, K/2, 32, 2], the expert layout). MLA's absorbed projections: the
+// query through each head's key half of kv_b_proj, the attended latent through its
+// value half. Work units are (row group, head, column block), in contiguous ranges.
+at::Tensor linear_per_head_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const int64_t heads = packed.size(0), blocks = packed.size(1), k_pairs = packed.size(2), ldx = 2 * k_pairs;
+  const int64_t seq = x.size(-2), in_features = x.size(-1);
+  const at::Tensor x4 = x.reshape({-1, heads, seq, in_features});
+  const int64_t groups = x4.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (x4.numel() == 0) return y;
+
+  // fp32 activations [groups, H, S, ldx], K padded to even.
+  at::Tensor xf_tensor = at::empty({groups, heads, seq, ldx}, x.options().dtype(at::kFloat));
+  float* xf = xf_tensor.data_ptr<float>();
+  const uint16_t* x_bits = bf16_bits(x4);
+  at::parallel_for(0, groups * heads * seq, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
+      bf16_to_float_avx2(x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2), xf + row * ldx,
+                         in_features);
+      if (ldx > in_features) xf[row * ldx + in_features] = 0.0f;
+    }
+  });
+  uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint16_t* w_bits = bf16_bits(packed);
+  const int64_t head_weight = blocks * k_pairs * kBlockN * 2;
+  const size_t scratch_floats = 2 * std::max<int64_t>(seq, 2) * kBlockN;
+  at::parallel_for(0, groups * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+    for (int64_t unit = begin; unit < end;) {  // one call per (group, head) run of blocks
+      const int64_t matrix = unit / blocks, first = unit % blocks;
+      const int64_t last = std::min(blocks, first + (end - unit));
+      const int64_t h = matrix % heads;
+      LinearProblem p{xf + matrix * seq * ldx, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features,
+                      seq, out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
+      linear_blocks_avx2(p, first, last, scratch.data());
+      unit += last - first;
+    }
+  });
+  return y;
+}
+
+at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
+    TORCH_CHECK(packed.dim() == 5 && packed.size(3) == kBlockN && packed.size(4) == 2 && packed.is_contiguous(),
+                "tilefx linear_per_head: weight must be packed per head ([H, N/", kBlockN, ", K/2, ", kBlockN,
+                ", 2]), got ", packed.sizes());
+    TORCH_CHECK(x.dim() >= 3 && x.size(-3) == packed.size(0) && x.stride(-1) == 1,
+                "tilefx linear_per_head: x must be [..., ", packed.size(0), " heads, S, K] with contiguous rows, got ",
+                x.sizes());
+    TORCH_CHECK(x.size(-1) <= 2 * packed.size(2) && x.size(-1) > 2 * packed.size(2) - 2 &&
+                    out_features > (packed.size(1) - 1) * kBlockN && out_features <= packed.size(1) * kBlockN,
+                "tilefx linear_per_head: x ", x.sizes(), " -> ", out_features, " features does not fit the packed ",
+                packed.sizes());
+    return linear_per_head_avx2(x, packed, out_features);
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::linear_per_head_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return portable.call(x, packed, out_features);
+}
+
 void check_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
                const at::Tensor& topk_ids) {
   TORCH_CHECK(hidden.dim() == 2, "tilefx fused_moe: hidden must be [tokens, hidden_size], got ", hidden.sizes());
@@ -501,6 +567,7 @@ void register_cpu_kernels() {
                                                  __LINE__);
   cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
   cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
+  cpu_kernels->impl("linear_per_head", TORCH_FN(linear_per_head_cpu));
   cpu_kernels->impl("fused_moe", TORCH_FN(fused_moe_cpu));
   cpu_kernels->impl("topk_softmax", TORCH_FN(topk_softmax_cpu));
   cpu_kernels->impl("grouped_topk", TORCH_FN(grouped_topk_cpu));
