@@ -1,0 +1,145 @@
+"""tilefx.mla_attention and tilefx.linear_per_head: vs an independent oracle (HF's unabsorbed MLA math), opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefx.custom_ops  # noqa: F401
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops.attention import mla_attention_reference
+
+
+def _mla_inputs(batch, heads, seq, past, rank=64, rope=32, max_batch=3, max_len=200, left_pad=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    q_latent, q_rope = randn(batch, heads, seq, rank), randn(batch, heads, seq, rope)
+    latent, k_rope = randn(batch, 1, seq, rank), randn(batch, 1, seq, rope)
+    latent_cache, rope_cache = randn(max_batch, 1, max_len, rank), randn(max_batch, 1, max_len, rope)
+    positions = torch.arange(past, past + seq)
+    causal = torch.arange(max_len)[None, :] <= positions[:, None]
+    padding = torch.ones(batch, max_len, dtype=torch.bool)
+    for row, pad in enumerate(left_pad):
+        padding[row, :pad] = False
+    mask = (causal[None] & padding[:, None, :])[:, None]
+    return q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask
+
+
+def _unabsorbed_oracle(batch, heads, seq, past, left_pad, nope=48, v_dim=40, seed=0):
+    """HF's MLA: expand the latent cache through kv_b_proj to per-head K/V, then SDPA; and the
+    absorbed inputs (q_latent = q_nope @ W_uk) the op gets for the same computation."""
+    args = list(_mla_inputs(batch, heads, seq, past, left_pad=left_pad, seed=seed))
+    q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask = args
+    rank = latent.shape[-1]
+    g = torch.Generator().manual_seed(seed + 1)
+    kv_b = (torch.randn(heads * (nope + v_dim), rank, generator=g) / rank**0.5).to(torch.bfloat16)
+    q_nope = torch.randn(batch, heads, seq, nope, generator=g).to(torch.bfloat16)
+    w = kv_b.float().view(heads, nope + v_dim, rank)
+    latents = latent_cache[:batch].clone().float()
+    ropes = rope_cache[:batch].clone().float()
+    latents[:, :, positions], ropes[:, :, positions] = latent.float(), k_rope.float()
+    keys = torch.cat([torch.einsum("bltr,hdr->bhtd", latents, w[:, :nope]),
+                      ropes.expand(batch, heads, -1, -1)], dim=-1)
+    values = torch.einsum("bltr,hdr->bhtd", latents, w[:, nope:])
+    query = torch.cat([q_nope.float(), q_rope.float()], dim=-1)
+    want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:batch], scale=0.1)
+    args[0] = torch.matmul(q_nope.float(), w[:, :nope]).to(torch.bfloat16)  # absorbed query
+    return args, kv_b, nope, v_dim, want.nan_to_num(0.0)
+
+
+CASES = [
+    # batch, heads, seq, past, left_pad
+    (1, 16, 1, 0, ()),  # one token, empty cache
+    (1, 16, 1, 150, ()),  # decode over a long prefix: keys split across threads
+    (2, 5, 1, 30, (0, 7)),  # decode, batch > 1, padded row, heads not a multiple of the head tile
+    (1, 4, 9, 0, ()),  # prefill, odd length
+    (3, 6, 7, 11, (0, 3, 17)),  # extend onto a prefix; one row sees no key at first
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
+def test_absorbed_mla_equals_unabsorbed(kernel_path, case):
+    batch, heads, seq, past, pad = case
+    args, kv_b, nope, v_dim, want = _unabsorbed_oracle(batch, heads, seq, past, pad)
+    latent_cache, rope_cache, positions = args[4], args[5], args[6]
+    untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
+    o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
+    assert o_latent.shape == args[0].shape
+    w_uv = linear_ops.pack_mla_absorbed_weight(kv_b, heads, nope, True)
+    got = linear_ops.linear_per_head(o_latent, w_uv, v_dim)
+    rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)  # rows that see a key
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert err[rows].max() < 1e-2
+    assert torch.all(got[~rows] == 0)
+    # the new latent and rope key were written in place; nothing else changed
+    assert torch.equal(latent_cache[:batch, :, positions], args[2])
+    assert torch.equal(rope_cache[:batch, :, positions], args[3])
+    assert torch.equal(latent_cache[batch:], untouched[0])
+    assert torch.equal(latent_cache[:, :, past + seq:], untouched[1])
+
+
+@pytest.mark.parametrize("case", CASES[:3] + CASES[4:], ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
+def test_native_matches_reference(kernel_path, case):
+    batch, heads, seq, past, pad = case
+    args = _mla_inputs(batch, heads, seq, past, left_pad=pad, seed=5)
+    want = mla_attention_reference(*[a.clone() for a in args], 0.15)
+    got = torch.ops.tilefx.mla_attention(*args, 0.15)
+    rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)
+    err = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-6)
+    assert err[rows].max() < 1e-2
+
+
+def test_mla_reads_only_valid_prefix(kernel_path):
+    args = list(_mla_inputs(1, 8, 1, 20))
+    before = torch.ops.tilefx.mla_attention(*[a.clone() for a in args], 0.2)
+    args[4][:, :, 21:] = float("nan")
+    args[5][:, :, 21:] = float("nan")
+    assert torch.equal(before, torch.ops.tilefx.mla_attention(*args, 0.2))
+
+
+def test_mla_opcheck(kernel_path):
+    torch.library.opcheck(torch.ops.tilefx.mla_attention.default, (*_mla_inputs(2, 4, 3, 5, left_pad=(0, 2)), 0.2))
+
+
+def test_mla_rejects_mismatched_shapes(kernel_path):
+    args = list(_mla_inputs(1, 4, 1, 3))
+    args[3] = args[3][..., :16]  # rope key narrower than the rope query
+    with pytest.raises(RuntimeError, match="rope key|k_rope"):
+        torch.ops.tilefx.mla_attention(*args, 0.2)
+
+
+@pytest.mark.parametrize("value", [False, True], ids=["key_half", "value_half"])
+@pytest.mark.parametrize("shape", [(1, 4, 1), (2, 4, 5), (4, 3)], ids=["decode", "batch2_prefill", "no_batch_dim"])
+def test_linear_per_head(kernel_path, value, shape):
+    heads, nope, v_dim, rank = 4, 48, 40, 64
+    g = torch.Generator().manual_seed(7)
+    kv_b = torch.randn(heads * (nope + v_dim), rank, generator=g).to(torch.bfloat16)
+    per_head = kv_b.view(heads, nope + v_dim, rank)
+    weight = per_head[:, nope:] if value else per_head[:, :nope].transpose(1, 2)  # [H, N, K]
+    packed = linear_ops.pack_mla_absorbed_weight(kv_b, heads, nope, value)
+    assert torch.equal(linear_ops.unpack_expert_down_weight(packed, *weight.shape[1:]), weight)
+    x = torch.randn(*shape, weight.shape[2], generator=g).to(torch.bfloat16)
+    want = torch.matmul(x.float(), weight.float().transpose(1, 2))
+    got = linear_ops.linear_per_head(x, packed, weight.shape[1])
+    assert got.shape == (*shape, weight.shape[1]) and got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_linear_per_head_strided_rows_and_opcheck(kernel_path):
+    kv_b = torch.randn(4 * 96, 64).to(torch.bfloat16)
+    packed = linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, False)
+    x = torch.randn(2, 5, 4, 80).to(torch.bfloat16).transpose(1, 2)[..., :64]  # HF's q_nope: a strided view
+    want = torch.matmul(x.float(), kv_b.float().view(4, 96, 64)[:, :64])
+    got = linear_ops.linear_per_head(x, packed, 64)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+    torch.library.opcheck(torch.ops.tilefx.linear_per_head.default, (x.contiguous(), packed, 64))
+
+
+def test_pack_mla_absorbed_weight_is_memoized_and_checked():
+    kv_b = torch.randn(4 * 96, 64).to(torch.bfloat16)
+    assert linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, True) is linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, True)
+    with pytest.raises(RuntimeError, match="does not split"):
+        linear_ops.pack_mla_absorbed_weight(kv_b, 5, 64, True)
