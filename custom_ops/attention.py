@@ -1,4 +1,5 @@
-"""Attention over the tilefx KV cache: ``tilefx::extend_attention`` and ``tilefx::decode_attention``.
+"""Attention over the tilefx KV cache: ``tilefx::extend_attention``, ``tilefx::decode_attention``
+and DeepSeek's weight-absorbed ``tilefx::mla_attention`` (at the end of this module).
 
 Both ops write the new keys/values into the cache in place and attend over the
 valid prefix of the cache only. Conventions (DESIGN.md "KV cache and shapes"):

@@ -1,4 +1,5 @@
-"""``tilefx::linear``, ``tilefx::linear_silu_mul`` and ``tilefx::linear_per_head`` over weights packed once, and the packing ops.
+"""``tilefx::linear`` (and ``linear_float``, its fp32 result), ``tilefx::linear_silu_mul`` and
+``tilefx::linear_per_head`` over weights packed once, and the packing ops.
 
 Packed layout (one for every kernel path; csrc/kernels.h explains why):
 ``W [N, K]`` -> ``[ceil(N / BLOCK_N), ceil(K / 2), BLOCK_N, 2]`` bf16, zero padded:
@@ -276,6 +277,14 @@ def linear_reference(x, packed_weight, bias, out_features):
     return out.to(x.dtype)
 
 
+def linear_float_reference(x, packed_weight, bias, out_features):
+    """The specification: ``x @ W.T + bias`` in fp32, kept in fp32 (HF's fp32 routers over bf16 weights)."""
+    _check(x, packed_weight, bias, out_features)
+    weight = unpack_linear_weight(packed_weight, out_features, x.shape[-1])
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
+
+
 def linear_silu_mul_reference(x, packed_gate_up, out_features):
     """The specification: ``silu(x @ gate.T) * (x @ up.T)`` in fp32, rounded to x's dtype."""
     _check_gate_up(x, packed_gate_up, out_features)
@@ -319,6 +328,11 @@ def _check_gate_up(x, packed_gate_up, out_features) -> None:
 def _linear_fake(x, packed_weight, bias, out_features):
     _check(x, packed_weight, bias, out_features)
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _linear_float_fake(x, packed_weight, bias, out_features):
+    _check(x, packed_weight, bias, out_features)
+    return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
 def _linear_silu_mul_fake(x, packed_gate_up, out_features):
@@ -382,6 +396,8 @@ isa.define_native_op(_LIB, "linear", "(Tensor x, Tensor packed_weight, Tensor? b
                      linear_reference, _linear_fake)
 isa.define_native_op(_LIB, "linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor",
                      linear_silu_mul_reference, _linear_silu_mul_fake)
+isa.define_native_op(_LIB, "linear_float", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+                     linear_float_reference, _linear_float_fake)
 isa.define_native_op(_LIB, "linear_per_head", "(Tensor x, Tensor packed_weight, int out_features) -> Tensor",
                      linear_per_head_reference, _linear_per_head_fake)
 
@@ -394,3 +410,4 @@ pack_mla_absorbed_weight = torch.ops.tilefx.pack_mla_absorbed_weight.default
 linear = torch.ops.tilefx.linear.default
 linear_silu_mul = torch.ops.tilefx.linear_silu_mul.default
 linear_per_head = torch.ops.tilefx.linear_per_head.default
+linear_float = torch.ops.tilefx.linear_float.default

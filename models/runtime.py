@@ -59,8 +59,13 @@ class TilefxRuntime:
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)
         self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
+        # With freezing the weights are constants of the compiled graphs: guards on the modules'
+        # attributes (thousands of them, checked before every decode step) cannot change what
+        # runs, so they are not installed. Without freezing they stay.
+        guard_options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if options.freezing else None
         self.compiled_forward = torch.compile(
-            _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False
+            _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False,
+            options=guard_options,
         )
         # Decode is one graph per batch size, prefill another (two with full logits): stay
         # under Dynamo's per-frame limit, past which a frame silently runs eagerly.

@@ -67,3 +67,4 @@ def test_explain_says_what_was_left_alone(pair):
         assert phase.tilefx_ops.get(f"tilefx.{router_op}") == moe_layers, phase.tilefx_ops
         if mla:
             assert phase.tilefx_ops.get("tilefx.mla_attention") == layers, phase.tilefx_ops
+            assert phase.tilefx_ops.get("tilefx.linear_float") == moe_layers, phase.tilefx_ops  # fp32 routers

@@ -16,6 +16,10 @@ where a call's fixed cost is a large part) stop being separate calls.
 - other siblings (q/k/v) -> one ``tilefx.linear`` over ``pack_fused_linear_weight``
   whose output is narrowed back into each linear's result.
 
+An fp32 linear of bf16 values (``linear(x.float(), W.float())``, HF's DeepSeek
+routers) -> ``tilefx.linear_float(x, pack_linear_weight(W))``: the same fp32
+products from the packed bf16 weight, result in fp32.
+
 Preconditions (else the linear is left alone and the reason recorded): freezing
 on (otherwise packing would run every call), the weight is a 2-D bf16 model
 parameter, x is bf16, the bias (if any) is a 1-D bf16 parameter.
@@ -71,6 +75,10 @@ class LinearPass(TilefxPass):
             if why is None:
                 x, _, bias = _linear_args(node)
                 siblings.setdefault((x, bias is not None), []).append(node)
+            elif (weight := self._float_of_bf16(graph, node)) is not None:
+                result.rewritten += 1
+                used_only_packed = len(weight.users) == 1
+                (result.packed_exclusively if used_only_packed else result.packed_shared).add(id(model_parameter(weight)))
             else:
                 result.skip(node.name, why)
         weights = []
@@ -103,6 +111,25 @@ class LinearPass(TilefxPass):
         if bias is not None and not (_is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
             return "bias is not a bf16 model parameter"
         return None
+
+    def _float_of_bf16(self, graph, node) -> torch.fx.Node | None:
+        """``linear(x.float(), W.float())`` of a bf16 x and a bf16 parameter W (HF's fp32 routers) ->
+        ``tilefx.linear_float(x, pack(W))``: the same fp32 products, without an fp32 weight. Returns W."""
+        x, weight, bias = _linear_args(node)
+        x16, w16 = _bf16_source(x), _bf16_source(weight)
+        if not self.freezing or bias is not None or x16 is None or w16 is None or not _is_parameter(w16):
+            return None
+        if example_value(w16).dim() != 2:
+            return None
+        with graph.inserting_before(node):
+            packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (w16,))
+            fused = graph.call_function(torch.ops.tilefx.linear_float.default,
+                                        (x16, packed, None, int(example_value(w16).shape[0])))
+        _replace(graph, node, fused)
+        for cast in (x, weight):
+            if not cast.users:
+                graph.erase_node(cast)
+        return w16
 
     @staticmethod
     def _groups(nodes: list[torch.fx.Node]) -> list[tuple[str, list[torch.fx.Node]]]:
@@ -172,6 +199,18 @@ class LinearPass(TilefxPass):
             parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
         for node, part in zip(group, parts):
             _replace(graph, node, part)
+
+
+def _bf16_source(node) -> torch.fx.Node | None:
+    """The bf16 tensor that ``node`` casts to fp32 (``.float()``, ``.to(torch.float32)``, ``.type(...)``), else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target in ("float", "to", "type")):
+        return None
+    source, cast = node.args[0], example_value(node)
+    if cast is None or cast.dtype != torch.float32 or example_value(source) is None:
+        return None
+    if example_value(source).dtype != torch.bfloat16 or example_value(source).shape != cast.shape:
+        return None
+    return source
 
 
 def _replace(graph, old: torch.fx.Node, new: torch.fx.Node) -> None:

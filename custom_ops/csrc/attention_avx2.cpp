@@ -2,7 +2,9 @@
 // query row, key split). The query heads sharing the KV head are processed
 // together (GQA without repeating K/V): each key and value row is read once per
 // task for all of them. Scores are fp32; softmax is per split (running max and sum),
-// and the dispatch code merges the splits (flash-decoding).
+// and the dispatch code merges the splits (flash-decoding). MLA (absorbed) is the
+// same loop with the key in two parts, [latent | rope key], and the value read
+// from the latent buffer: every query head shares the one latent "KV head".
 #include <cmath>
 #include <limits>
 

@@ -63,14 +63,14 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 // here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
 // thread-local buffer, not an ATen temporary.
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features, bool silu_mul) {
+                       int64_t out_features, bool silu_mul, bool float_out = false) {
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
   const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
   const int64_t rows = x2.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = out_features;
-  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor y = at::empty(out_shape, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return y;
 
   // fp32 activations with K padded to even, converted once and reused by every block.
@@ -92,8 +92,8 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   }
 
   LinearProblem p{xf, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features, k_pairs, ldx,
-                  /*yf=*/nullptr, /*ldy=*/out_features, silu_mul};
+                  float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
+                  k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -340,6 +340,21 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::
   return portable.call(x, packed, bias, out_features);
 }
 
+// The same product with an fp32 result: routers that HF computes in fp32 from bf16
+// weights and activations (DeepSeek) get the same values without an fp32 weight copy.
+at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
+    check_packed(x, packed, bias, out_features);
+    return linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false, /*float_out=*/true);
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::linear_float_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                     const c10::optional<at::Tensor>&, int64_t)>();
+  return portable.call(x, packed, bias, out_features);
+}
+
 at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
     const int64_t blocks = (out_features + kBlockN - 1) / kBlockN;
@@ -568,6 +583,7 @@ void register_cpu_kernels() {
   cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
   cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
   cpu_kernels->impl("linear_per_head", TORCH_FN(linear_per_head_cpu));
+  cpu_kernels->impl("linear_float", TORCH_FN(linear_float_cpu));
   cpu_kernels->impl("fused_moe", TORCH_FN(fused_moe_cpu));
   cpu_kernels->impl("topk_softmax", TORCH_FN(topk_softmax_cpu));
   cpu_kernels->impl("grouped_topk", TORCH_FN(grouped_topk_cpu));

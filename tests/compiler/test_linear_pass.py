@@ -97,3 +97,22 @@ def test_records_which_weights_are_read_only_packed():
     layer = model.model.layers[0]
     assert {id(layer.self_attn.q_proj.weight), id(layer.mlp.down_proj.weight)} <= result.packed_exclusively
     assert len(result.packed_exclusively) == 7 * model.config.num_hidden_layers
+
+
+def test_fp32_router_of_bf16_values_becomes_linear_float():
+    """DeepSeek's router computes linear(h.float(), W.float()): a packed bf16 weight with an fp32 result."""
+    torch._dynamo.reset()
+    model = build_model("tiny-deepseek-v2", seed=5)
+    ids = torch.randint(3, 500, (1, 3))
+    backend = PassTestBackend(LinearPass())
+    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        got = fn(input_ids=ids, use_cache=False).logits
+        want = model(input_ids=ids, use_cache=False).logits
+    layers = model.config.num_hidden_layers
+    after, result = backend.after[0], backend.results[0]
+    assert count(after, is_op("linear_float")) == layers  # one router per (sparse) layer
+    assert count(after, is_linear) == 0 and not result.fallbacks
+    routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
+    assert routers <= result.packed_exclusively
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -162,3 +162,14 @@ def test_kernel_path_decides_what_runs(path):
         linear_ops.linear(x, linear_ops.pack_linear_weight(weight), None, 64)
     ran_portable = any(event.key == "tilefx::linear_portable" for event in prof.key_averages())
     assert ran_portable == (path == "reference")
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [((1,), 64, 2048), ((3,), 33, 70), ((2, 5), 16, 64)])
+def test_linear_float_keeps_fp32(kernel_path, rows, out_features, in_features):
+    """HF's fp32 routers over bf16 values: the fp32 product, not rounded to bf16."""
+    x, weight, _, want = _problem(rows, out_features, in_features, False, seed=11)
+    got = linear_ops.linear_float(x, linear_ops.pack_linear_weight(weight), None, out_features)
+    assert got.shape == (*rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.library.opcheck(linear_ops.linear_float, (x, linear_ops.pack_linear_weight_reference(weight), None,
+                                                    out_features))
