@@ -117,7 +117,7 @@ class MlaPass(TilefxPass):
 
 
 class _FakeValues:
-    """Records a new node's example value by running its op on the inputs' fake tensors."""
+    """Records a new (call_function) node's example value by running its op on the inputs' fake tensors."""
 
     def __init__(self, mode):
         self.mode = mode
@@ -131,12 +131,7 @@ class _FakeValues:
             return value
 
         with self.mode:
-            args = torch.fx.node.map_aggregate(node.args, value)
-            if node.op == "call_method":
-                result = getattr(args[0], node.target)(*args[1:])
-            else:
-                result = node.target(*args)
-        node.meta["example_value"] = result
+            node.meta["example_value"] = node.target(*torch.fx.node.map_aggregate(node.args, value))
         return node
 
 
