@@ -1,10 +1,12 @@
 // Attention over the KV cache on AVX2 + FMA: one task is one (batch row, KV head,
 // query row, key split). The query heads sharing the KV head are processed
 // together (GQA without repeating K/V): each key and value row is read once per
-// task for all of them. Scores are fp32; softmax is per split (running max and sum),
-// and the dispatch code merges the splits (flash-decoding). MLA (absorbed) is the
+// task for all of them. Keys are walked in blocks with an online softmax (running
+// max and sum, fp32) so each block's rows stay in cache for all passes over it; the
+// dispatch code merges the splits (flash-decoding). MLA (absorbed) is the
 // same loop with the key in two parts, [latent | rope key], and the value read
 // from the latent buffer: every query head shares the one latent "KV head".
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -64,6 +66,137 @@ inline void load_query(const uint16_t* src, int64_t len, float scale, bool zero,
   }
 }
 
+// The rows of a block of keys, and which of them the mask allows.
+struct KeyRows {
+  const uint16_t* k;
+  const uint16_t* k_rope;
+  const uint16_t* v;  // the key rows again for MLA
+  const bool* allowed;
+};
+
+// Scores of keys [0, keys) of a block for the kHeadTile heads at q0, laid out
+// [key][head] (one 4-lane store per key; softmax then runs on 8-lane vectors of
+// two keys). Masked keys score -inf.
+template <bool kDense>
+void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, const float* q0, float* scores) {
+  const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, qdim = k_dim + rope_dim;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  if (kDense) {
+    for (; t + 2 <= keys; t += 2) {
+      __m256 a[kHeadTile], c[kHeadTile];
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeadTile; ++h) a[h] = c[h] = _mm256_setzero_ps();
+      scores_two_keys(rows.k + t * p.k_stride_t, rows.k + (t + 1) * p.k_stride_t, q0, qdim, k_dim, a, c);
+      if (rope_dim) {
+        scores_two_keys(rows.k_rope + t * p.kr_stride_t, rows.k_rope + (t + 1) * p.kr_stride_t, q0 + k_dim, qdim,
+                        rope_dim, a, c);
+      }
+      _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
+      _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(c[0], c[1], c[2], c[3]));
+    }
+  }
+  for (; t < keys; ++t) {
+    if (!kDense && !rows.allowed[t]) {
+      _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
+      continue;
+    }
+    __m256 a[kHeadTile];
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) a[h] = _mm256_setzero_ps();
+    scores_one_key(rows.k + t * p.k_stride_t, q0, qdim, k_dim, a);
+    if (rope_dim) scores_one_key(rows.k_rope + t * p.kr_stride_t, q0 + k_dim, qdim, rope_dim, a);
+    _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
+  }
+  if (keys & 1) _mm_storeu_ps(scores + keys * kHeadTile, _mm_set1_ps(neg_inf));
+}
+
+// Online softmax over one block for the kHeadTile heads whose running max and sum
+// are at `max` / `sum`: turns the block's scores into weights exp(score - max'),
+// updates both, and returns the factor exp(max - max') the heads' accumulated
+// output must be scaled by.
+inline __m128 softmax_block(float* scores, int64_t padded_keys, float* max, float* sum) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m128 vneg_inf = _mm_set1_ps(neg_inf);
+  __m256 vmax = _mm256_set1_ps(neg_inf);
+  for (int64_t t = 0; t < padded_keys; t += 2) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t * kHeadTile));
+  const __m128 old_max = _mm_loadu_ps(max);
+  const __m128 new_max = _mm_max_ps(old_max, _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1)));
+  // A head with no allowed key yet keeps max -inf; its weights are 0 against any finite reference.
+  const __m128 reference = _mm_and_ps(new_max, _mm_cmpneq_ps(new_max, vneg_inf));
+  // exp256 clamps -inf to ~1e-38: masked keys and empty history must weigh exactly 0.
+  const __m128 alpha = _mm_and_ps(_mm256_castps256_ps128(exp256(_mm256_castps128_ps256(_mm_sub_ps(old_max, reference)))),
+                                  _mm_cmpneq_ps(old_max, vneg_inf));
+  const __m256 vref = _mm256_set_m128(reference, reference);
+  const __m256 wneg_inf = _mm256_set1_ps(neg_inf);
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded_keys; t += 2) {
+    float* row = scores + t * kHeadTile;
+    const __m256 x = _mm256_loadu_ps(row);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vref)), _mm256_cmp_ps(x, wneg_inf, _CMP_NEQ_OQ));
+    _mm256_storeu_ps(row, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  const __m128 block_sum = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+  _mm_storeu_ps(sum, _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(sum), alpha), block_sum));
+  _mm_storeu_ps(max, new_max);
+  return alpha;
+}
+
+// acc[h] = acc[h] * alpha[h] + sum over the block's keys of weight[key][h] * V[key],
+// per slice of 16 value lanes (kept in [8 even | 8 odd] order until the task ends).
+// The block's value rows stay in L1 across the slices.
+template <bool kDense>
+void block_values(const AttentionProblem& p, const KeyRows& rows, int64_t keys, const float* weights, __m128 alpha,
+                  float* acc) {
+  const int64_t v_dim = p.v_dim;
+  alignas(16) float scale[kHeadTile];
+  _mm_store_ps(scale, alpha);
+  for (int64_t d = 0; d < v_dim; d += 8 * kValueVecs) {
+    __m256 out[kHeadTile][kValueVecs];
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      const __m256 s = _mm256_set1_ps(scale[h]);
+      for (int j = 0; j < kValueVecs; ++j) out[h][j] = _mm256_mul_ps(s, _mm256_loadu_ps(acc + h * v_dim + d + 8 * j));
+    }
+    for (int64_t t = 0; t < keys; ++t) {
+      // Masked rows may hold anything (even NaN, which a weight of 0 would not cancel).
+      if (!kDense && !rows.allowed[t]) continue;
+      __m256 v0, v1;  // the even and the odd elements of the 16-value slice
+      load_vnni_pair(rows.v + t * p.v_stride_t + d, v0, v1);
+      const float* w = weights + t * kHeadTile;
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeadTile; ++h) {
+        const __m256 wh = _mm256_broadcast_ss(w + h);
+        out[h][0] = _mm256_fmadd_ps(wh, v0, out[h][0]);
+        out[h][1] = _mm256_fmadd_ps(wh, v1, out[h][1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h)
+      for (int j = 0; j < kValueVecs; ++j) _mm256_storeu_ps(acc + h * v_dim + d + 8 * j, out[h][j]);
+  }
+}
+
+template <bool kDense>
+void attend_blocks(const AttentionProblem& p, const KeyRows& first, int64_t keys, int64_t padded_group,
+                   const float* query, float* max, float* sum, float* acc, float* scores) {
+  const int64_t qdim = p.k_dim + p.rope_dim, v_dim = p.v_dim, block = attention_key_block(p);
+  auto advance = [&](const KeyRows& rows, int64_t by) {
+    return KeyRows{rows.k + by * p.k_stride_t, rows.k_rope ? rows.k_rope + by * p.kr_stride_t : nullptr,
+                   rows.v + by * p.v_stride_t, rows.allowed + by};
+  };
+  for (int64_t t0 = 0; t0 < keys; t0 += block) {
+    const int64_t n = keys - t0 < block ? keys - t0 : block;
+    const KeyRows rows = advance(first, t0);
+    for (int64_t g0 = 0; g0 < padded_group; g0 += kHeadTile) {
+      block_scores<kDense>(p, rows, n, query + g0 * qdim, scores);
+      const __m128 alpha = softmax_block(scores, n + (n & 1), max + g0, sum + g0);
+      block_values<kDense>(p, rows, n, scores, alpha, acc + g0 * v_dim);
+    }
+  }
+}
+
 }  // namespace
 
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
@@ -71,135 +204,62 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   const int64_t group = p.q_heads / p.kv_heads;
   const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, qdim = k_dim + rope_dim, v_dim = p.v_dim;
   const bool* allowed = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   // Masked keys at either end (the causal future of a prompt row, left padding) cost nothing.
   while (key_begin < key_end && !allowed[key_begin]) ++key_begin;
   while (key_end > key_begin && !allowed[key_end - 1]) --key_end;
   const int64_t keys = key_end - key_begin;
   if (keys == 0) {
     for (int64_t g = 0; g < group; ++g) {
-      part.max[g] = -std::numeric_limits<float>::infinity();
+      part.max[g] = neg_inf;
       part.sum[g] = 0.0f;
     }
     return;
   }
-  const uint16_t* k_rows = p.k_cache + b * p.k_stride_b + kv_head * p.k_stride_h;
-  const uint16_t* kr_rows = rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h : nullptr;
-  const uint16_t* v_rows = p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
   // Inside the trimmed range a decode row has no masked key; a padded batch row may.
   bool dense = true;
   for (int64_t t = key_begin; t < key_end && dense; ++t) dense = allowed[t];
 
-  // Scaled queries in fp32, padded with zero heads to a multiple of kHeadTile.
+  // Scratch: scaled fp32 queries padded with zero heads to a multiple of kHeadTile,
+  // then running max, sum and output per head, then one block's scores.
   const int64_t padded_group = (group + kHeadTile - 1) / kHeadTile * kHeadTile;
-  float* q = part.query;
+  float* query = part.scratch;
+  float* max = query + padded_group * qdim;
+  float* sum = max + padded_group;
+  float* acc = sum + padded_group;
+  float* scores = acc + padded_group * v_dim;
   for (int64_t g = 0; g < padded_group; ++g) {
     const int64_t head = kv_head * group + (g < group ? g : 0);
     load_query(p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s, k_dim, p.scale, g >= group,
-               q + g * qdim);
+               query + g * qdim);
     if (rope_dim) {
       load_query(p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s, rope_dim, p.scale,
-                 g >= group, q + g * qdim + k_dim);
+                 g >= group, query + g * qdim + k_dim);
     }
+    max[g] = neg_inf;
+    sum[g] = 0.0f;
+  }
+  std::fill(acc, acc + padded_group * v_dim, 0.0f);
+
+  const KeyRows first{
+      p.k_cache + b * p.k_stride_b + kv_head * p.k_stride_h + key_begin * p.k_stride_t,
+      rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h + key_begin * p.kr_stride_t : nullptr,
+      p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h + key_begin * p.v_stride_t, allowed + key_begin};
+  if (dense) {
+    attend_blocks<true>(p, first, keys, padded_group, query, max, sum, acc, scores);
+  } else {
+    attend_blocks<false>(p, first, keys, padded_group, query, max, sum, acc, scores);
   }
 
-  // Per tile of kHeadTile heads, scores are laid out [key][head]: one 4-lane store per
-  // key, and softmax runs on 8-lane vectors of two keys. An odd key count gets one
-  // padding key of -inf so every loop walks whole pairs.
-  const int64_t padded_keys = keys + (keys & 1);
-  for (int64_t g0 = 0; g0 < padded_group; g0 += kHeadTile) {
-    const int64_t heads = group - g0 < kHeadTile ? group - g0 : kHeadTile;
-    const float* q0 = q + g0 * qdim;
-    float* scores = part.scores + (g0 / kHeadTile) * padded_keys * kHeadTile;
-
-    int64_t t = 0;
-    if (dense) {
-      for (; t + 2 <= keys; t += 2) {
-        const int64_t at = key_begin + t;
-        __m256 a[kHeadTile], c[kHeadTile];
-#pragma GCC unroll 4
-        for (int h = 0; h < kHeadTile; ++h) a[h] = c[h] = _mm256_setzero_ps();
-        scores_two_keys(k_rows + at * p.k_stride_t, k_rows + (at + 1) * p.k_stride_t, q0, qdim, k_dim, a, c);
-        if (rope_dim) {
-          scores_two_keys(kr_rows + at * p.kr_stride_t, kr_rows + (at + 1) * p.kr_stride_t, q0 + k_dim, qdim,
-                          rope_dim, a, c);
-        }
-        _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
-        _mm_storeu_ps(scores + (t + 1) * kHeadTile, hsum4(c[0], c[1], c[2], c[3]));
-      }
-    }
-    for (; t < keys; ++t) {
-      const int64_t at = key_begin + t;
-      if (!dense && !allowed[at]) {
-        _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
-        continue;
-      }
-      __m256 a[kHeadTile];
-#pragma GCC unroll 4
-      for (int h = 0; h < kHeadTile; ++h) a[h] = _mm256_setzero_ps();
-      scores_one_key(k_rows + at * p.k_stride_t, q0, qdim, k_dim, a);
-      if (rope_dim) scores_one_key(kr_rows + at * p.kr_stride_t, q0 + k_dim, qdim, rope_dim, a);
-      _mm_storeu_ps(scores + t * kHeadTile, hsum4(a[0], a[1], a[2], a[3]));
-    }
-    if (padded_keys > keys) _mm_storeu_ps(scores + keys * kHeadTile, _mm_set1_ps(neg_inf));
-
-    // Softmax numerators, per head (lane) of the tile.
-    __m256 vmax = _mm256_set1_ps(neg_inf);
-    for (int64_t t = 0; t < padded_keys; t += 2) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(scores + t * kHeadTile));
-    __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    alignas(16) float head_max[kHeadTile];
-    _mm_store_ps(head_max, max4);
-    for (int h = 0; h < kHeadTile; ++h) {
-      if (head_max[h] == neg_inf) head_max[h] = 0.0f;  // no allowed key: every weight becomes 0 below
-    }
-    max4 = _mm_load_ps(head_max);
-    const __m256 vm = _mm256_set_m128(max4, max4);
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded_keys; t += 2) {
-      float* row = scores + t * kHeadTile;
-      const __m256 x = _mm256_loadu_ps(row);
-      // exp256 clamps -inf to ~1e-38: masked keys must weigh exactly 0.
-      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vm)),
-                                     _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_NEQ_OQ));
-      _mm256_storeu_ps(row, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    alignas(16) float head_sum[kHeadTile];
-    _mm_store_ps(head_sum, _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1)));
-    for (int64_t h = 0; h < heads; ++h) {
-      part.sum[g0 + h] = head_sum[h];
-      part.max[g0 + h] = head_sum[h] > 0.0f ? head_max[h] : neg_inf;
-    }
-
-    // Unnormalized output: per slice of 16 lanes, every key's value row times each head's weight.
-    for (int64_t d = 0; d < v_dim; d += 8 * kValueVecs) {
-      __m256 acc[kHeadTile][kValueVecs];
-#pragma GCC unroll 4
-      for (int h = 0; h < kHeadTile; ++h)
-        for (int j = 0; j < kValueVecs; ++j) acc[h][j] = _mm256_setzero_ps();
-      for (int64_t t = 0; t < keys; ++t) {
-        if (!dense && !allowed[key_begin + t]) continue;
-        __m256 v0, v1;  // the even and the odd elements of the 16-value slice
-        load_vnni_pair(v_rows + (key_begin + t) * p.v_stride_t + d, v0, v1);
-        const float* w = scores + t * kHeadTile;
-#pragma GCC unroll 4
-        for (int h = 0; h < kHeadTile; ++h) {
-          const __m256 wh = _mm256_broadcast_ss(w + h);
-          acc[h][0] = _mm256_fmadd_ps(wh, v0, acc[h][0]);
-          acc[h][1] = _mm256_fmadd_ps(wh, v1, acc[h][1]);
-        }
-      }
-      // Constant trip count (the accumulators stay in registers); padding heads are dropped.
-#pragma GCC unroll 4
-      for (int h = 0; h < kHeadTile; ++h) {
-        if (h < heads) {  // back to natural order: interleave even and odd elements
-          const __m256 low = _mm256_unpacklo_ps(acc[h][0], acc[h][1]);
-          const __m256 high = _mm256_unpackhi_ps(acc[h][0], acc[h][1]);
-          _mm256_storeu_ps(part.out + (g0 + h) * v_dim + d, _mm256_permute2f128_ps(low, high, 0x20));
-          _mm256_storeu_ps(part.out + (g0 + h) * v_dim + d + 8, _mm256_permute2f128_ps(low, high, 0x31));
-        }
-      }
+  // Back to natural order (interleave each slice's even and odd elements); padding heads are dropped.
+  for (int64_t g = 0; g < group; ++g) {
+    part.max[g] = sum[g] > 0.0f ? max[g] : neg_inf;
+    part.sum[g] = sum[g];
+    for (int64_t d = 0; d < v_dim; d += 16) {
+      const __m256 even = _mm256_loadu_ps(acc + g * v_dim + d), odd = _mm256_loadu_ps(acc + g * v_dim + d + 8);
+      const __m256 low = _mm256_unpacklo_ps(even, odd), high = _mm256_unpackhi_ps(even, odd);
+      _mm256_storeu_ps(part.out + g * v_dim + d, _mm256_permute2f128_ps(low, high, 0x20));
+      _mm256_storeu_ps(part.out + g * v_dim + d + 8, _mm256_permute2f128_ps(low, high, 0x31));
     }
   }
 }

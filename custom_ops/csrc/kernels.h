@@ -69,12 +69,27 @@ struct AttentionProblem {
 };
 
 struct AttentionPartial {
-  float* query;  // scratch: [group rounded up to 4, k_dim + rope_dim]
-  float* max;    // [group]
-  float* sum;    // [group]
-  float* out;    // [group, v_dim]
-  float* scores; // scratch: [group rounded up to 4, key_end - key_begin rounded up to even]
+  float* max;      // [group]
+  float* sum;      // [group]
+  float* out;      // [group, v_dim]
+  float* scratch;  // attention_scratch_floats(p)
 };
+
+// Keys per block: a task walks its keys in blocks (online softmax across blocks)
+// small enough that a block's value rows stay in L1 across the passes over the
+// value slices, and that MLA's latent rows are read from memory once for all head
+// tiles rather than once per tile.
+inline int64_t attention_key_block(const AttentionProblem& p) {
+  const int64_t row_bytes = 2 * (p.k_dim + p.rope_dim + (p.v_cache == p.k_cache ? 0 : p.v_dim));
+  const int64_t block = 32768 / row_bytes;
+  return (block < 16 ? 16 : block > 128 ? 128 : block) & ~int64_t{1};
+}
+
+// Per-thread scratch of attention_task_avx2, in floats.
+inline int64_t attention_scratch_floats(const AttentionProblem& p) {
+  const int64_t padded_group = (p.q_heads / p.kv_heads + 3) / 4 * 4;
+  return padded_group * (p.k_dim + p.rope_dim + p.v_dim + 2) + 4 * attention_key_block(p);
+}
 
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
                          int64_t key_end, const AttentionPartial& part);

@@ -145,7 +145,6 @@ at::Tensor run_attention(const AttentionProblem& p, int64_t batch, int64_t seq, 
                          const at::TensorOptions& options) {
   const int64_t q_heads = p.q_heads, kv_heads = p.kv_heads, dim = p.v_dim;
   const int64_t group = q_heads / kv_heads;
-  const int64_t padded_group = (group + 3) / 4 * 4;
   const int64_t rows = batch * kv_heads * seq;
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
@@ -155,13 +154,13 @@ at::Tensor run_attention(const AttentionProblem& p, int64_t batch, int64_t seq, 
 
   std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
   at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores(padded_group * (split_len + 1)), query(padded_group * (p.k_dim + p.rope_dim));
+    std::vector<float> scratch(attention_scratch_floats(p));
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t row = task / splits, split = task % splits;
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
       const int64_t key_begin = split * split_len, key_end = std::min(end, key_begin + split_len);
       const int64_t at = task * group;
-      AttentionPartial out{query.data(), &max[at], &sum[at], &part[at * dim], scores.data()};
+      AttentionPartial out{&max[at], &sum[at], &part[at * dim], scratch.data()};
       attention_task_avx2(p, b, kv_head, s, key_begin, key_end, out);
     }
   });

@@ -48,6 +48,8 @@ CASES = [
     (3, 4, 2, 17, 0, (0, 4, 16)),  # prefill, one query row fully padded
     (1, 12, 2, 1, 300, ()),  # decode over a long prefix: the keys are split across threads
     (2, 5, 1, 3, 150, (0, 40)),  # group not a multiple of the kernel's head tile
+    (1, 8, 8, 1, 300, ()),  # decode, one task per KV head walks several key blocks (online softmax across them)
+    (2, 4, 4, 5, 279, (0, 141)),  # extend over several key blocks, padded
 ]
 
 
@@ -85,6 +87,25 @@ def test_reads_only_valid_prefix(kernel_path, op_name):
     v_cache[:, :, 11:] = float("nan")
     after = op(q, k, v, k_cache, v_cache, positions, mask, 0.3)
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention", "reference"])
+def test_mask_with_holes(kernel_path, op_name):
+    """Keys masked in the middle of the range (every block has some) weigh nothing; the native kernels do not
+    even read them (NaN rows there), the reference multiplies them by zero weights."""
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 8, 4, 1, 290, seed=1)
+    holes = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) < 0.3
+    holes[..., 290] = False  # the new token stays visible
+    mask = mask & ~holes
+    want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    if op_name != "reference" and kernel_path != "reference":
+        hidden = ~mask[:, 0, 0, :290].unsqueeze(1).expand(-1, 4, -1)
+        k_cache[:2, :, :290][hidden] = float("nan")
+        v_cache[:2, :, :290][hidden] = float("nan")
+    op = attention_reference if op_name == "reference" else getattr(torch.ops.tilefx, op_name)
+    got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < 1e-2
 
 
 @pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention"])
