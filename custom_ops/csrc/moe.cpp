@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace tilefx {
 
@@ -33,7 +34,7 @@ void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_pe
                        MakeProblem make_problem) {
   const int64_t units = static_cast<int64_t>(experts.size()) * blocks_per_expert;
   const size_t scratch_floats = 2 * std::max<int64_t>(max_rows, 2) * kBlockN;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(units, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t unit = begin; unit < end;) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace tilefx {
 
@@ -96,7 +97,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(units, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     linear_blocks_avx2(p, begin, end, scratch.data());
@@ -153,8 +154,10 @@ at::Tensor run_attention(const AttentionProblem& p, int64_t batch, int64_t seq, 
   splits = (end + split_len - 1) / split_len;
 
   std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
-  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scratch(attention_scratch_floats(p));
+  const size_t scratch_floats = attention_scratch_floats(p);
+  parallel_chunks(rows * splits, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t task = begin; task < stop; ++task) {
       const int64_t row = task / splits, split = task % splits;
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
