@@ -328,33 +328,32 @@ void set_path(const std::string& path) {
 
 Path path() { return static_cast<Path>(current_path.load(std::memory_order_relaxed)); }
 
-at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t out_features) {
+// tilefx::linear (bf16 result) and tilefx::linear_float (fp32 result: routers that HF
+// computes in fp32 from bf16 weights and activations, such as DeepSeek's, get the same
+// values without an fp32 weight copy). AMX serves the bf16 result; AVX2 serves both.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, bool float_out) {
   if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
     check_packed(x, packed, bias, out_features);
-    return path() == Path::amx ? linear_amx(x, packed, bias, out_features)
-                               : linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false);
+    if (path() == Path::amx && !float_out) return linear_amx(x, packed, bias, out_features);
+    return linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false, float_out);
   }
-  static const auto portable = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("tilefx::linear_portable", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                     const c10::optional<at::Tensor>&, int64_t)>();
-  return portable.call(x, packed, bias, out_features);
+  using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+  static const auto bf16_out =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_portable", "").typed<Portable>();
+  static const auto fp32_out =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_float_portable", "").typed<Portable>();
+  return (float_out ? fp32_out : bf16_out).call(x, packed, bias, out_features);
 }
 
-// The same product with an fp32 result: routers that HF computes in fp32 from bf16
-// weights and activations (DeepSeek) get the same values without an fp32 weight copy.
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/false);
+}
+
 at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t out_features) {
-  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
-    check_packed(x, packed, bias, out_features);
-    return linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false, /*float_out=*/true);
-  }
-  static const auto portable = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("tilefx::linear_float_portable", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                     const c10::optional<at::Tensor>&, int64_t)>();
-  return portable.call(x, packed, bias, out_features);
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/true);
 }
 
 at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
