@@ -20,7 +20,7 @@
 namespace tilefx {
 namespace {
 
-constexpr int kHeadTile = 4;   // query heads per pass over the keys
+constexpr int kHeadTile = kAttentionHeadTile;
 constexpr int kValueVecs = 2;  // 8-lane output vectors per head per pass over the values
 
 // Scores of two keys (a, b) for the kHeadTile query heads at q0 (row stride `qdim`),

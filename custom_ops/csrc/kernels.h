@@ -68,6 +68,10 @@ struct AttentionProblem {
   float scale;
 };
 
+// Query heads of one KV head processed together per pass over a key block; the
+// group is padded with zero heads to a multiple of it.
+constexpr int kAttentionHeadTile = 4;
+
 struct AttentionPartial {
   float* max;      // [group]
   float* sum;      // [group]
@@ -87,7 +91,7 @@ inline int64_t attention_key_block(const AttentionProblem& p) {
 
 // Per-thread scratch of attention_task_avx2, in floats.
 inline int64_t attention_scratch_floats(const AttentionProblem& p) {
-  const int64_t padded_group = (p.q_heads / p.kv_heads + 3) / 4 * 4;
+  const int64_t padded_group = (p.q_heads / p.kv_heads + kAttentionHeadTile - 1) / kAttentionHeadTile * kAttentionHeadTile;
   return padded_group * (p.k_dim + p.rope_dim + p.v_dim + 2) + 4 * attention_key_block(p);
 }
 

@@ -7,9 +7,10 @@
 //      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp);
 //   3. down: per expert, act_e @ down_e^T -> out_e (fp32);
 //   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16.
-// Steps 2 and 3 hand the threads contiguous ranges of (expert, column block) work
-// units over the active experts only, so in decode a thread streams a few experts'
-// weights front to back and experts that no token chose are never touched.
+// Steps 2 and 3 hand the threads contiguous chunks of (expert, column block) work
+// units over the active experts only (parallel_chunks: taken on demand), so in decode
+// a thread streams a few experts' weights front to back and experts that no token
+// chose are never touched.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -28,7 +29,7 @@ struct ExpertRows {
 };
 
 // Runs `linear` (a LinearProblem for one expert) over work units: each expert owns
-// `blocks_per_expert` consecutive units; threads get contiguous ranges.
+// `blocks_per_expert` consecutive units; threads take contiguous chunks of them on demand.
 template <typename MakeProblem>
 void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_per_expert, int64_t max_rows,
                        MakeProblem make_problem) {

@@ -1,5 +1,5 @@
 // Tensor-level entry points of the native kernels: argument checks, threading
-// (at::parallel_for), and the choice of ISA unit. Python (custom_ops/*.py) picks
+// (parallel_chunks for the streaming ops, at::parallel_for elsewhere), and the choice of ISA unit. Python (custom_ops/*.py) picks
 // which entry point an op calls; see custom_ops/isa.py.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -105,9 +106,12 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
   return y;
 }
 
+// `t` itself when its last dimension is dense (what the kernels index), else a contiguous copy.
+at::Tensor unit_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
 // K/V of the new tokens into the cache rows [0, B) at `positions` (one row copy per token and head).
 void write_kv(const at::Tensor& new_rows, at::Tensor& cache, const int64_t* positions) {
-  const at::Tensor rows = new_rows.stride(3) == 1 ? new_rows : new_rows.contiguous();
+  const at::Tensor rows = unit_stride(new_rows);
   const int64_t batch = rows.size(0), heads = rows.size(1), seq = rows.size(2), dim = rows.size(3);
   const at::BFloat16* src = rows.data_ptr<at::BFloat16>();
   at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
@@ -118,9 +122,14 @@ void write_kv(const at::Tensor& new_rows, at::Tensor& cache, const int64_t* posi
                     src + b * rows.stride(0) + h * rows.stride(1) + s * rows.stride(2), dim * sizeof(at::BFloat16));
 }
 
-// Checks the positions of the new tokens (contiguous increasing cache slots) and
-// returns them as int64.
-at::Tensor checked_positions(const at::Tensor& positions_in, int64_t seq, int64_t max_len) {
+// What every attention op does before attending: checks the mask and the new tokens'
+// positions (contiguous increasing cache slots), writes each (new rows, cache) pair at
+// those positions, and returns the end of the keys to attend (last position + 1).
+int64_t write_new_tokens(const at::Tensor& mask, const at::Tensor& positions_in, int64_t batch, int64_t seq,
+                         int64_t max_len, std::initializer_list<std::pair<const at::Tensor*, at::Tensor*>> writes) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) >= batch &&
+                  mask.size(2) == seq && mask.size(3) == max_len,
+              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask.scalar_type(), " ", mask.sizes());
   const at::Tensor positions = positions_in.to(at::kLong).contiguous();
   TORCH_CHECK(seq > 0 && positions.dim() == 1 && positions.numel() == seq,
               "tilefx attention: one position per new token");
@@ -129,13 +138,8 @@ at::Tensor checked_positions(const at::Tensor& positions_in, int64_t seq, int64_
     TORCH_CHECK(pos[s] >= 0 && pos[s] < max_len && (s == 0 || pos[s] == pos[s - 1] + 1),
                 "tilefx attention: positions must be increasing cache slots below ", max_len);
   }
-  return positions;
-}
-
-void check_mask(const at::Tensor& mask, int64_t batch, int64_t seq, int64_t max_len) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) >= batch &&
-                  mask.size(2) == seq && mask.size(3) == max_len,
-              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask.scalar_type(), " ", mask.sizes());
+  for (const auto& [rows, cache] : writes) write_kv(*rows, *cache, pos);
+  return pos[seq - 1] + 1;
 }
 
 // Runs `p` (query, cache and mask pointers set) over keys [0, end) and returns
@@ -217,14 +221,9 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
                   k_cache.size(3) == dim,
               "tilefx attention: cache ", k_cache.sizes(), " does not fit k ", k.sizes());
   TORCH_CHECK(dim % 16 == 0, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
-  check_mask(mask_in, batch, seq, max_len);
-  const at::Tensor positions = checked_positions(positions_in, seq, max_len);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  write_kv(k, k_cache, pos);
-  write_kv(v, v_cache, pos);
+  const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len, {{&k, &k_cache}, {&v, &v_cache}});
 
-  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
-  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+  const at::Tensor q = unit_stride(q_in), mask = unit_stride(mask_in);
   AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
                      nullptr, 0, 0, 0,
                      bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -232,7 +231,7 @@ at::Tensor attention_avx2(const at::Tensor& q_in, const at::Tensor& k, const at:
                      bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                      mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                      q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
-  return run_attention(p, batch, seq, pos[seq - 1] + 1, q.options());
+  return run_attention(p, batch, seq, end, q.options());
 }
 
 // Weight-absorbed MLA over the latent cache: key = [latent | rope key], value = the
@@ -262,15 +261,10 @@ at::Tensor mla_attention_avx2(const at::Tensor& q_latent_in, const at::Tensor& q
   TORCH_CHECK(rank % 16 == 0 && rope_dim % 16 == 0,
               "tilefx mla_attention: kv_lora_rank and the rope dim must be multiples of 16, got ", rank, ", ",
               rope_dim);
-  check_mask(mask_in, batch, seq, max_len);
-  const at::Tensor positions = checked_positions(positions_in, seq, max_len);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  write_kv(latent, latent_cache, pos);
-  write_kv(k_rope, rope_cache, pos);
+  const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len,
+                                       {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
 
-  const at::Tensor q = q_latent_in.stride(3) == 1 ? q_latent_in : q_latent_in.contiguous();
-  const at::Tensor qr = q_rope_in.stride(3) == 1 ? q_rope_in : q_rope_in.contiguous();
-  const at::Tensor mask = mask_in.stride(3) == 1 ? mask_in : mask_in.contiguous();
+  const at::Tensor q = unit_stride(q_latent_in), qr = unit_stride(q_rope_in), mask = unit_stride(mask_in);
   AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
                      bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
                      bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
@@ -278,7 +272,7 @@ at::Tensor mla_attention_avx2(const at::Tensor& q_latent_in, const at::Tensor& q
                      bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
                      mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                      heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
-  return run_attention(p, batch, seq, pos[seq - 1] + 1, q.options());
+  return run_attention(p, batch, seq, end, q.options());
 }
 
 // Streaming-read bandwidth over `buffer`, GB/s, one pass: every thread reads a
