@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import json
+import runpy
 
+import pytest
+import torch
 from helpers import run_script
+
+from tilefx.custom_ops import isa
+
+needs_native = pytest.mark.skipif(isa.native is None or not isa.native.cpu_has("avx2"),
+                                  reason="the native streaming-read probe needs the built library and AVX2")
 
 
 def test_bench_kernels_reports_every_op(tmp_path, capsys):
@@ -19,3 +27,22 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "slowest M=1 shape" in out and "kernels per step" in out
     assert result["glue"]["kernels_per_step"] > 0 and result["glue"]["inductor_us_per_step"] > 0
+
+
+@needs_native
+def test_stream_probe_is_one_pass_per_call(monkeypatch):
+    """Each kernel pass is paired with one probe pass (the patterns alternate), not the better of two."""
+    calls = []
+    monkeypatch.setattr(isa.native, "stream_read_gbps", lambda buffer, streams: calls.append(streams) or 7.0)
+    probe = isa.stream_probe(4)
+    assert [probe() for _ in range(4)] == [7.0] * 4 and calls == [1, 2, 1, 2]
+
+
+@needs_native
+def test_bench_kernels_holds_packed_copies_in_huge_pages():
+    """The M=1 passes read weights as the linear pass holds them: 2 MiB-aligned (THP-advised) copies."""
+    cold_copies = runpy.run_path("scripts/bench_kernels.py")["cold_copies"]
+    weight = torch.randn(1024, 2048).to(torch.bfloat16)
+    copies = cold_copies(weight, at_least_bytes=3 * weight.nbytes, huge_pages=True)
+    assert len(copies) == 3
+    assert all(torch.equal(c, weight) and c.data_ptr() % (2 << 20) == 0 for c in copies)
