@@ -123,23 +123,35 @@ def huge_page_empty(shape, dtype) -> "torch.Tensor":
     return native.huge_page_empty(list(shape), dtype)
 
 
+def _native_stream_read() -> bool:
+    return native is not None and native.cpu_has("avx2")
+
+
 def stream_probe(size_mib: int = 1024):
     """A function that runs one streaming-read pass over a buffer allocated once, returning GB/s:
     for benchmarks that pair each kernel measurement with one.
 
     Calls alternate one and two streams per thread (neither is reliably faster here),
     so a pass is one sample, as each kernel measurement it is paired with: taking the
-    better of two passes every time would bias the probe's median upward.
+    better of two passes every time would bias the probe's median upward. Without the
+    native library a pass is an fp32 sum over the buffer.
     """
     import itertools
+    import time
 
     import torch
 
     buffer = huge_page_empty((size_mib * 2**20 // 4,), torch.float32).fill_(1.0)  # as the weights are held
-    if native is not None and native.cpu_has("avx2"):
+    if _native_stream_read():
         streams = itertools.cycle((1, 2))
         return lambda: native.stream_read_gbps(buffer, next(streams))
-    return lambda: stream_read_gbps(size_mib, repeats=1)
+
+    def fp32_sum_pass() -> float:
+        start = time.perf_counter()
+        buffer.sum()
+        return buffer.nbytes / (time.perf_counter() - start) / 1e9
+
+    return fp32_sum_pass
 
 
 def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
@@ -150,18 +162,10 @@ def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
     (the GEMV reads two). The result is the best pass of either pattern over
     ``repeats`` passes each, as STREAM reports: on a shared machine a median mixes in
     other tenants' traffic and yields a floor that kernels can beat. Without the
-    native library an fp32 sum stands in.
+    native library an fp32 sum stands in (best of ``repeats`` after one warm-up).
     """
-    import time
-
-    import torch
-
-    buffer = huge_page_empty((size_mib * 2**20 // 4,), torch.float32).fill_(1.0)  # as the weights are held
-    if native is not None and native.cpu_has("avx2"):
-        return max(native.stream_read_gbps(buffer, streams) for _ in range(repeats) for streams in (1, 2))
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return buffer.nbytes / min(times[1:]) / 1e9
+    probe = stream_probe(size_mib)
+    if not _native_stream_read():
+        probe()  # warm-up: the first sum's timing is not kept
+        return max(probe() for _ in range(repeats))
+    return max(probe() for _ in range(2 * repeats))  # the patterns alternate: `repeats` passes of each

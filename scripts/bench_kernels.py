@@ -42,7 +42,8 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cold_copies(tensor: torch.Tensor, at_least_bytes: int = 256 * 2**20, huge_pages: bool = False) -> list[torch.Tensor]:
+def cold_copies(tensor: torch.Tensor, at_least_bytes: int = 256 * 2**20,
+                huge_pages: bool = False) -> list[torch.Tensor]:
     """Enough copies that cycling through them never hits in the 32 MiB L3: decode streams from DRAM.
 
     ``huge_pages``: each copy in transparent huge pages, as the linear pass holds packed
