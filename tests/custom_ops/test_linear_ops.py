@@ -43,6 +43,26 @@ def test_linear_matches_matmul(kernel_path, rows, out_features, in_features, bia
     assert _relative_error(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [(2,), (3, 5)], ids=["batch2", "prefill"])
+def test_strided_activations(kernel_path, rows):
+    """x as a view into a wider tensor (what a slice of a fused projection's output is): rows are not adjacent."""
+    wide, weight, _, _ = _problem(rows, 96, 2 * 130, False, seed=11)
+    x = wide[..., 5:135]
+    assert not x.is_contiguous()
+    packed = linear_ops.pack_linear_weight(weight[:, :130].contiguous())
+    got = linear_ops.linear(x, packed, None, 96)
+    assert got.shape == (*rows, 96)
+    assert _relative_error(got, x.float() @ weight[:, :130].float().T) < 1e-2
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8, 13, 47, 130])
+def test_every_block_is_computed_once(kernel_path, blocks):
+    """Threads take shrinking chunks of the column blocks: every block count comes out whole."""
+    x, weight, _, want = _problem((1,), 32 * blocks - 3, 64, False, seed=blocks)
+    packed = linear_ops.pack_linear_weight(weight)
+    assert _relative_error(linear_ops.linear(x, packed, None, weight.shape[0]), want) < 1e-2
+
+
 def test_large_shapes_match(kernel_path):
     x, weight, _, want = _problem((1,), 2048, 8192, False, seed=3)
     packed = linear_ops.pack_linear_weight(weight)
