@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -44,6 +45,11 @@ def compile_model(
     from tilefx.models.load import load_model
     from tilefx.models.runtime import TilefxRuntime
 
+    option_names = [f.name for f in dataclasses.fields(CompileOptions)]
+    unknown = sorted(set(options) - set(option_names))
+    if unknown:
+        raise TypeError(f"compile_model: unknown option {', '.join(map(repr, unknown))}; expected one of "
+                        f"{', '.join(option_names)} (fields of tilefx.compiler.CompileOptions)")
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
     report = CompileReport()
     warmup_batches = list(range(1, max_batch + 1)) if warmup else []

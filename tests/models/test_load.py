@@ -72,6 +72,12 @@ def test_unsupported_family_names_supported_ones(tmp_path):
         tilefx.compile_model(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
 
 
+def test_unknown_option_names_the_options_before_loading():
+    """A misspelt option fails at once (no load, no compile) and lists what compile_model takes."""
+    with pytest.raises(TypeError, match="unknown option 'fuse_linear'; expected one of .*fuse_linears"):
+        tilefx.compile_model("./does/not/exist", fuse_linear=False)
+
+
 def test_every_preset_family_has_an_adapter():
     for preset in PRESETS.values():
         assert preset.model_type in ADAPTERS
