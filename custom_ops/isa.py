@@ -4,10 +4,15 @@ The native library (``tilefx.custom_ops._C``) is one binary for every x86-64 CPU
 path lives in its own translation unit and runs only where CPUID says it can. The
 native CPU kernels are registered with the dispatcher directly (no Python per
 call) and read the current path: by default the fastest this CPU supports; an op
-without a kernel for it takes the next one along ``PATHS`` (attention has no AMX
-kernel and runs AVX2 there); ``reference`` runs the ``*_portable`` ops written in
-PyTorch. ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)``
-for a block (tests and benchmarks).
+without a kernel for it takes the next one along ``PATHS`` (attention, MoE and the
+per-head linear have AVX2 kernels only and run them on the amx and avx512_bf16
+paths); ``reference`` runs the ``*_portable`` ops written in PyTorch.
+``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
+block (tests and benchmarks).
+
+``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
+SIMDe's portable intrinsics (where simde-py was installed at build time), so its
+code runs, slowly, on CPUs without AVX512. It is never chosen by default.
 """
 
 from __future__ import annotations
@@ -25,19 +30,23 @@ except ImportError as error:  # a source checkout that was never built: referenc
 else:
     NATIVE_IMPORT_ERROR = None
 
-# Paths with kernels in this build. avx512_bf16 is recognized but has no kernels yet:
-# no machine available to this project has AVX512, so they could not be tested.
-BUILT = ("amx", "avx2") if native is not None else ()
+# Paths with kernels in this build.
+BUILT = ("amx", "avx512_bf16", "avx2") if native is not None else ()
+EMULATED_AVX512 = "avx512_bf16_emulated"
 
 
 def unsupported_reason(path: str) -> str | None:
     """Why ``path`` cannot run here, or None when it can."""
-    if path not in PATHS:
+    if path not in PATHS and path != EMULATED_AVX512:
         return f"unknown kernel path {path!r}; expected one of {', '.join(PATHS)}"
     if path == "reference":
         return None
     if native is None:
         return f"the native library is not built ({NATIVE_IMPORT_ERROR}); run `make install`"
+    if path == EMULATED_AVX512:
+        if not getattr(native, "avx512_emulation", False):
+            return "this build has no emulated AVX512-BF16 unit (install simde-py, then `make install`)"
+        return None if native.cpu_has("avx2") else "its other ops run AVX2 kernels, which this CPU lacks"
     if path not in BUILT:
         return f"this build has no {path} kernels"
     if not native.cpu_has(path):
@@ -64,7 +73,7 @@ def _set(path: str) -> None:
     global _current
     _current = path
     if native is not None:  # the native CPU kernels read the path on every call
-        native.set_path(path if path in BUILT else "reference")
+        native.set_path(path if path in BUILT or path == EMULATED_AVX512 else "reference")
 
 
 _current = ""

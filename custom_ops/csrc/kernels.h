@@ -28,11 +28,20 @@ struct LinearProblem {
   // projection (block 2j = gate columns [32j, 32j + 32), block 2j + 1 = the same
   // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).
   bool silu_mul;
+  // x as bf16 pairs for the AVX512-BF16 unit instead of `x`: [M, ldx / 2], x[2p] in the
+  // low half of element p, x[2p + 1] in the high half (what `vdpbf16ps` broadcasts).
+  const uint32_t* x_pairs = nullptr;
 };
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
 // 2 * max(M, 2) * kBlockN floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+
+// The same over `x_pairs`, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports
+// AVX512F and AVX512-BF16), and that unit built on SIMDe's portable intrinsics (any CPU;
+// only in builds with TILEFX_AVX512_EMULATION, for the tests).
+void linear_blocks_avx512(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);

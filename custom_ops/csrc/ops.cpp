@@ -62,11 +62,59 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
+// The ISA unit that computes a linear's column blocks (kernels.h).
+enum class LinearUnit { avx2, avx512, avx512_emulated };
+
+// x as the unit reads it: fp32 rows with K padded to even (AVX2) or bf16 pairs (AVX512-BF16),
+// in a reused thread-local buffer when small, else in `storage`.
+void prepare_activations(const at::Tensor& x2, int64_t rows, LinearUnit unit, LinearProblem& p, at::Tensor& storage) {
+  const int64_t in_features = x2.size(-1), ldx = p.ldx;
+  const uint16_t* x_bits = bf16_bits(x2);
+  constexpr int64_t kReusedElems = 1 << 16;
+  if (unit == LinearUnit::avx2) {
+    thread_local std::vector<float> reused;
+    float* xf;
+    if (rows * ldx <= kReusedElems) {
+      reused.resize(kReusedElems);
+      xf = reused.data();
+    } else {
+      storage = at::empty({rows, ldx}, x2.options().dtype(at::kFloat));
+      xf = storage.data_ptr<float>();
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      bf16_to_float_avx2(x_bits + m * in_features, xf + m * ldx, in_features);
+      if (ldx > in_features) xf[m * ldx + in_features] = 0.0f;
+    }
+    p.x = xf;
+    return;
+  }
+  // bf16 x with even K already is its pairs; odd K (or a pointer not 4-byte aligned) takes a padded copy.
+  if (ldx == in_features && reinterpret_cast<uintptr_t>(x_bits) % alignof(uint32_t) == 0) {
+    p.x_pairs = reinterpret_cast<const uint32_t*>(x_bits);
+    return;
+  }
+  thread_local std::vector<uint32_t> reused;
+  uint32_t* pairs;
+  if (rows * ldx / 2 <= kReusedElems) {
+    reused.resize(kReusedElems);
+    pairs = reused.data();
+  } else {
+    storage = at::empty({rows, ldx / 2}, x2.options().dtype(at::kInt));
+    pairs = reinterpret_cast<uint32_t*>(storage.data_ptr<int32_t>());
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* row = reinterpret_cast<uint16_t*>(pairs + m * ldx / 2);
+    std::memcpy(row, x_bits + m * in_features, in_features * sizeof(uint16_t));
+    if (ldx > in_features) row[in_features] = 0;
+  }
+  p.x_pairs = pairs;
+}
+
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
 // here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
 // thread-local buffer, not an ATen temporary.
-at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features, bool silu_mul, bool float_out = false) {
+at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit) {
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
   // No dispatcher round trips before the weight stream starts: a decode call spends
@@ -80,33 +128,25 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10:
                                        c10::nullopt);
   if (rows == 0) return y;
 
-  // fp32 activations with K padded to even, converted once and reused by every block.
-  constexpr int64_t kReusedFloats = 1 << 16;
-  thread_local std::vector<float> reused;
-  at::Tensor xf_tensor;
-  float* xf;
-  if (rows * ldx <= kReusedFloats) {
-    reused.resize(kReusedFloats);
-    xf = reused.data();
-  } else {
-    xf_tensor = at::empty({rows, ldx}, x.options().dtype(at::kFloat));
-    xf = xf_tensor.data_ptr<float>();
-  }
-  const uint16_t* x_bits = bf16_bits(x2);
-  for (int64_t m = 0; m < rows; ++m) {
-    bf16_to_float_avx2(x_bits + m * in_features, xf + m * ldx, in_features);
-    if (ldx > in_features) xf[m * ldx + in_features] = 0.0f;
-  }
-
-  LinearProblem p{xf, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
+  LinearProblem p{/*x=*/nullptr, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
                   float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
+  at::Tensor activations;
+  prepare_activations(x2, rows, unit, p, activations);
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
-    linear_blocks_avx2(p, begin, end, scratch.data());
+    switch (unit) {
+      case LinearUnit::avx2: return linear_blocks_avx2(p, begin, end, scratch.data());
+      case LinearUnit::avx512: return linear_blocks_avx512(p, begin, end, scratch.data());
+      case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+        return linear_blocks_avx512_emulated(p, begin, end, scratch.data());
+#endif
+        break;
+    }
   });
   return y;
 }
@@ -315,27 +355,46 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dty
 
 // The kernel path the CPU kernels take (custom_ops/isa.py sets it): the dispatcher calls
 // these directly, with no Python in between (~7 us per call saved; decode makes ~130).
-enum class Path : int { reference = 0, avx2 = 1, amx = 2 };
+// avx512_bf16_emulated runs the AVX512-BF16 unit on SIMDe (tests only; see kernels.h).
+enum class Path : int { reference = 0, avx2 = 1, amx = 2, avx512_bf16 = 3, avx512_bf16_emulated = 4 };
 std::atomic<int> current_path{static_cast<int>(Path::reference)};
+
+#ifdef TILEFX_AVX512_EMULATION
+constexpr bool kAvx512Emulation = true;
+#else
+constexpr bool kAvx512Emulation = false;
+#endif
 
 void set_path(const std::string& path) {
   if (path == "reference") current_path = static_cast<int>(Path::reference);
   else if (path == "avx2") current_path = static_cast<int>(Path::avx2);
   else if (path == "amx") current_path = static_cast<int>(Path::amx);
+  else if (path == "avx512_bf16") current_path = static_cast<int>(Path::avx512_bf16);
+  else if (path == "avx512_bf16_emulated" && kAvx512Emulation) current_path = static_cast<int>(Path::avx512_bf16_emulated);
   else TORCH_CHECK(false, "tilefx: no native kernels for path '", path, "'");
 }
 
 Path path() { return static_cast<Path>(current_path.load(std::memory_order_relaxed)); }
 
+// The unit of the dense linears on the current path: AVX512-BF16 where the path is
+// avx512_bf16; AVX2 on avx2, and on amx for what the AMX unit does not serve.
+LinearUnit linear_unit() {
+  switch (path()) {
+    case Path::avx512_bf16: return LinearUnit::avx512;
+    case Path::avx512_bf16_emulated: return LinearUnit::avx512_emulated;
+    default: return LinearUnit::avx2;
+  }
+}
+
 // tilefx::linear (bf16 result) and tilefx::linear_float (fp32 result: routers that HF
 // computes in fp32 from bf16 weights and activations, such as DeepSeek's, get the same
-// values without an fp32 weight copy). AMX serves the bf16 result; AVX2 serves both.
+// values without an fp32 weight copy). AMX serves the bf16 result; the AVX2 or AVX512-BF16 unit (linear_unit) both.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool float_out) {
   if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && path() != Path::reference) {
     check_packed(x, packed, bias, out_features);
     if (path() == Path::amx && !float_out) return linear_amx(x, packed, bias, out_features);
-    return linear_avx2(x, packed, bias, out_features, /*silu_mul=*/false, float_out);
+    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, linear_unit());
   }
   using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
   static const auto bf16_out =
@@ -362,7 +421,9 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
                 "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", 2 * blocks,
                 " blocks for ", out_features, " features), got ", packed.sizes());
     check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
-    if (path() == Path::avx2) return linear_avx2(x, packed, c10::nullopt, out_features, /*silu_mul=*/true);
+    if (path() != Path::amx) {
+      return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false, linear_unit());
+    }
     // AMX: one GEMM over the interleaved blocks, then the epilogue in ATen.
     const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
     const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
@@ -597,10 +658,12 @@ void register_cpu_kernels() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
-  m.def("set_path", &tilefx::set_path, "the kernel path the CPU kernels take: reference, avx2 or amx");
+  m.def("set_path", &tilefx::set_path,
+        "the kernel path the CPU kernels take: reference, avx2, avx512_bf16, amx (or avx512_bf16_emulated in test builds)");
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
         "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
+  m.attr("avx512_emulation") = tilefx::kAvx512Emulation;
   m.def("huge_page_empty", &tilefx::huge_page_empty,
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");

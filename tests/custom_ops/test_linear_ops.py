@@ -55,6 +55,17 @@ def test_strided_activations(kernel_path, rows):
     assert _relative_error(got, x.float() @ weight[:, :130].float().T) < 1e-2
 
 
+@pytest.mark.parametrize("in_features", [64, 65])
+def test_activations_at_an_odd_offset(kernel_path, in_features):
+    """A contiguous x whose data starts 2 bytes into a 4-byte word (the AVX512-BF16 unit reads bf16 pairs)."""
+    flat, weight, _, _ = _problem((1,), 96, 3 * in_features + 1, False, seed=in_features)
+    x = flat[0, 1:].view(3, in_features)
+    assert x.is_contiguous() and x.data_ptr() % 4 == 2
+    weight = weight[:, :in_features].contiguous()
+    got = linear_ops.linear(x, linear_ops.pack_linear_weight(weight), None, 96)
+    assert _relative_error(got, x.float() @ weight.float().T) < 1e-2
+
+
 @pytest.mark.parametrize("blocks", [1, 2, 3, 5, 8, 13, 47, 130])
 def test_every_block_is_computed_once(kernel_path, blocks):
     """Threads take shrinking chunks of the column blocks: every block count comes out whole."""
@@ -170,7 +181,7 @@ def test_opcheck(kernel_path):
     torch.library.opcheck(linear_ops.linear_silu_mul, (x, linear_ops.pack_gate_up_weight_reference(gate, up), 32))
 
 
-@pytest.mark.parametrize("path", ["reference", "avx2"])
+@pytest.mark.parametrize("path", ["reference", "avx2", "avx512_bf16", "avx512_bf16_emulated"])
 def test_kernel_path_decides_what_runs(path):
     """The native CPU kernel hands the reference path to the PyTorch ``*_portable`` op, and keeps the rest."""
     from tilefx.custom_ops import isa
