@@ -32,23 +32,34 @@ def reference_logprobs(model, sequences: torch.Tensor, mask: torch.Tensor) -> to
 
 
 def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
-    """Every generated token is the reference's argmax, or within 0.1 nat of it. Returns the exact matches."""
+    """Every generated token is the reference's argmax, or within 0.1 nat of it. Returns the exact matches.
+
+    A row that emitted the EOS token is finished: generate() fills the rest of it with the pad token,
+    which is checked as such, not judged as the model's choice (nor counted as a match).
+    """
     prompt_len = prompt_ids.shape[1]
     new = generated.shape[1] - prompt_len
     assert torch.equal(generated[:, :prompt_len], prompt_ids)
     mask = torch.cat([prompt_mask, torch.ones(prompt_ids.shape[0], new, dtype=torch.long)], dim=1)
     logprobs = reference_logprobs(reference, generated, mask)
+    config = reference.generation_config
+    eos = [e for e in (config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id])
+           if e is not None]
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)  # as generate() pads
+    finished = torch.zeros(generated.shape[0], dtype=torch.bool)
     exact = 0
     for step in range(new):
         position = prompt_len + step
         step_logprobs = logprobs[:, position - 1]
         chosen = generated[:, position]
+        assert (chosen[finished] == pad).all(), f"step {step}: a finished row continued: {chosen.tolist()}"
         best = step_logprobs.argmax(-1)
         gap = step_logprobs.max(-1).values - step_logprobs.gather(-1, chosen[:, None])[:, 0]
-        assert (gap <= CLOSE_LOGPROB_NATS).all(), (
+        assert (gap[~finished] <= CLOSE_LOGPROB_NATS).all(), (
             f"step {step}: generated {chosen.tolist()}, reference argmax {best.tolist()}, gap {gap.tolist()} nats"
         )
-        exact += int((chosen == best).sum())
+        exact += int((chosen == best)[~finished].sum())
+        finished |= torch.isin(chosen, torch.tensor(eos, dtype=chosen.dtype))
     return exact
 
 
