@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tilefx
+from tilefx.custom_ops import isa
 from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import build_model
 
@@ -47,6 +48,19 @@ def test_greedy_batch2_padded_matches_eager(pair):
     assert exact >= 16  # well-separated logits: near-ties (bf16-equal logits) are rare
     report = compiled.tilefx.report
     assert [g.phase for g in report.graphs] == ["prefill", "decode"] and report.graph_breaks == 0
+
+
+def test_greedy_on_the_avx512_unit_matches_eager(pair):
+    """The same compiled graphs with the linears, experts and MLA projections on the AVX512-BF16 unit
+    (SIMDe-emulated where the CPU has no AVX512: the kernels read the path on every call)."""
+    reason = isa.unsupported_reason(isa.EMULATED_AVX512)
+    if reason is not None:
+        pytest.skip(reason)
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
+    with isa.forced(isa.EMULATED_AVX512):
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert assert_greedy_matches(reference, ids, mask, out) >= 16
 
 
 def test_explain_says_what_was_left_alone(pair):

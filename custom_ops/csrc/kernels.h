@@ -43,6 +43,12 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
 void linear_blocks_avx512(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
+// The unit that computes a linear's column blocks, and the call that runs it (ops.cpp).
+// The activations must be in the form the unit reads: `x` for avx2, `x_pairs` for the
+// AVX512-BF16 units.
+enum class LinearUnit { avx2, avx512, avx512_emulated };
+void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
 

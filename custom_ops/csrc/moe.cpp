@@ -2,10 +2,13 @@
 //
 // Tokens are sorted by expert (counting sort of the (token, slot) pairs), so each
 // selected expert's weights are read once per step whatever number of its tokens:
-//   1. gather: the rows of x routed to each expert, fp32, one after another;
+//   1. gather: the rows of x routed to each expert, one after another (fp32 for the
+//      AVX2 unit, bf16 pairs for the AVX512-BF16 unit);
 //   2. gate/up: per expert, silu(x_e @ gate_e^T) * (x_e @ up_e^T) -> act_e (fp32),
-//      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp);
-//   3. down: per expert, act_e @ down_e^T -> out_e (fp32);
+//      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp,
+//      linear_avx512.cpp);
+//   3. down: per expert, act_e @ down_e^T -> out_e (fp32; the AVX512-BF16 unit reads
+//      act rounded to bf16, as HF's bf16 experts compute it);
 //   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16.
 // Steps 2 and 3 hand the threads contiguous chunks of (expert, column block) work
 // units over the active experts only (parallel_chunks: taken on demand), so in decode
@@ -15,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -31,8 +35,8 @@ struct ExpertRows {
 // Runs `linear` (a LinearProblem for one expert) over work units: each expert owns
 // `blocks_per_expert` consecutive units; threads take contiguous chunks of them on demand.
 template <typename MakeProblem>
-void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_per_expert, int64_t max_rows,
-                       MakeProblem make_problem) {
+void for_expert_blocks(LinearUnit isa, const std::vector<ExpertRows>& experts, int64_t blocks_per_expert,
+                       int64_t max_rows, MakeProblem make_problem) {
   const int64_t units = static_cast<int64_t>(experts.size()) * blocks_per_expert;
   const size_t scratch_floats = 2 * std::max<int64_t>(max_rows, 2) * kBlockN;
   parallel_chunks(units, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
@@ -41,7 +45,7 @@ void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_pe
     for (int64_t unit = begin; unit < end;) {
       const int64_t i = unit / blocks_per_expert, first = unit % blocks_per_expert;
       const int64_t last = std::min(blocks_per_expert, first + (end - unit));
-      linear_blocks_avx2(make_problem(experts[i]), first, last, scratch.data());
+      linear_blocks(isa, make_problem(experts[i]), first, last, scratch.data());
       unit += last - first;
     }
   });
@@ -51,8 +55,8 @@ void for_expert_blocks(const std::vector<ExpertRows>& experts, int64_t blocks_pe
 
 // Arguments checked by the caller (ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
 // (pack_gate_up_weight per expert); w2 [E, H/32 (padded), I/2 (padded), 32, 2]; topk_ids [T, k] in [0, E).
-at::Tensor fused_moe_avx2(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit) {
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
   const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2 * kBlockN;
   const int64_t h_pairs = w13.size(2), i_pairs = w2.size(2);
@@ -86,36 +90,56 @@ at::Tensor fused_moe_avx2(const at::Tensor& hidden, const at::Tensor& w13, const
     max_rows = std::max(max_rows, count);
   }
 
-  // 1. gather the routed rows of x, fp32, K padded to even with zeros.
+  // 1. gather the routed rows of x, K padded to even with zeros: fp32 (AVX2) or bf16 pairs.
+  const bool pairs_unit = unit != LinearUnit::avx2;
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::Tensor xs_tensor = at::empty({pairs, ldx}, hidden.options().dtype(at::kFloat));
-  float* xs = xs_tensor.data_ptr<float>();
+  at::Tensor xs_tensor = at::empty({pairs, ldx}, hidden.options().dtype(pairs_unit ? at::kBFloat16 : at::kFloat));
+  float* xs = pairs_unit ? nullptr : xs_tensor.data_ptr<float>();
+  uint16_t* xs_bf16 = pairs_unit ? reinterpret_cast<uint16_t*>(xs_tensor.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      bf16_to_float_avx2(x_bits + (sorted[r] / top_k) * hidden_size, xs + r * ldx, hidden_size);
-      if (ldx > hidden_size) xs[r * ldx + hidden_size] = 0.0f;
+      const uint16_t* src = x_bits + (sorted[r] / top_k) * hidden_size;
+      if (pairs_unit) {
+        std::memcpy(xs_bf16 + r * ldx, src, hidden_size * sizeof(uint16_t));
+        if (ldx > hidden_size) xs_bf16[r * ldx + hidden_size] = 0;
+      } else {
+        bf16_to_float_avx2(src, xs + r * ldx, hidden_size);
+        if (ldx > hidden_size) xs[r * ldx + hidden_size] = 0.0f;
+      }
     }
   });
+  // Rows [row, ...) of an activation buffer as the unit reads them.
+  const auto attach = [&](LinearProblem p, const at::Tensor& rows, int64_t row) {
+    if (pairs_unit) {
+      p.x_pairs = reinterpret_cast<const uint32_t*>(rows.data_ptr<at::BFloat16>()) + row * p.ldx / 2;
+    } else {
+      p.x = rows.data_ptr<float>() + row * p.ldx;
+    }
+    return p;
+  };
 
   // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
   const uint16_t* w13_bits = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
   const int64_t w13_expert = w13[0].numel();
-  for_expert_blocks(active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
-    return LinearProblem{xs + r.begin * ldx, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter,
-                         h_pairs, ldx, act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
+  for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
+    return attach(LinearProblem{nullptr, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter, h_pairs,
+                                ldx, act + r.begin * ld_act, ld_act, /*silu_mul=*/true},
+                  xs_tensor, r.begin);
   });
+  const at::Tensor act_rows = pairs_unit ? act_tensor.to(at::kBFloat16) : act_tensor;
 
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
   float* out = out_tensor.data_ptr<float>();
   const uint16_t* w2_bits = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
   const int64_t w2_expert = w2[0].numel();
-  for_expert_blocks(active, w2.size(1), max_rows, [&](const ExpertRows& r) {
-    return LinearProblem{act + r.begin * ld_act, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count,
-                         hidden_size, i_pairs, ld_act, out + r.begin * hidden_size, hidden_size, false};
+  for_expert_blocks(unit, active, w2.size(1), max_rows, [&](const ExpertRows& r) {
+    return attach(LinearProblem{nullptr, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count, hidden_size,
+                                i_pairs, ld_act, out + r.begin * hidden_size, hidden_size, false},
+                  act_rows, r.begin);
   });
 
   // 4. weighted combine in fp32.

@@ -29,8 +29,20 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
                       int64_t out_features);
 
 // Defined in moe.cpp.
-at::Tensor fused_moe_avx2(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                          const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit);
+
+void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  switch (unit) {
+    case LinearUnit::avx2: return linear_blocks_avx2(p, block_begin, block_end, scratch);
+    case LinearUnit::avx512: return linear_blocks_avx512(p, block_begin, block_end, scratch);
+    case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return linear_blocks_avx512_emulated(p, block_begin, block_end, scratch);
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+  }
+}
 
 namespace {
 
@@ -61,9 +73,6 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
                 "tilefx linear: bias must be contiguous bf16 [", out_features, "]");
   }
 }
-
-// The ISA unit that computes a linear's column blocks (kernels.h).
-enum class LinearUnit { avx2, avx512, avx512_emulated };
 
 // x as the unit reads it: fp32 rows with K padded to even (AVX2) or bf16 pairs (AVX512-BF16),
 // in a reused thread-local buffer when small, else in `storage`.
@@ -138,15 +147,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
-    switch (unit) {
-      case LinearUnit::avx2: return linear_blocks_avx2(p, begin, end, scratch.data());
-      case LinearUnit::avx512: return linear_blocks_avx512(p, begin, end, scratch.data());
-      case LinearUnit::avx512_emulated:
-#ifdef TILEFX_AVX512_EMULATION
-        return linear_blocks_avx512_emulated(p, begin, end, scratch.data());
-#endif
-        break;
-    }
+    linear_blocks(unit, p, begin, end, scratch.data());
   });
   return y;
 }
@@ -370,7 +371,8 @@ void set_path(const std::string& path) {
   else if (path == "avx2") current_path = static_cast<int>(Path::avx2);
   else if (path == "amx") current_path = static_cast<int>(Path::amx);
   else if (path == "avx512_bf16") current_path = static_cast<int>(Path::avx512_bf16);
-  else if (path == "avx512_bf16_emulated" && kAvx512Emulation) current_path = static_cast<int>(Path::avx512_bf16_emulated);
+  else if (path == "avx512_bf16_emulated" && kAvx512Emulation)
+    current_path = static_cast<int>(Path::avx512_bf16_emulated);
   else TORCH_CHECK(false, "tilefx: no native kernels for path '", path, "'");
 }
 
@@ -422,7 +424,8 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
                 " blocks for ", out_features, " features), got ", packed.sizes());
     check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
     if (path() != Path::amx) {
-      return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false, linear_unit());
+      return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false,
+                           linear_unit());
     }
     // AMX: one GEMM over the interleaved blocks, then the epilogue in ATen.
     const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
@@ -439,7 +442,8 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
 // head ([H, N/32, K/2, 32, 2], the expert layout). MLA's absorbed projections: the
 // query through each head's key half of kv_b_proj, the attended latent through its
 // value half. Work units are (row group, head, column block), in contiguous ranges.
-at::Tensor linear_per_head_avx2(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                                  LinearUnit isa) {
   const int64_t heads = packed.size(0), blocks = packed.size(1), k_pairs = packed.size(2), ldx = 2 * k_pairs;
   const int64_t seq = x.size(-2), in_features = x.size(-1);
   const at::Tensor x4 = x.reshape({-1, heads, seq, in_features});
@@ -449,16 +453,23 @@ at::Tensor linear_per_head_avx2(const at::Tensor& x, const at::Tensor& packed, i
   at::Tensor y = at::empty(out_shape, x.options());
   if (x4.numel() == 0) return y;
 
-  // fp32 activations [groups, H, S, ldx], K padded to even.
-  at::Tensor xf_tensor = at::empty({groups, heads, seq, ldx}, x.options().dtype(at::kFloat));
-  float* xf = xf_tensor.data_ptr<float>();
+  // Activations [groups, H, S, ldx], K padded to even: fp32 (AVX2) or bf16 pairs (AVX512-BF16).
+  const bool pairs_unit = isa != LinearUnit::avx2;
+  at::Tensor xa = at::empty({groups, heads, seq, ldx}, x.options().dtype(pairs_unit ? at::kBFloat16 : at::kFloat));
+  float* xf = pairs_unit ? nullptr : xa.data_ptr<float>();
+  uint16_t* xb = pairs_unit ? reinterpret_cast<uint16_t*>(xa.data_ptr<at::BFloat16>()) : nullptr;
   const uint16_t* x_bits = bf16_bits(x4);
   at::parallel_for(0, groups * heads * seq, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
-      bf16_to_float_avx2(x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2), xf + row * ldx,
-                         in_features);
-      if (ldx > in_features) xf[row * ldx + in_features] = 0.0f;
+      const uint16_t* src = x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2);
+      if (pairs_unit) {
+        std::memcpy(xb + row * ldx, src, in_features * sizeof(uint16_t));
+        if (ldx > in_features) xb[row * ldx + in_features] = 0;
+      } else {
+        bf16_to_float_avx2(src, xf + row * ldx, in_features);
+        if (ldx > in_features) xf[row * ldx + in_features] = 0.0f;
+      }
     }
   });
   uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -472,9 +483,11 @@ at::Tensor linear_per_head_avx2(const at::Tensor& x, const at::Tensor& packed, i
       const int64_t matrix = unit / blocks, first = unit % blocks;
       const int64_t last = std::min(blocks, first + (end - unit));
       const int64_t h = matrix % heads;
-      LinearProblem p{xf + matrix * seq * ldx, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features,
-                      seq, out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
-      linear_blocks_avx2(p, first, last, scratch.data());
+      LinearProblem p{pairs_unit ? nullptr : xf + matrix * seq * ldx, w_bits + h * head_weight, nullptr,
+                      y_bits + matrix * seq * out_features, seq, out_features, k_pairs, ldx, /*yf=*/nullptr,
+                      /*ldy=*/out_features, /*silu_mul=*/false};
+      if (pairs_unit) p.x_pairs = reinterpret_cast<const uint32_t*>(xb + matrix * seq * ldx);
+      linear_blocks(isa, p, first, last, scratch.data());
       unit += last - first;
     }
   });
@@ -493,7 +506,7 @@ at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, in
                     out_features > (packed.size(1) - 1) * kBlockN && out_features <= packed.size(1) * kBlockN,
                 "tilefx linear_per_head: x ", x.sizes(), " -> ", out_features, " features does not fit the packed ",
                 packed.sizes());
-    return linear_per_head_avx2(x, packed, out_features);
+    return linear_per_head_native(x, packed, out_features, linear_unit());
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::linear_per_head_portable", "")
@@ -528,7 +541,7 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
   if (hidden.scalar_type() == at::kBFloat16 && path() != Path::reference) {
     check_moe(hidden, w13, w2, topk_weights, topk_ids);
-    return fused_moe_avx2(hidden, w13, w2, topk_weights, topk_ids);  // AVX2 also serves AMX CPUs
+    return fused_moe_native(hidden, w13, w2, topk_weights, topk_ids, linear_unit());  // AMX CPUs run AVX2
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::fused_moe_portable", "")
@@ -659,7 +672,8 @@ void register_cpu_kernels() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
   m.def("set_path", &tilefx::set_path,
-        "the kernel path the CPU kernels take: reference, avx2, avx512_bf16, amx (or avx512_bf16_emulated in test builds)");
+        "the kernel path the CPU kernels take: reference, avx2, avx512_bf16, amx "
+        "(or avx512_bf16_emulated in builds with SIMDe)");
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
         "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
