@@ -63,6 +63,19 @@ def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
     return exact
 
 
+def assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens: int) -> int:
+    """Greedy tokens from the same compiled graphs with the native linears on the AVX512-BF16 unit (SIMDe-emulated
+    where the CPU has no AVX512; the kernels read the path on every call) equal eager's. Returns the exact matches."""
+    from tilefx.custom_ops import isa
+
+    reason = isa.unsupported_reason(isa.EMULATED_AVX512)
+    if reason is not None:
+        pytest.skip(reason)
+    with isa.forced(isa.EMULATED_AVX512):
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    return assert_greedy_matches(reference, ids, mask, out)
+
+
 # -- pass tests (vLLM tests/compile/backend.py) -----------------------------------------
 
 SDPA = torch._C._nn.scaled_dot_product_attention

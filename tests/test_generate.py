@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import tilefx
-from tilefx.custom_ops import isa
 from tilefx.models.presets import build_model
 
-from helpers import assert_greedy_matches, padded_batch
+from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
@@ -51,16 +50,10 @@ def test_greedy_batch2_padded_matches_eager(pair):
 
 
 def test_greedy_on_the_avx512_unit_matches_eager(pair):
-    """The same compiled graphs with the linears on the AVX512-BF16 unit (SIMDe-emulated where the CPU has
-    no AVX512: the kernels read the path on every call)."""
-    reason = isa.unsupported_reason(isa.EMULATED_AVX512)
-    if reason is not None:
-        pytest.skip(reason)
+    """The linears on the AVX512-BF16 unit."""
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
-    with isa.forced(isa.EMULATED_AVX512):
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    assert assert_greedy_matches(reference, ids, mask, out) >= 16
+    assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=10) >= 16
 
 
 def test_sampling_with_seed_is_reproducible(pair):

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 import tilefx
-from tilefx.custom_ops import isa
 from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import build_model
 
-from helpers import assert_greedy_matches, padded_batch
+from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch
 
 # preset -> layers (DeepSeek-V3's first layer is dense: it needs two for a sparse one)
 FAMILIES = {"tiny-qwen2-moe": 1, "tiny-qwen3-moe": 1, "tiny-mixtral": 1, "tiny-deepseek-v2": 1, "tiny-deepseek-v3": 2}
@@ -51,16 +50,10 @@ def test_greedy_batch2_padded_matches_eager(pair):
 
 
 def test_greedy_on_the_avx512_unit_matches_eager(pair):
-    """The same compiled graphs with the linears, experts and MLA projections on the AVX512-BF16 unit
-    (SIMDe-emulated where the CPU has no AVX512: the kernels read the path on every call)."""
-    reason = isa.unsupported_reason(isa.EMULATED_AVX512)
-    if reason is not None:
-        pytest.skip(reason)
+    """The linears, experts and MLA projections on the AVX512-BF16 unit."""
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
-    with isa.forced(isa.EMULATED_AVX512):
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    assert assert_greedy_matches(reference, ids, mask, out) >= 16
+    assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=10) >= 16
 
 
 def test_explain_says_what_was_left_alone(pair):

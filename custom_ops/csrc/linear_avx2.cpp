@@ -19,6 +19,7 @@
 // where CPUID reports both.
 #pragma GCC target("avx2,fma")
 #include "vec_avx2.h"
+#include "linear_walk.h"
 
 namespace tilefx {
 namespace {
@@ -179,28 +180,6 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
   }
 }
 
-// Output blocks [begin, end) of the gate/up epilogue: the gate and up blocks of each
-// are adjacent in the packed weight; for M = 1 they are read as two streams at once.
-static void gate_up_blocks(const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
-  const int64_t block_elems = p.K_pairs * kPairStride;
-  float* gate = scratch;
-  float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
-  for (int64_t j = begin; j < end; ++j) {
-    const uint16_t* w_gate = p.w + 2 * j * block_elems;
-    const uint16_t* w_up = w_gate + block_elems;
-    if (p.M == 1) {
-      gemv_row_two_blocks(p.x, w_gate, w_up, p.K_pairs, gate, up);
-    } else if (p.M == 2) {
-      gemv_two_rows(p.x, p.ldx, w_gate, p.K_pairs, gate);
-      gemv_two_rows(p.x, p.ldx, w_up, p.K_pairs, up);
-    } else {
-      gemm_block(p, w_gate, gate);
-      gemm_block(p, w_up, up);
-    }
-    store_block_silu_mul(p, j * kBlockN, gate, up);
-  }
-}
-
 // c (fp32, rows of kBlockN) + bias -> y (bf16), columns [col0, col0 + kBlockN) clipped to N.
 static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
@@ -222,33 +201,26 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   }
 }
 
+// The AVX2 micro-kernels as linear_walk.h calls them (over LinearProblem::x).
+struct Avx2Unit {
+  static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
+    gemv_row_two_blocks(p.x, a, b, p.K_pairs, c_a, c_b);
+  }
+  static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
+    if (p.M == 1) return gemv_row(p.x, block, p.K_pairs, c);
+    if (p.M == 2) return gemv_two_rows(p.x, p.ldx, block, p.K_pairs, c);
+    gemm_block(p, block, c);
+  }
+  static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
+  static void store_silu_mul(const LinearProblem& p, int64_t col0, const float* gate, const float* up) {
+    store_block_silu_mul(p, col0, gate, up);
+  }
+};
+
 }  // namespace
 
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  if (p.silu_mul) return gate_up_blocks(p, block_begin, block_end, scratch);
-  const int64_t block_elems = p.K_pairs * kPairStride;
-  if (p.M == 1) {
-    const int64_t half = (block_end - block_begin) / 2;
-    float* other = scratch + kBlockN;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t a = block_begin + i, b = block_begin + half + i;
-      gemv_row_two_blocks(p.x, p.w + a * block_elems, p.w + b * block_elems, p.K_pairs, scratch, other);
-      store_block(p, a * kBlockN, scratch);
-      store_block(p, b * kBlockN, other);
-    }
-    block_begin += 2 * half;  // an odd block left over runs alone below
-  }
-  for (int64_t nb = block_begin; nb < block_end; ++nb) {
-    const uint16_t* block = p.w + nb * p.K_pairs * kPairStride;
-    if (p.M == 1) {
-      gemv_row(p.x, block, p.K_pairs, scratch);
-    } else if (p.M == 2) {
-      gemv_two_rows(p.x, p.ldx, block, p.K_pairs, scratch);
-    } else {
-      gemm_block(p, block, scratch);
-    }
-    store_block(p, nb * kBlockN, scratch);
-  }
+  walk_blocks<Avx2Unit>(p, block_begin, block_end, scratch);
 }
 
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n) {

@@ -4,11 +4,11 @@
 // widening, half the instructions per weight byte of the AVX2 unit. x comes as bf16
 // pairs (LinearProblem::x_pairs), the accumulation and epilogues are fp32.
 //
-// The structure is the AVX2 unit's (linear_avx2.cpp explains the choices): decode
-// (M <= 2) streams each block once, M = 1 as two streams per thread with a 1 KiB
-// non-temporal prefetch; prefill is a blocked GEMM over an L1-resident panel of one
-// block and kKChunk K pairs, here with micro-tiles of 8 rows x 32 columns (16 zmm
-// accumulators).
+// The structure is the AVX2 unit's (linear_avx2.cpp explains the choices; both walk
+// the blocks with linear_walk.h): decode (M <= 2) streams each block once, M = 1 as
+// two streams per thread with a 1 KiB non-temporal prefetch; prefill is a blocked GEMM
+// over an L1-resident panel of one block and kKChunk K pairs, here with micro-tiles of
+// 8 rows x 32 columns (16 zmm accumulators).
 //
 // The same source builds twice: for the CPU (the `#pragma` below; ops.cpp calls it
 // only where CPUID reports AVX512F and AVX512-BF16), and, as
@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512
 #endif
+#include "linear_walk.h"
 
 namespace tilefx {
 namespace {
@@ -210,13 +211,6 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   }
 }
 
-// The results of one block for every row (fp32, rows of kBlockN): gemv or gemm.
-static void block_product(const LinearProblem& p, const uint16_t* block, float* c) {
-  if (p.M == 1) return gemv_row(p.x_pairs, block, p.K_pairs, c);
-  if (p.M == 2) return gemv_two_rows(p.x_pairs, p.ldx / 2, block, p.K_pairs, c);
-  gemm_block(p, block, c);
-}
-
 // c (fp32, rows of kBlockN) + bias -> y, columns [col0, col0 + kBlockN) clipped to N.
 static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
@@ -264,46 +258,27 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
   }
 }
 
-// Output blocks [begin, end) of the gate/up epilogue; for M = 1 gate and up are read
-// as two streams at once.
-static void gate_up_blocks(const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
-  const int64_t block_elems = p.K_pairs * kPairStride;
-  float* gate = scratch;
-  float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
-  for (int64_t j = begin; j < end; ++j) {
-    const uint16_t* w_gate = p.w + 2 * j * block_elems;
-    const uint16_t* w_up = w_gate + block_elems;
-    if (p.M == 1) {
-      gemv_row_two_blocks(p.x_pairs, w_gate, w_up, p.K_pairs, gate, up);
-    } else {
-      block_product(p, w_gate, gate);
-      block_product(p, w_up, up);
-    }
-    store_block_silu_mul(p, j * kBlockN, gate, up);
+// The AVX512-BF16 micro-kernels as linear_walk.h calls them (over LinearProblem::x_pairs).
+struct Avx512Unit {
+  static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
+    gemv_row_two_blocks(p.x_pairs, a, b, p.K_pairs, c_a, c_b);
   }
-}
+  static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
+    if (p.M == 1) return gemv_row(p.x_pairs, block, p.K_pairs, c);
+    if (p.M == 2) return gemv_two_rows(p.x_pairs, p.ldx / 2, block, p.K_pairs, c);
+    gemm_block(p, block, c);
+  }
+  static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
+  static void store_silu_mul(const LinearProblem& p, int64_t col0, const float* gate, const float* up) {
+    store_block_silu_mul(p, col0, gate, up);
+  }
+};
 
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
                                         float* scratch) {
-  if (p.silu_mul) return gate_up_blocks(p, block_begin, block_end, scratch);
-  const int64_t block_elems = p.K_pairs * kPairStride;
-  if (p.M == 1) {
-    const int64_t half = (block_end - block_begin) / 2;
-    float* other = scratch + kBlockN;
-    for (int64_t i = 0; i < half; ++i) {
-      const int64_t a = block_begin + i, b = block_begin + half + i;
-      gemv_row_two_blocks(p.x_pairs, p.w + a * block_elems, p.w + b * block_elems, p.K_pairs, scratch, other);
-      store_block(p, a * kBlockN, scratch);
-      store_block(p, b * kBlockN, other);
-    }
-    block_begin += 2 * half;  // an odd block left over runs alone below
-  }
-  for (int64_t nb = block_begin; nb < block_end; ++nb) {
-    block_product(p, p.w + nb * block_elems, scratch);
-    store_block(p, nb * kBlockN, scratch);
-  }
+  walk_blocks<Avx512Unit>(p, block_begin, block_end, scratch);
 }
 
 }  // namespace tilefx

@@ -18,7 +18,6 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -95,29 +94,12 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   at::Tensor xs_tensor = at::empty({pairs, ldx}, hidden.options().dtype(pairs_unit ? at::kBFloat16 : at::kFloat));
-  float* xs = pairs_unit ? nullptr : xs_tensor.data_ptr<float>();
-  uint16_t* xs_bf16 = pairs_unit ? reinterpret_cast<uint16_t*>(xs_tensor.data_ptr<at::BFloat16>()) : nullptr;
+  void* xs = xs_tensor.data_ptr();
   at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* src = x_bits + (sorted[r] / top_k) * hidden_size;
-      if (pairs_unit) {
-        std::memcpy(xs_bf16 + r * ldx, src, hidden_size * sizeof(uint16_t));
-        if (ldx > hidden_size) xs_bf16[r * ldx + hidden_size] = 0;
-      } else {
-        bf16_to_float_avx2(src, xs + r * ldx, hidden_size);
-        if (ldx > hidden_size) xs[r * ldx + hidden_size] = 0.0f;
-      }
+      write_activation_row(unit, x_bits + (sorted[r] / top_k) * hidden_size, hidden_size, ldx, xs, r);
     }
   });
-  // Rows [row, ...) of an activation buffer as the unit reads them.
-  const auto attach = [&](LinearProblem p, const at::Tensor& rows, int64_t row) {
-    if (pairs_unit) {
-      p.x_pairs = reinterpret_cast<const uint32_t*>(rows.data_ptr<at::BFloat16>()) + row * p.ldx / 2;
-    } else {
-      p.x = rows.data_ptr<float>() + row * p.ldx;
-    }
-    return p;
-  };
 
   // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
@@ -125,9 +107,10 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   const uint16_t* w13_bits = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
   const int64_t w13_expert = w13[0].numel();
   for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
-    return attach(LinearProblem{nullptr, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter, h_pairs,
-                                ldx, act + r.begin * ld_act, ld_act, /*silu_mul=*/true},
-                  xs_tensor, r.begin);
+    LinearProblem p{nullptr, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter, h_pairs, ldx,
+                    act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
+    attach_activations(p, unit, xs, r.begin);
+    return p;
   });
   const at::Tensor act_rows = pairs_unit ? act_tensor.to(at::kBFloat16) : act_tensor;
 
@@ -137,9 +120,10 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   const uint16_t* w2_bits = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
   const int64_t w2_expert = w2[0].numel();
   for_expert_blocks(unit, active, w2.size(1), max_rows, [&](const ExpertRows& r) {
-    return attach(LinearProblem{nullptr, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count, hidden_size,
-                                i_pairs, ld_act, out + r.begin * hidden_size, hidden_size, false},
-                  act_rows, r.begin);
+    LinearProblem p{nullptr, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
+                    out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
+    attach_activations(p, unit, act_rows.data_ptr(), r.begin);
+    return p;
   });
 
   // 4. weighted combine in fp32.

@@ -44,6 +44,26 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
   }
 }
 
+void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row) {
+  if (unit == LinearUnit::avx2) {
+    float* dst = static_cast<float*>(rows) + row * ldx;
+    bf16_to_float_avx2(src, dst, n);
+    if (ldx > n) dst[n] = 0.0f;
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(rows) + row * ldx;
+    std::memcpy(dst, src, n * sizeof(uint16_t));
+    if (ldx > n) dst[n] = 0;
+  }
+}
+
+void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row) {
+  if (unit == LinearUnit::avx2) {
+    p.x = static_cast<const float*>(rows) + row * p.ldx;
+  } else {
+    p.x_pairs = static_cast<const uint32_t*>(rows) + row * p.ldx / 2;
+  }
+}
+
 namespace {
 
 bool cpu_has(const std::string& feature) {
@@ -74,49 +94,28 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
-// x as the unit reads it: fp32 rows with K padded to even (AVX2) or bf16 pairs (AVX512-BF16),
-// in a reused thread-local buffer when small, else in `storage`.
+// x as the unit reads it (write_activation_row), in a reused thread-local buffer when
+// small, else in `storage`. bf16 x with even K already is the AVX512-BF16 unit's pairs.
 void prepare_activations(const at::Tensor& x2, int64_t rows, LinearUnit unit, LinearProblem& p, at::Tensor& storage) {
   const int64_t in_features = x2.size(-1), ldx = p.ldx;
   const uint16_t* x_bits = bf16_bits(x2);
-  constexpr int64_t kReusedElems = 1 << 16;
-  if (unit == LinearUnit::avx2) {
-    thread_local std::vector<float> reused;
-    float* xf;
-    if (rows * ldx <= kReusedElems) {
-      reused.resize(kReusedElems);
-      xf = reused.data();
-    } else {
-      storage = at::empty({rows, ldx}, x2.options().dtype(at::kFloat));
-      xf = storage.data_ptr<float>();
-    }
-    for (int64_t m = 0; m < rows; ++m) {
-      bf16_to_float_avx2(x_bits + m * in_features, xf + m * ldx, in_features);
-      if (ldx > in_features) xf[m * ldx + in_features] = 0.0f;
-    }
-    p.x = xf;
-    return;
+  const bool pairs = unit != LinearUnit::avx2;
+  if (pairs && ldx == in_features && reinterpret_cast<uintptr_t>(x_bits) % alignof(uint32_t) == 0) {
+    return attach_activations(p, unit, x_bits, 0);
   }
-  // bf16 x with even K already is its pairs; odd K (or a pointer not 4-byte aligned) takes a padded copy.
-  if (ldx == in_features && reinterpret_cast<uintptr_t>(x_bits) % alignof(uint32_t) == 0) {
-    p.x_pairs = reinterpret_cast<const uint32_t*>(x_bits);
-    return;
-  }
-  thread_local std::vector<uint32_t> reused;
-  uint32_t* pairs;
-  if (rows * ldx / 2 <= kReusedElems) {
-    reused.resize(kReusedElems);
-    pairs = reused.data();
+  constexpr int64_t kReusedBytes = 1 << 18;
+  const int64_t bytes = rows * ldx * (pairs ? sizeof(uint16_t) : sizeof(float));
+  thread_local std::vector<float> reused;
+  void* buffer;
+  if (bytes <= kReusedBytes) {
+    reused.resize(kReusedBytes / sizeof(float));
+    buffer = reused.data();
   } else {
-    storage = at::empty({rows, ldx / 2}, x2.options().dtype(at::kInt));
-    pairs = reinterpret_cast<uint32_t*>(storage.data_ptr<int32_t>());
+    storage = at::empty({rows, ldx}, x2.options().dtype(pairs ? at::kBFloat16 : at::kFloat));
+    buffer = storage.data_ptr();
   }
-  for (int64_t m = 0; m < rows; ++m) {
-    uint16_t* row = reinterpret_cast<uint16_t*>(pairs + m * ldx / 2);
-    std::memcpy(row, x_bits + m * in_features, in_features * sizeof(uint16_t));
-    if (ldx > in_features) row[in_features] = 0;
-  }
-  p.x_pairs = pairs;
+  for (int64_t m = 0; m < rows; ++m) write_activation_row(unit, x_bits + m * in_features, in_features, ldx, buffer, m);
+  attach_activations(p, unit, buffer, 0);
 }
 
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
@@ -454,22 +453,15 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
   if (x4.numel() == 0) return y;
 
   // Activations [groups, H, S, ldx], K padded to even: fp32 (AVX2) or bf16 pairs (AVX512-BF16).
-  const bool pairs_unit = isa != LinearUnit::avx2;
-  at::Tensor xa = at::empty({groups, heads, seq, ldx}, x.options().dtype(pairs_unit ? at::kBFloat16 : at::kFloat));
-  float* xf = pairs_unit ? nullptr : xa.data_ptr<float>();
-  uint16_t* xb = pairs_unit ? reinterpret_cast<uint16_t*>(xa.data_ptr<at::BFloat16>()) : nullptr;
+  const at::Tensor xa_tensor =
+      at::empty({groups, heads, seq, ldx}, x.options().dtype(isa == LinearUnit::avx2 ? at::kFloat : at::kBFloat16));
+  void* xa = xa_tensor.data_ptr();
   const uint16_t* x_bits = bf16_bits(x4);
   at::parallel_for(0, groups * heads * seq, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
-      const uint16_t* src = x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2);
-      if (pairs_unit) {
-        std::memcpy(xb + row * ldx, src, in_features * sizeof(uint16_t));
-        if (ldx > in_features) xb[row * ldx + in_features] = 0;
-      } else {
-        bf16_to_float_avx2(src, xf + row * ldx, in_features);
-        if (ldx > in_features) xf[row * ldx + in_features] = 0.0f;
-      }
+      write_activation_row(isa, x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2), in_features, ldx,
+                           xa, row);
     }
   });
   uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
@@ -483,10 +475,9 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
       const int64_t matrix = unit / blocks, first = unit % blocks;
       const int64_t last = std::min(blocks, first + (end - unit));
       const int64_t h = matrix % heads;
-      LinearProblem p{pairs_unit ? nullptr : xf + matrix * seq * ldx, w_bits + h * head_weight, nullptr,
-                      y_bits + matrix * seq * out_features, seq, out_features, k_pairs, ldx, /*yf=*/nullptr,
-                      /*ldy=*/out_features, /*silu_mul=*/false};
-      if (pairs_unit) p.x_pairs = reinterpret_cast<const uint32_t*>(xb + matrix * seq * ldx);
+      LinearProblem p{/*x=*/nullptr, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features, seq,
+                      out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
+      attach_activations(p, isa, xa, matrix * seq);
       linear_blocks(isa, p, first, last, scratch.data());
       unit += last - first;
     }
