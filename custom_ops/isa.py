@@ -4,9 +4,9 @@ The native library (``tilefx.custom_ops._C``) is one binary for every x86-64 CPU
 path lives in its own translation unit and runs only where CPUID says it can. The
 native CPU kernels are registered with the dispatcher directly (no Python per
 call) and read the current path: by default the fastest this CPU supports; an op
-without a kernel for it takes the next one along ``PATHS`` (attention, MoE and the
-per-head linear have AVX2 kernels only and run them on the amx and avx512_bf16
-paths); ``reference`` runs the ``*_portable`` ops written in PyTorch.
+without a kernel for it takes the next one along ``PATHS`` (attention has AVX2
+kernels only and runs them on the amx and avx512_bf16 paths; MoE and the per-head
+linear run AVX2 on amx); ``reference`` runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
 

@@ -1,6 +1,6 @@
 // Kernel entry points shared by the dispatch code (ops.cpp) and the ISA-specific
 // translation units. ISA units include only this header, <immintrin.h> (or SIMDe, for
-// the baseline ISA) and their own static helpers (vec_avx2.h, linear_walk.h): nothing
+// the baseline ISA) and their own static helpers (vec_avx2.h, bf16_scalar.h, linear_walk.h): nothing
 // inline from ATen or the standard library is compiled with wider ISA flags (it could
 // be picked by the linker for the whole library and crash an older CPU).
 #pragma once

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512
 #endif
+#include "bf16_scalar.h"
 #include "linear_walk.h"
 
 namespace tilefx {
@@ -52,19 +53,6 @@ static inline __m512bh broadcast_pair(uint32_t pair) { return as_pairs(_mm512_se
 static inline void prefetch_ahead(const uint16_t* row) {
   _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems), _MM_HINT_NTA);
   _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems + 32), _MM_HINT_NTA);
-}
-
-static inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 static inline __m512 load_bf16x16(const uint16_t* p) {

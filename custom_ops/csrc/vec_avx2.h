@@ -4,6 +4,8 @@
 #include <immintrin.h>
 #include <cstdint>
 
+#include "bf16_scalar.h"
+
 namespace tilefx {
 namespace {
 
@@ -29,17 +31,6 @@ static inline void store_bf16x8(uint16_t* p, __m256 v) {
   bits = _mm256_srli_epi32(bits, 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-static inline float bf16_to_float(uint16_t v) {
-  union { uint32_t u; float f; } bits{static_cast<uint32_t>(v) << 16};
-  return bits.f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-  union { float f; uint32_t u; } bits{f};
-  const uint32_t lsb = (bits.u >> 16) & 1u;
-  return static_cast<uint16_t>((bits.u + 0x7FFFu + lsb) >> 16);
 }
 
 // Sums of four vectors, one per lane of the result.
