@@ -18,11 +18,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
-from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.base import PassResult, TilefxPass, model_parameter
 from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.report import CompileReport
+from tilefx.custom_ops import weights
 
 
 def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> list[TilefxPass]:
@@ -38,6 +39,24 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
     if options.linear:
         passes.append(LinearPass(freezing=options.freezing, fuse=options.fuse_linears))
     return passes
+
+
+def check_released_weights_read_packed(graph: torch.fx.Graph) -> None:
+    """A weight the loader packed and released holds packed-order values: after the passes, only
+    packing ops may read it. Anything else would compute with scrambled weights, so it is an error."""
+    for node in graph.nodes:
+        param = model_parameter(node)
+        if param is None or not weights.is_released(param):
+            continue
+        readers = [user for user in node.users if user.target not in weights.PACKING_OPS]
+        if readers:
+            packing = weights.packing_of(param)
+            raise RuntimeError(
+                f"{node.target}: this weight was packed at load ({packing.describe() if packing else 'packed'}) "
+                f"but the rewritten graph still reads it through {readers[0].format_node()}; no pass took over "
+                f"that use (see tilefx.explain). Compile with the option that disables the region's pass "
+                f"(linear=False, moe=False, fuse_linears=False) to keep such weights unpacked."
+            )
 
 
 class PassManager(CustomGraphPass):
@@ -57,6 +76,7 @@ class PassManager(CustomGraphPass):
             graph.lint()
             results.append(result)
             self._dump(graph, graph_index, f"{step}-after-{tilefx_pass.name}")
+        check_released_weights_read_packed(graph)
         self.report.record_graph(graph, results)
 
     def uuid(self) -> str:

@@ -20,14 +20,25 @@ class GraphRecord:
 
 
 @dataclasses.dataclass
+class PackSummary:
+    """What models.packing.pack_model packed as the weights loaded."""
+
+    tensors: int = 0
+    packed_bytes: int = 0
+    released_bytes: int = 0  # the sources' own memory, handed back
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
 class CompileReport:
     graphs: list[GraphRecord] = dataclasses.field(default_factory=list)
     phase: str = "unknown"  # set by the runtime before each compiled call
     warmup_graphs: int = 0  # graphs compiled by compile_model's warm-up
     load_seconds: float = 0.0
     graph_breaks: int = 0
-    released_bytes: int = 0  # unpacked weights released after warm-up (memory holds the packed copy only)
-    kept_unpacked: int = 0  # packed weights whose unpacked copy is still needed (read unpacked, or padded)
+    packing: PackSummary = dataclasses.field(default_factory=PackSummary)
+    released_bytes: int = 0  # weights packed while compiling, their unpacked copy released after warm-up
+    kept_unpacked: int = 0  # weights packed while compiling whose unpacked copy is still needed (read unpacked)
 
     def record_graph(self, graph: torch.fx.Graph, results: list[PassResult]) -> None:
         self.graphs.append(

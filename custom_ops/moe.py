@@ -15,7 +15,7 @@ within a row and tie-breaking (``torch.topk``'s) are HF's. Conventions:
 - ``fused_moe(hidden [T, H], w13, w2, topk_weights [T, k], topk_ids [T, k])`` runs the
   HF experts ``gate_up_proj [E, 2I, H]`` (rows ``[:I]`` gate, ``[I:]`` up) and
   ``down_proj [E, H, I]`` packed once (``w13 = pack_expert_gate_up_weight(gate_up_proj)``,
-  ``w2 = pack_expert_down_weight(down_proj)``, custom_ops/linear.py: per expert the
+  ``w2 = pack_expert_down_weight(down_proj)``, custom_ops/weights.py: per expert the
   layouts of ``tilefx.linear_silu_mul`` and ``tilefx.linear``); it returns
   ``sum_k topk_weights[:, k] * down(silu(gate(x)) * up(x))`` in ``hidden``'s dtype.
   ``experts_reference`` is the same on the unpacked HF parameters: the specification.
@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tilefx.custom_ops import isa
-from tilefx.custom_ops import linear as linear_ops
-from tilefx.custom_ops.linear import BLOCK_N
+from tilefx.custom_ops.weights import BLOCK_N, unpack_expert_down_weight, unpack_expert_gate_up_weight
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -180,7 +179,7 @@ def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     hidden = hidden_states.shape[1]
     torch._check(w13.dim() == 5 and w13.shape[2:] == (-(-hidden // 2), BLOCK_N, 2) and w13.shape[1] % 2 == 0,
                  lambda: f"tilefx.fused_moe: w13 {tuple(w13.shape)} is not a packed gate_up_proj for hidden size "
-                         f"{hidden}; use tilefx.custom_ops.linear.pack_expert_gate_up_weight")
+                         f"{hidden}; use tilefx.custom_ops.weights.pack_expert_gate_up_weight")
     experts, intermediate = w13.shape[0], w13.shape[1] // 2 * BLOCK_N
     torch._check(w2.dim() == 5 and w2.shape == (experts, -(-hidden // BLOCK_N), -(-intermediate // 2), BLOCK_N, 2),
                  lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
@@ -219,8 +218,8 @@ def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids):
     """``experts_reference`` on the unpacked experts."""
     _check_packed(hidden_states, w13, w2, topk_weights, topk_ids)
     hidden, intermediate = hidden_states.shape[1], w13.shape[1] // 2 * BLOCK_N
-    gate_up_proj = linear_ops.unpack_expert_gate_up_weight(w13, hidden)
-    down_proj = linear_ops.unpack_expert_down_weight(w2, hidden, intermediate)
+    gate_up_proj = unpack_expert_gate_up_weight(w13, hidden)
+    down_proj = unpack_expert_down_weight(w2, hidden, intermediate)
     return experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 

@@ -169,6 +169,11 @@ class FamilyAdapter:
     # v_head_dim; HF caches only the normalized latent (kv_lora_rank) and the rope key.
     mla: bool = False
     moe: MoeSpec | None = None
+    # Linears of one module that read the same input, packed as one weight (models/packing.py):
+    # the first tuple whose names are all Linear children of a module applies to it.
+    sibling_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"),)
+    # (gate, up) Linear children computed as silu(gate(x)) * up(x): packed interleaved for the epilogue.
+    gated_linears: tuple[str, str] = ("gate_proj", "up_proj")
 
     def attention_dims(self, config) -> dict[str, int]:
         """The attention's head counts and widths (``head_dim`` of q and k, ``v_head_dim`` of v)."""
@@ -230,6 +235,9 @@ class FamilyAdapter:
         return dict(getattr(config, "base_model_tp_plan", None) or {})
 
 
+# DeepSeek's attention reads hidden_states with the query (compressed or not) and the latent projections.
+_MLA_SIBLINGS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"))
+
 ADAPTERS: dict[str, FamilyAdapter] = {
     adapter.model_type: adapter
     for adapter in (
@@ -257,6 +265,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         ),
         FamilyAdapter(
             "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "DeepseekV2DecoderLayer", mla=True,
+            sibling_linears=_MLA_SIBLINGS,
             moe=MoeSpec("DeepseekV2Moe", "DeepseekV2TopkRouter", "DeepseekV2Experts", routing="deepseek_v2",
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",
@@ -264,6 +273,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         ),
         FamilyAdapter(
             "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Attention", "DeepseekV3DecoderLayer", mla=True,
+            sibling_linears=_MLA_SIBLINGS,
             moe=MoeSpec("DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3Experts", routing="deepseek_v3",
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",

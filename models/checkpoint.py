@@ -41,6 +41,7 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
     for config in (model.config, model.generation_config):
         for token in ("pad", "bos", "eos"):
             setattr(config, f"{token}_token_id", getattr(tokenizer, f"{token}_token_id"))
-    model.save_pretrained(out, safe_serialization=True)
+    # Shards of at most 2 GB, as the hub ships large models: saving copies one shard at a time.
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
     tokenizer.save_pretrained(out)
     return out

@@ -226,6 +226,9 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("llama-3.2-1b", "meta-llama/Llama-3.2-1B", "llama", _dense(2048, 8192, 16, 32, 8, 64, **_LLAMA3)),
         Preset("llama-3.2-3b", "meta-llama/Llama-3.2-3B", "llama", _dense(3072, 8192, 28, 24, 8, 128, **_LLAMA3)),
+        Preset("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "llama",
+               dict(_dense(4096, 14336, 32, 32, 8, 128, **_LLAMA3), tie_word_embeddings=False,
+                    rope_parameters=dict(_LLAMA3_ROPE, factor=8.0))),
         Preset("qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B", "qwen2", _dense(1536, 8960, 28, 12, 2, 128, **_QWEN)),
         Preset("qwen3-1.7b", "Qwen/Qwen3-1.7B", "qwen3", _dense(2048, 6144, 28, 16, 8, 128, **_QWEN)),
         Preset(

@@ -83,22 +83,23 @@ class TilefxRuntime:
         model.tilefx = self
 
     def keep_only_packed_weights(self) -> None:
-        """After warm-up: parameters that every compiled graph reads only packed give up their unpacked copy.
+        """After warm-up: weights the graphs packed (those the loader did not) give up their unpacked
+        copy where every compiled graph reads them only packed (custom_ops/weights.py, ``release``).
 
-        Graphs compiled later (a new phase) pack such a parameter again and get the same
-        packed tensor, so they stay correct; the eager module, however, must not be run
-        on this model object any more (its linear weights now hold packed data).
+        Graphs compiled later (a new phase) get the same packed tensors, so they stay
+        correct; the eager module, however, must not be run on this model object any
+        more (its packed weights hold packed-order data).
         """
-        from tilefx.custom_ops import linear as linear_ops
+        from tilefx.custom_ops import weights
 
         exclusive, shared = set(), set()
         for graph in self.report.graphs:
             for result in graph.passes:
                 exclusive |= result.packed_exclusively
                 shared |= result.packed_shared
-        released, kept = linear_ops.keep_only_packed(exclusive - shared)
-        kept += len(shared)
-        self.report.released_bytes, self.report.kept_unpacked = released, kept
+        released, kept = weights.release_sources(exclusive - shared)
+        self.report.released_bytes += released
+        self.report.kept_unpacked = kept + len(shared)
 
     # -- forward -----------------------------------------------------------------------
     def forward(

@@ -27,6 +27,7 @@ import torch
 from tilefx.custom_ops import attention as attention_ops
 from tilefx.custom_ops import isa
 from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights as packed_weights
 from tilefx.models.presets import get_preset
 
 DENSE_PRESETS = ("llama-3.2-1b", "llama-3.2-3b", "qwen2.5-1.5b", "qwen3-1.7b")
@@ -136,11 +137,11 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
             weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
             weight = torch.cat(weights)  # what PyTorch would read: one [N or 2N, K] linear
             if case.gate_up:
-                packed = linear_ops.pack_gate_up_weight_reference(*weights)
+                packed = packed_weights.pack_gate_up_weight_reference(*weights)
                 op = lambda x, w: linear_ops.linear_silu_mul(x, w, n)  # noqa: E731
                 reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n)  # noqa: E731
             else:
-                packed = linear_ops.pack_linear_weight_reference(weight)
+                packed = packed_weights.pack_linear_weight_reference(weight)
                 op = lambda x, w: linear_ops.linear(x, w, None, n)  # noqa: E731
                 reference = lambda x, w: linear_ops.linear_reference(x, w, None, n)  # noqa: E731
             x = torch.randn(1, k).to(torch.bfloat16)
@@ -224,7 +225,7 @@ def bench_inductor_glue(preset: str, steps: int) -> dict:
     kernels = [e for e in prof.key_averages() if "cpp_fused" in e.key]
     total_us = sum(e.self_cpu_time_total for e in kernels) / steps
     x = torch.randn(1, 64).to(torch.bfloat16)
-    tiny = linear_ops.pack_linear_weight_reference(torch.randn(32, 64).to(torch.bfloat16))
+    tiny = packed_weights.pack_linear_weight_reference(torch.randn(32, 64).to(torch.bfloat16))
     dispatch_us = median_seconds(lambda: linear_ops.linear(x, tiny, None, 32), 200) * 1e6
     per_step = sum(e.count for e in kernels) / steps
     return {"preset": preset, "layers": 2, "kernels_per_step": per_step, "inductor_us_per_step": total_us,

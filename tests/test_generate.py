@@ -121,20 +121,22 @@ def test_explain_reports_rewrites(pair):
     assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
 
 
-def test_weights_are_packed_at_compile_time_and_held_once(pair, monkeypatch):
-    from tilefx.custom_ops import linear as linear_ops
+def test_weights_are_packed_as_they_load_and_held_once(pair, monkeypatch):
+    from tilefx.custom_ops import weights
 
     _, compiled = pair
-    pack_calls = []
-    original = linear_ops.pack_linear_weight_reference  # what every packing op ends in
-    monkeypatch.setattr(linear_ops, "pack_linear_weight_reference", lambda w: pack_calls.append(w) or original(w))
+    fills = []
+    original = weights._fill  # what every packing ends in
+    monkeypatch.setattr(weights, "_fill", lambda *a: fills.append(a[0]) or original(*a))
     ids, mask = padded_batch([_prompt(6, 3)])
     compiled.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    assert pack_calls == []  # constant-folded when the graphs were compiled
+    assert fills == []  # the graphs read the packed tensors made at load
     linears = [m for m in compiled.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 7 * compiled.config.num_hidden_layers + 1
     for module in linears:  # the parameter's storage is the (fused) packed copy: one copy in memory
-        packed = linear_ops.packed_copy(module.weight)
-        assert packed is not None
+        packed = weights.packed_copy(module.weight)
+        assert packed is not None and weights.is_released(module.weight)
         assert packed.untyped_storage().data_ptr() == module.weight.untyped_storage().data_ptr()
-    assert compiled.tilefx.report.released_bytes == sum(m.weight.nbytes for m in linears)
+    report = compiled.tilefx.report
+    assert report.packing.released_bytes == sum(m.weight.nbytes for m in linears)
+    assert report.released_bytes == 0  # nothing was left for the graphs to pack

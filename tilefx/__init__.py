@@ -43,6 +43,7 @@ def compile_model(
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
     from tilefx.compiler import CompileOptions, CompileReport
     from tilefx.models.load import load_model
+    from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
 
     option_names = [f.name for f in dataclasses.fields(CompileOptions)]
@@ -53,7 +54,7 @@ def compile_model(
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
     report = CompileReport()
     warmup_batches = list(range(1, max_batch + 1)) if warmup else []
-    steps = ["load"] + [f"compile batch {b}" for b in warmup_batches]
+    steps = ["load", "pack"] + [f"compile batch {b}" for b in warmup_batches]
     bar = tqdm(steps, desc="tilefx", disable=not progress or os.environ.get("TILEFX_QUIET") == "1", leave=False)
     start = time.perf_counter()
     bar.set_postfix_str("load")
@@ -63,6 +64,9 @@ def compile_model(
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")  # the attention pass matches HF's sdpa region
     report.load_seconds = time.perf_counter() - start
+    bar.update()
+    bar.set_postfix_str("pack weights")
+    report.packing = pack_model(model, opts, progress=not bar.disable)
     bar.update()
     runtime = TilefxRuntime(model, opts, report)
     runtime.install()
@@ -94,9 +98,11 @@ def explain(model) -> str:
     lines = [
         f"tilefx {__version__}: {type(model).__name__} ({model.config.model_type}), dtype {opts.dtype}, "
         f"max_batch {opts.max_batch}, max_seq_len {opts.max_seq_len}",
-        f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated; unpacked weights released "
-        f"{report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} packed weights also kept unpacked)",
-        f"load {report.load_seconds:.1f}s, compile {report.compile_seconds:.1f}s; "
+        f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated",
+        f"weights: {report.packing.tensors} packed as they loaded ({report.packing.packed_bytes / 2**20:.1f} MiB, "
+        f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
+        f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
+        f"load {report.load_seconds:.1f}s, pack {report.packing.seconds:.1f}s, compile {report.compile_seconds:.1f}s; "
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),
     ]

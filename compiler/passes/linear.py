@@ -20,9 +20,16 @@ An fp32 linear of bf16 values (``linear(x.float(), W.float())``, HF's DeepSeek
 routers) -> ``tilefx.linear_float(x, pack_linear_weight(W))``: the same fp32
 products from the packed bf16 weight, result in fp32.
 
+Weights the loader packed already (models/packing.py) are grouped as they were
+packed: the pass asks custom_ops/weights.py how each is held (``packings_of``) and
+reads it that way, so a graph never asks for a packing that memory does not hold.
+Other weights are grouped here and packed when the graph is compiled. An input
+embedding whose weight was packed (tied to the ``lm_head``) becomes
+``tilefx.packed_embedding`` over that packed tensor: memory holds it once.
+
 Preconditions (else the linear is left alone and the reason recorded): freezing
-on (otherwise packing would run every call), the weight is a 2-D bf16 model
-parameter, x is bf16, the bias (if any) is a 1-D bf16 parameter.
+on (otherwise packing would run every call), the weight is a 2-D model parameter
+and ``weights.can_pack`` accepts it and x, the bias (if any) is a 1-D bf16 parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value, model_parameter
-from tilefx.custom_ops.linear import BLOCK_N
+from tilefx.custom_ops import weights as packed_weights
+from tilefx.custom_ops.weights import BLOCK_N
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
@@ -83,16 +91,21 @@ class LinearPass(TilefxPass):
                 result.skip(node.name, why)
         weights = []
         for (x, _), nodes in siblings.items():
-            groups = self._groups(nodes) if self.fuse else [("single", [n]) for n in nodes]
-            for kind, group in groups:
+            prepacked = [n for n in nodes if packed_weights.packings_of(model_parameter(_linear_args(n)[1]))]
+            rest = [n for n in nodes if n not in prepacked]
+            groups = self._groups(rest) if self.fuse else [("single", [n]) for n in rest]
+            for kind, group in _as_packed(prepacked) + groups:
                 weights += [_linear_args(n)[1] for n in group]
                 result.rewritten += len(group)
                 if kind == "gate_up":
                     self._gate_up(graph, x, *group)
+                elif kind == "gate_up_parts":
+                    self._gate_up_parts(graph, x, group)
                 elif len(group) == 1:
                     self._single(graph, group[0])
                 else:
                     self._fused(graph, x, group)
+        self._packed_embeddings(graph, result)
         packing = {torch.ops.tilefx.pack_linear_weight.default, torch.ops.tilefx.pack_fused_linear_weight.default,
                    torch.ops.tilefx.pack_gate_up_weight.default}
         for weight in weights:
@@ -106,8 +119,9 @@ class LinearPass(TilefxPass):
         x_val, w_val = example_value(x), example_value(weight)
         if not _is_parameter(weight) or w_val is None or w_val.dim() != 2:
             return "weight is not a 2-D model parameter"
-        if w_val.dtype != torch.bfloat16 or x_val is None or x_val.dtype != torch.bfloat16:
-            return f"dtype {w_val.dtype} (x {None if x_val is None else x_val.dtype}): packed linear is bf16 only"
+        why = packed_weights.can_pack("linear", [w_val], None if x_val is None else x_val.dtype)
+        if why is not None or x_val is None:
+            return why or "x has no example value"
         if bias is not None and not (_is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
             return "bias is not a bf16 model parameter"
         return None
@@ -136,15 +150,8 @@ class LinearPass(TilefxPass):
         """Gate/up pairs (``silu(a) * b``), then the rest as one group (the block-aligned ones first)."""
         groups, taken = [], set()
         for gate in nodes:
-            silu = _only_user(gate)
-            mul = _only_user(silu) if silu is not None and _is_silu(silu) else None
-            if mul is None or mul.target is not operator.mul or len(mul.args) != 2 or mul.kwargs:
-                continue
-            up = mul.args[1] if mul.args[0] is silu else mul.args[0]
-            width = example_value(gate).shape[-1]
-            if (up in nodes and up not in taken and gate not in taken and up is not gate and _only_user(up) is mul
-                    and _linear_args(gate)[2] is None and _linear_args(up)[2] is None
-                    and example_value(up).shape[-1] == width and width % BLOCK_N == 0):
+            up = _gated_partner(gate)
+            if up in nodes and up not in taken and gate not in taken and example_value(gate).shape[-1] % BLOCK_N == 0:
                 groups.append(("gate_up", [gate, up]))
                 taken |= {gate, up}
         rest = [n for n in nodes if n not in taken]
@@ -181,6 +188,42 @@ class LinearPass(TilefxPass):
         graph.erase_node(up)
 
     @staticmethod
+    def _gate_up_parts(graph, x, group) -> None:
+        """Gate and up weights packed together but not used as ``silu(gate) * up``: one linear over both,
+        then each linear's columns picked out of the interleaved blocks."""
+        gate, up = (_linear_args(n)[1] for n in sorted(group, key=lambda n: _packed_index(n)))
+        width = int(example_value(gate).shape[0])
+        first = min(group, key={node: i for i, node in enumerate(graph.nodes)}.__getitem__)
+        with graph.inserting_before(first):
+            packed = graph.call_function(packed_weights.pack_gate_up_weight, (gate, up))
+            both = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, None, 2 * width))
+            blocks = graph.call_method("unflatten", (both, -1, (width // BLOCK_N, 2, BLOCK_N)))
+            for node in group:
+                part = graph.call_method("flatten", (graph.call_method("select", (blocks, -2, _packed_index(node))),
+                                                     -2))
+                _replace(graph, node, part)
+
+    @staticmethod
+    def _packed_embeddings(graph, result: PassResult) -> None:
+        """``embedding(ids, W)`` where W was packed and released (an input embedding tied to the lm_head)."""
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.nn.functional.embedding]:
+            ids, weight = node.args[:2]
+            param = model_parameter(weight)
+            packings = packed_weights.packings_of(param) if param is not None else []
+            if not any(p.released for p, _ in packings):
+                continue
+            max_norm = node.args[3] if len(node.args) > 3 else node.kwargs.get("max_norm")  # padding_idx: grads only
+            if len(packings) != 1 or packings[0][0].layout != "linear" or max_norm is not None:
+                result.skip(node.name, "embedding over a packed weight in a form packed_embedding does not cover")
+                continue
+            with graph.inserting_before(node):
+                packed = graph.call_function(packed_weights.pack_linear_weight, (weight,))
+                lookup = graph.call_function(torch.ops.tilefx.packed_embedding.default,
+                                             (ids, packed, int(example_value(weight).shape[1])))
+            _replace(graph, node, lookup)
+            result.rewritten += 1
+
+    @staticmethod
     def _fused(graph, x, group) -> None:
         weights = [_linear_args(n)[1] for n in group]
         biases = [_linear_args(n)[2] for n in group]
@@ -199,6 +242,49 @@ class LinearPass(TilefxPass):
             parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
         for node, part in zip(group, parts):
             _replace(graph, node, part)
+
+
+def _packed_index(node: torch.fx.Node) -> int:
+    """The index of a linear's weight among the sources of the (one) packing the loader made of it."""
+    return packed_weights.packings_of(model_parameter(_linear_args(node)[1]))[0][1]
+
+
+def _gated_partner(gate: torch.fx.Node) -> torch.fx.Node | None:
+    """``up`` where ``gate`` is used only as ``silu(gate) * up`` and both are bias-free linears of one width."""
+    silu = _only_user(gate)
+    mul = _only_user(silu) if silu is not None and _is_silu(silu) else None
+    if mul is None or mul.target is not operator.mul or len(mul.args) != 2 or mul.kwargs:
+        return None
+    up = mul.args[1] if mul.args[0] is silu else mul.args[0]
+    if (not isinstance(up, torch.fx.Node) or up is gate or up.target not in _LINEAR or _only_user(up) is not mul
+            or _linear_args(gate)[2] is not None or _linear_args(up)[2] is not None
+            or example_value(up).shape[-1] != example_value(gate).shape[-1]):
+        return None
+    return up
+
+
+def _as_packed(nodes: list[torch.fx.Node]) -> list[tuple[str, list[torch.fx.Node]]]:
+    """Linears whose weights the loader packed, grouped as they were packed: siblings packed together and
+    used together are one call; gate/up packed together is ``linear_silu_mul`` where the graph computes
+    ``silu(gate) * up``; a sibling used alone reads its own slice."""
+    by_packing: dict[int, list[torch.fx.Node]] = {}
+    layout = {}
+    for node in nodes:
+        packing = packed_weights.packings_of(model_parameter(_linear_args(node)[1]))[0][0]
+        by_packing.setdefault(id(packing), []).append(node)
+        layout[id(packing)] = packing.layout
+    groups = []
+    for key, members in by_packing.items():
+        members.sort(key=_packed_index)
+        indices = [_packed_index(n) for n in members]
+        if layout[key] == "gate_up":
+            gate_up = len(members) == 2 and indices == [0, 1] and _gated_partner(members[0]) is members[1]
+            groups.append(("gate_up" if gate_up else "gate_up_parts", members))
+        elif indices == list(range(indices[0], indices[0] + len(members))):
+            groups.append(("fused" if len(members) > 1 else "single", members))
+        else:
+            groups += [("single", [n]) for n in members]
+    return groups
 
 
 def _bf16_source(node) -> torch.fx.Node | None:

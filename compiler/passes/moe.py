@@ -16,8 +16,8 @@ family's router looks like:
   handed the experts.
 
 Preconditions (else the block is left alone and the reason recorded): freezing on
-(expert weights are constants, packed once), bf16 experts, ``I`` a multiple of the
-packing block, exactly one experts output, a router linear and both routing inputs
+(expert weights are constants, packed once), experts ``weights.can_pack`` accepts,
+exactly one experts output, a router linear and both routing inputs
 found. Shared experts are ordinary MLPs: the linear pass fuses their gate/up.
 """
 
@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value, model_parameter
-from tilefx.custom_ops.linear import BLOCK_N
+from tilefx.custom_ops import weights as packed_weights
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _ROOT = re.compile(r"^L\['[^']*'\]\.?(?:__self__\.)?")  # L['self']. or L['forward'].__self__. (a bound forward)
@@ -137,10 +137,9 @@ class MoePass(TilefxPass):
             return "expert parameters gate_up_proj [E, 2I, H] / down_proj [E, H, I] not found among the experts' inputs"
         w13, w2 = example_value(gate_up), example_value(down)
         num_experts, hidden, inter = w2.shape
-        if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-            return f"experts are {w13.dtype}: fused_moe packs bf16 experts"
-        if tuple(w13.shape) != (num_experts, 2 * inter, hidden) or inter % BLOCK_N:
-            return f"experts gate_up {tuple(w13.shape)}, down {tuple(w2.shape)}: need I a multiple of {BLOCK_N}"
+        why = packed_weights.can_pack("experts", [w13, w2])
+        if why is not None:
+            return why
         out_val = example_value(output)
         tokens = out_val.shape[0] if out_val is not None and out_val.dim() == 2 else None
         rows = [n for n in inputs if n not in params and (v := example_value(n)) is not None and v.dim() == 2]

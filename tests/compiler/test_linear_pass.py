@@ -63,7 +63,7 @@ def test_leaves_linears_alone_without_freezing_or_bf16():
     ids = torch.randint(3, 500, (1, 4))
     for linear_pass, model_dtype, reason in (
         (LinearPass(freezing=False), torch.bfloat16, "freezing is off"),
-        (LinearPass(), torch.float32, "packed linear is bf16 only"),
+        (LinearPass(), torch.float32, "packed weights are bf16 only"),
     ):
         torch._dynamo.reset()
         model = model.to(model_dtype)

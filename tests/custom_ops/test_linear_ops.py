@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights
 
 
 def _relative_error(got, want):
@@ -37,7 +38,7 @@ SHAPES = [
 @pytest.mark.parametrize("rows,out_features,in_features", SHAPES)
 def test_linear_matches_matmul(kernel_path, rows, out_features, in_features, bias):
     x, weight, b, want = _problem(rows, out_features, in_features, bias, seed=out_features + in_features)
-    packed = linear_ops.pack_linear_weight(weight)
+    packed = weights.pack_linear_weight(weight)
     got = linear_ops.linear(x, packed, b, out_features)
     assert got.shape == (*rows, out_features) and got.dtype == torch.bfloat16
     assert _relative_error(got, want) < 1e-2
@@ -49,7 +50,7 @@ def test_strided_activations(kernel_path, rows):
     wide, weight, _, _ = _problem(rows, 96, 2 * 130, False, seed=11)
     x = wide[..., 5:135]
     assert not x.is_contiguous()
-    packed = linear_ops.pack_linear_weight(weight[:, :130].contiguous())
+    packed = weights.pack_linear_weight(weight[:, :130].contiguous())
     got = linear_ops.linear(x, packed, None, 96)
     assert got.shape == (*rows, 96)
     assert _relative_error(got, x.float() @ weight[:, :130].float().T) < 1e-2
@@ -62,7 +63,7 @@ def test_activations_at_an_odd_offset(kernel_path, in_features):
     x = flat[0, 1:].view(3, in_features)
     assert x.is_contiguous() and x.data_ptr() % 4 == 2
     weight = weight[:, :in_features].contiguous()
-    got = linear_ops.linear(x, linear_ops.pack_linear_weight(weight), None, 96)
+    got = linear_ops.linear(x, weights.pack_linear_weight(weight), None, 96)
     assert _relative_error(got, x.float() @ weight.float().T) < 1e-2
 
 
@@ -70,13 +71,13 @@ def test_activations_at_an_odd_offset(kernel_path, in_features):
 def test_every_block_is_computed_once(kernel_path, blocks):
     """Threads take shrinking chunks of the column blocks: every block count comes out whole."""
     x, weight, _, want = _problem((1,), 32 * blocks - 3, 64, False, seed=blocks)
-    packed = linear_ops.pack_linear_weight(weight)
+    packed = weights.pack_linear_weight(weight)
     assert _relative_error(linear_ops.linear(x, packed, None, weight.shape[0]), want) < 1e-2
 
 
 def test_large_shapes_match(kernel_path):
     x, weight, _, want = _problem((1,), 2048, 8192, False, seed=3)
-    packed = linear_ops.pack_linear_weight(weight)
+    packed = weights.pack_linear_weight(weight)
     assert _relative_error(linear_ops.linear(x, packed, None, 2048), want) < 1e-2
     x = torch.randn(64, 8192).to(torch.bfloat16)
     assert _relative_error(linear_ops.linear(x, packed, None, 2048), x.float() @ weight.float().T) < 1e-2
@@ -85,20 +86,20 @@ def test_large_shapes_match(kernel_path):
 @pytest.mark.parametrize("out_features,in_features", [(64, 64), (33, 7), (1, 1)])
 def test_pack_round_trip(out_features, in_features):
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)
-    packed = linear_ops.pack_linear_weight_reference(weight)
+    packed = weights.pack_linear_weight_reference(weight)
     assert packed.shape == (-(-out_features // 32), -(-in_features // 2), 32, 2)
-    assert torch.equal(linear_ops.unpack_linear_weight(packed, out_features, in_features), weight)
+    assert torch.equal(weights.unpack_linear_weight(packed, out_features, in_features), weight)
     assert torch.count_nonzero(packed) == torch.count_nonzero(weight)  # padding is zero
 
 
 def test_packing_is_shared_until_the_weight_changes():
     weight = torch.randn(40, 16).to(torch.bfloat16)
-    first = linear_ops.pack_linear_weight(weight)
-    assert linear_ops.pack_linear_weight(weight) is first  # every compiled graph gets one copy
+    first = weights.pack_linear_weight(weight)
+    assert weights.pack_linear_weight(weight) is first  # every compiled graph gets one copy
     weight.mul_(2)  # a new version of the weight is packed again
-    again = linear_ops.pack_linear_weight(weight)
+    again = weights.pack_linear_weight(weight)
     assert again is not first
-    assert torch.equal(linear_ops.unpack_linear_weight(again, 40, 16), weight)
+    assert torch.equal(weights.unpack_linear_weight(again, 40, 16), weight)
 
 
 def test_rejects_unpacked_weight():
@@ -125,7 +126,7 @@ def _gate_up_problem(rows, width, in_features, seed):
 ])
 def test_linear_silu_mul_matches_reference(kernel_path, rows, width, in_features):
     x, gate, up, want = _gate_up_problem(rows, width, in_features, seed=width + in_features)
-    packed = linear_ops.pack_gate_up_weight(gate, up)
+    packed = weights.pack_gate_up_weight(gate, up)
     got = linear_ops.linear_silu_mul(x, packed, width)
     assert got.shape == (*rows, width) and got.dtype == torch.bfloat16
     assert _relative_error(got, want) < 1e-2
@@ -134,51 +135,51 @@ def test_linear_silu_mul_matches_reference(kernel_path, rows, width, in_features
 
 def test_gate_up_packing_interleaves_blocks():
     gate, up = torch.randn(64, 10).to(torch.bfloat16), torch.randn(64, 10).to(torch.bfloat16)
-    packed = linear_ops.pack_gate_up_weight_reference(gate, up)
+    packed = weights.pack_gate_up_weight_reference(gate, up)
     assert packed.shape == (4, 5, 32, 2)
-    assert torch.equal(linear_ops.unpack_linear_weight(packed[1:2], 32, 10), up[:32])  # gate 0, up 0, gate 1, up 1
-    got_gate, got_up = linear_ops.unpack_gate_up_weight(packed, 64, 10)
+    assert torch.equal(weights.unpack_linear_weight(packed[1:2], 32, 10), up[:32])  # gate 0, up 0, gate 1, up 1
+    got_gate, got_up = weights.unpack_gate_up_weight(packed, 64, 10)
     assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        linear_ops.pack_gate_up_weight_reference(gate[:40], up[:40])
+        weights.pack_gate_up_weight_reference(gate[:40], up[:40])
 
 
 def test_fused_packing_is_the_packed_concatenation(kernel_path):
     x, q, b, _ = _problem((2,), 64, 48, True, seed=7)
     k, v = torch.randn(32, 48).to(torch.bfloat16), torch.randn(20, 48).to(torch.bfloat16)  # last may be ragged
-    packed = linear_ops.pack_fused_linear_weight([q, k, v])
-    assert torch.equal(packed, linear_ops.pack_linear_weight_reference(torch.cat([q, k, v])))
+    packed = weights.pack_fused_linear_weight([q, k, v])
+    assert torch.equal(packed, weights.pack_linear_weight_reference(torch.cat([q, k, v])))
     got = linear_ops.linear(x, packed, None, 116)
     want = x.float() @ torch.cat([q, k, v]).float().T
     assert _relative_error(got, want) < 1e-2
-    assert linear_ops.pack_fused_linear_weight([q, k, v]) is packed  # memoized per group
+    assert weights.pack_fused_linear_weight([q, k, v]) is packed  # memoized per group
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        linear_ops.pack_fused_linear_weight([v, q])
+        weights.pack_fused_linear_weight([v, q])
 
 
 def test_release_makes_each_weight_a_view_of_its_packing():
     q, k = torch.randn(64, 16).to(torch.bfloat16), torch.randn(32, 16).to(torch.bfloat16)
     gate, up = torch.randn(32, 16).to(torch.bfloat16), torch.randn(32, 16).to(torch.bfloat16)
-    fused = linear_ops.pack_fused_linear_weight([q, k])
-    gate_up = linear_ops.pack_gate_up_weight(gate, up)
-    released, kept = linear_ops.keep_only_packed({id(q), id(k), id(gate), id(up)})
+    fused = weights.pack_fused_linear_weight([q, k])
+    gate_up = weights.pack_gate_up_weight(gate, up)
+    released, kept = weights.release_sources({id(q), id(k), id(gate), id(up)})
     assert (released, kept) == (sum(w.nbytes for w in (q, k, gate, up)), 0)
     for weight, packed in ((q, fused), (k, fused), (gate, gate_up), (up, gate_up)):
         assert weight.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     assert torch.equal(k.view(-1), fused[2:].reshape(-1))  # k is exactly its blocks
     # packing again (a graph compiled later) returns the same packed tensors
-    assert linear_ops.pack_fused_linear_weight([q, k]) is fused
-    assert linear_ops.pack_gate_up_weight(gate, up) is gate_up
+    assert weights.pack_fused_linear_weight([q, k]) is fused
+    assert weights.pack_gate_up_weight(gate, up) is gate_up
 
 
 def test_opcheck(kernel_path):
     x, weight, b, _ = _problem((3,), 40, 18, True, seed=5)
-    torch.library.opcheck(linear_ops.pack_linear_weight, (weight,))
-    torch.library.opcheck(linear_ops.linear, (x, linear_ops.pack_linear_weight_reference(weight), b, 40))
-    torch.library.opcheck(linear_ops.pack_fused_linear_weight, ([weight[:32], weight[32:]],))
+    torch.library.opcheck(weights.pack_linear_weight, (weight,))
+    torch.library.opcheck(linear_ops.linear, (x, weights.pack_linear_weight_reference(weight), b, 40))
+    torch.library.opcheck(weights.pack_fused_linear_weight, ([weight[:32], weight[32:]],))
     x, gate, up, _ = _gate_up_problem((2,), 32, 18, seed=5)
-    torch.library.opcheck(linear_ops.pack_gate_up_weight, (gate, up))
-    torch.library.opcheck(linear_ops.linear_silu_mul, (x, linear_ops.pack_gate_up_weight_reference(gate, up), 32))
+    torch.library.opcheck(weights.pack_gate_up_weight, (gate, up))
+    torch.library.opcheck(linear_ops.linear_silu_mul, (x, weights.pack_gate_up_weight_reference(gate, up), 32))
 
 
 @pytest.mark.parametrize("path", ["reference", "avx2", "avx512_bf16", "avx512_bf16_emulated"])
@@ -190,7 +191,7 @@ def test_kernel_path_decides_what_runs(path):
         pytest.skip(f"{path}: {isa.unsupported_reason(path)}")
     x, weight, _, _ = _problem((1,), 64, 64, False, seed=1)
     with isa.forced(path), torch.profiler.profile() as prof:
-        linear_ops.linear(x, linear_ops.pack_linear_weight(weight), None, 64)
+        linear_ops.linear(x, weights.pack_linear_weight(weight), None, 64)
     ran_portable = any(event.key == "tilefx::linear_portable" for event in prof.key_averages())
     assert ran_portable == (path == "reference")
 
@@ -199,8 +200,8 @@ def test_kernel_path_decides_what_runs(path):
 def test_linear_float_keeps_fp32(kernel_path, rows, out_features, in_features):
     """HF's fp32 routers over bf16 values: the fp32 product, not rounded to bf16."""
     x, weight, _, want = _problem(rows, out_features, in_features, False, seed=11)
-    got = linear_ops.linear_float(x, linear_ops.pack_linear_weight(weight), None, out_features)
+    got = linear_ops.linear_float(x, weights.pack_linear_weight(weight), None, out_features)
     assert got.shape == (*rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    torch.library.opcheck(linear_ops.linear_float, (x, linear_ops.pack_linear_weight_reference(weight), None,
+    torch.library.opcheck(linear_ops.linear_float, (x, weights.pack_linear_weight_reference(weight), None,
                                                     out_features))

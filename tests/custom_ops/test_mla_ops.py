@@ -7,6 +7,7 @@ import torch
 
 import tilefx.custom_ops  # noqa: F401
 from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights
 from tilefx.custom_ops.attention import mla_attention_reference
 
 
@@ -68,7 +69,7 @@ def test_absorbed_mla_equals_unabsorbed(kernel_path, case):
     untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
     o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
     assert o_latent.shape == args[0].shape
-    w_uv = linear_ops.pack_mla_absorbed_weight(kv_b, heads, nope, True)
+    w_uv = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)
     got = linear_ops.linear_per_head(o_latent, w_uv, v_dim)
     rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)  # rows that see a key
     err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
@@ -119,8 +120,8 @@ def test_linear_per_head(kernel_path, value, shape):
     kv_b = torch.randn(heads * (nope + v_dim), rank, generator=g).to(torch.bfloat16)
     per_head = kv_b.view(heads, nope + v_dim, rank)
     weight = per_head[:, nope:] if value else per_head[:, :nope].transpose(1, 2)  # [H, N, K]
-    packed = linear_ops.pack_mla_absorbed_weight(kv_b, heads, nope, value)
-    assert torch.equal(linear_ops.unpack_expert_down_weight(packed, *weight.shape[1:]), weight)
+    packed = weights.pack_mla_absorbed_weight(kv_b, heads, nope, value)
+    assert torch.equal(weights.unpack_expert_down_weight(packed, *weight.shape[1:]), weight)
     x = torch.randn(*shape, weight.shape[2], generator=g).to(torch.bfloat16)
     want = torch.matmul(x.float(), weight.float().transpose(1, 2))
     got = linear_ops.linear_per_head(x, packed, weight.shape[1])
@@ -130,7 +131,7 @@ def test_linear_per_head(kernel_path, value, shape):
 
 def test_linear_per_head_strided_rows_and_opcheck(kernel_path):
     kv_b = torch.randn(4 * 96, 64).to(torch.bfloat16)
-    packed = linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, False)
+    packed = weights.pack_mla_absorbed_weight(kv_b, 4, 64, False)
     x = torch.randn(2, 5, 4, 80).to(torch.bfloat16).transpose(1, 2)[..., :64]  # HF's q_nope: a strided view
     want = torch.matmul(x.float(), kv_b.float().view(4, 96, 64)[:, :64])
     got = linear_ops.linear_per_head(x, packed, 64)
@@ -140,6 +141,6 @@ def test_linear_per_head_strided_rows_and_opcheck(kernel_path):
 
 def test_pack_mla_absorbed_weight_is_memoized_and_checked():
     kv_b = torch.randn(4 * 96, 64).to(torch.bfloat16)
-    assert linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, True) is linear_ops.pack_mla_absorbed_weight(kv_b, 4, 64, True)
+    assert weights.pack_mla_absorbed_weight(kv_b, 4, 64, True) is weights.pack_mla_absorbed_weight(kv_b, 4, 64, True)
     with pytest.raises(RuntimeError, match="does not split"):
-        linear_ops.pack_mla_absorbed_weight(kv_b, 5, 64, True)
+        weights.pack_mla_absorbed_weight(kv_b, 5, 64, True)

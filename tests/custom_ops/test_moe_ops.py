@@ -7,7 +7,7 @@ import importlib
 import pytest
 import torch
 
-from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights as packed_weights
 
 import tilefx.custom_ops  # noqa: F401
 from tilefx.models.adapters import adapter_for
@@ -215,8 +215,8 @@ def _hf_experts(config, implementation, seed=0):
 
 
 def _packed(gate_up_proj, down_proj):
-    return (linear_ops.pack_expert_gate_up_weight_reference(gate_up_proj),
-            linear_ops.pack_expert_down_weight_reference(down_proj))
+    return (packed_weights.pack_expert_gate_up_weight_reference(gate_up_proj),
+            packed_weights.pack_expert_down_weight_reference(down_proj))
 
 
 def _rel_error(got, want):
@@ -308,8 +308,8 @@ def test_packed_experts_round_trip_and_fused_moe_matches(kernel_path, tokens, hi
     gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5).to(torch.bfloat16)
     down = (torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5).to(torch.bfloat16)
     w13, w2 = _packed(gate_up, down)
-    assert torch.equal(linear_ops.unpack_expert_gate_up_weight(w13, hidden_size), gate_up)
-    assert torch.equal(linear_ops.unpack_expert_down_weight(w2, hidden_size, inter), down)
+    assert torch.equal(packed_weights.unpack_expert_gate_up_weight(w13, hidden_size), gate_up)
+    assert torch.equal(packed_weights.unpack_expert_down_weight(w2, hidden_size, inter), down)
     x = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(tokens)]).to(torch.int32)
     weights = torch.rand(tokens, 3, generator=g) + 0.1

@@ -1,0 +1,540 @@
+"""Packed weights: one descriptor, one family of packing ops, one ``can_pack``, one release policy.
+
+Every kernel that reads a weight reads it packed (docs/ARCHITECTURE.md, "Packed
+layouts"): ``W [N, K]`` -> ``[ceil(N / BLOCK_N), ceil(K / 2), BLOCK_N, 2]`` bf16, zero
+padded: blocks of ``BLOCK_N`` output columns, each a VNNI matrix (the values of rows
+``k`` and ``k + 1`` side by side for every column). The layouts built on it:
+
+- ``linear``: one weight, or sibling weights sharing an input (q/k/v) one after
+  another: the blocks of each follow the previous one's (every N but the last a
+  multiple of BLOCK_N), so each member's own packing is a contiguous slice.
+- ``gate_up``: gate and up ``[I, K]`` interleaved block by block (gate 0, up 0, gate 1,
+  ...) for ``tilefx.linear_silu_mul``'s SiLU-and-mul epilogue.
+- ``expert_gate_up`` / ``expert_down``: HF's fused 3-D experts, per expert the
+  ``gate_up`` / ``linear`` layout.
+- ``mla_key`` / ``mla_value``: DeepSeek's ``kv_b_proj`` split per head into ``W_uk^T
+  [R, nope]`` or ``W_uv [v, R]``, per head the ``linear`` layout.
+
+A ``PackedWeight`` describes one packed tensor: layout, format (bf16 now; int8 / fp8
+add their scales), the shard it holds, its sources. ``pack()`` makes one (or returns
+the one that exists for the same sources), ``release()`` hands the sources' memory
+back: each source parameter becomes a view of its part of the packed tensor, so
+memory holds the weight once (its values are then in packed order: only tilefx
+graphs, which read it packed, may use it). The loader packs and releases layer by
+layer (models/packing.py); the graph's packing ops, constant-folded by Inductor's
+freezing, find those packed tensors here and return them instead of packing again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import weakref
+
+import torch
+
+from tilefx.custom_ops import isa
+
+BLOCK_N = 32  # output columns per packed block (csrc/kernels.h: one block is 2 x 4 AVX2 registers wide)
+FORMATS = ("bf16",)
+
+
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
+    return (-(-out_features // BLOCK_N), -(-in_features // 2), BLOCK_N, 2)
+
+
+# -- can_pack: the one place that says what a packed layout accepts ----------------------------------------
+
+
+def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None) -> str | None:
+    """Why ``weights`` (tensors or example values) cannot be packed in ``layout``, or None when they can.
+
+    Passes and the loader ask this instead of checking dtypes and block sizes themselves.
+    """
+    weights = list(weights)
+    if any(w is None for w in weights):
+        return "weight value unknown"
+    dtypes = {w.dtype for w in weights}
+    if dtypes != {torch.bfloat16}:
+        return f"dtype {sorted(map(str, dtypes))}: packed weights are {', '.join(FORMATS)} only"
+    if x_dtype is not None and x_dtype != torch.bfloat16:
+        return f"activations are {x_dtype}: packed linears take bf16 activations"
+    if layout in ("linear", "gate_up", "mla"):
+        if any(w.dim() != 2 for w in weights):
+            return f"weights must be 2-D, got {[tuple(w.shape) for w in weights]}"
+        if len({w.shape[1] for w in weights}) != 1:
+            return f"siblings differ in in_features: {[tuple(w.shape) for w in weights]}"
+        whole = weights if layout == "gate_up" else weights[:-1]
+        if any(w.shape[0] % BLOCK_N for w in whole):
+            return f"out_features {[w.shape[0] for w in weights]}: siblings but the last need multiples of {BLOCK_N}"
+        if layout == "gate_up" and (len(weights) != 2 or weights[0].shape != weights[1].shape):
+            return f"gate/up must be two weights of one shape, got {[tuple(w.shape) for w in weights]}"
+        return None
+    if layout == "experts":
+        if len(weights) != 2 or any(w.dim() != 3 for w in weights):
+            return "experts are gate_up_proj [E, 2I, H] and down_proj [E, H, I]"
+        gate_up, down = weights
+        experts, hidden, inter = down.shape
+        if tuple(gate_up.shape) != (experts, 2 * inter, hidden):
+            return f"experts gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} do not match"
+        if inter % BLOCK_N:
+            return f"expert intermediate size {inter}: need a multiple of {BLOCK_N}"
+        return None
+    raise ValueError(f"unknown packed layout {layout!r}")
+
+
+# -- layouts: element orders as views (a copy only where padding is needed) ---------------------------------
+
+
+def _pad2(weight: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    n, k = weight.shape[-2:]
+    return weight if (n, k) == (rows, cols) else torch.nn.functional.pad(weight, (0, cols - k, 0, rows - n))
+
+
+def _linear_order(weight: torch.Tensor) -> torch.Tensor:
+    """``[..., N, K]`` as ``[..., N/32, K/2, 32, 2]`` (a view unless N or K needs padding)."""
+    blocks, pairs, _, _ = packed_shape(*weight.shape[-2:])
+    padded = _pad2(weight, blocks * BLOCK_N, 2 * pairs)
+    lead = padded.shape[:-2]
+    return padded.reshape(*lead, blocks, BLOCK_N, pairs, 2).transpose(-3, -2)
+
+
+def _expert_gate_up_order(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, H]`` (gate rows, then up rows) as ``[E, I/32, 2, H/2, 32, 2]``: per expert gate/up interleaved."""
+    experts, two_inter, hidden = gate_up_proj.shape
+    halves = _linear_order(gate_up_proj.view(experts, 2, two_inter // 2, hidden))  # [E, 2, I/32, H/2, 32, 2]
+    return halves.transpose(1, 2)
+
+
+def _mla_part(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
+    rows, rank = kv_b_weight.shape
+    torch._check(rows % heads == 0 and 0 < nope_dim < rows // heads,
+                 lambda: f"pack_mla_absorbed_weight: kv_b_proj {tuple(kv_b_weight.shape)} does not split into "
+                         f"{heads} heads with {nope_dim} key rows")
+    per_head = kv_b_weight.view(heads, rows // heads, rank)
+    return per_head[:, nope_dim:] if value else per_head[:, :nope_dim].transpose(1, 2)
+
+
+def _layout_shape(layout: str, weights, args: tuple) -> tuple[int, ...]:
+    if layout == "linear":
+        return packed_shape(sum(w.shape[0] for w in weights), weights[0].shape[1])
+    if layout == "gate_up":
+        blocks, pairs, _, _ = packed_shape(*weights[0].shape)
+        return (2 * blocks, pairs, BLOCK_N, 2)
+    if layout == "expert_gate_up":
+        experts, two_inter, hidden = weights[0].shape
+        return (experts, two_inter // BLOCK_N, -(-hidden // 2), BLOCK_N, 2)
+    if layout == "expert_down":
+        experts, hidden, inter = weights[0].shape
+        return (experts, *packed_shape(hidden, inter))
+    if layout in ("mla_key", "mla_value"):
+        heads, nope_dim = args
+        rows, rank = weights[0].shape
+        shape = (rows // heads - nope_dim, rank) if layout == "mla_value" else (rank, nope_dim)
+        return (heads, *packed_shape(*shape))
+    raise ValueError(f"unknown packed layout {layout!r}")
+
+
+CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
+
+
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time."""
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // BLOCK_N) * BLOCK_N
+    for row in range(0, weight.shape[0], rows_per_chunk):
+        rows = weight[row : row + rows_per_chunk]
+        block = row // BLOCK_N
+        out[block : block + -(-rows.shape[0] // BLOCK_N)].copy_(_linear_order(rows))
+        _drop_file_pages(rows)
+
+
+def _fill(layout: str, weights, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time (no copy of a whole
+    weight): pages of a source mapped from a file are dropped as soon as they are packed, so packing a
+    lazily loaded weight holds it about once, not twice."""
+    if layout == "linear":
+        start = 0
+        for weight in weights:
+            blocks = -(-weight.shape[0] // BLOCK_N)
+            _fill_linear(out[start : start + blocks], weight)
+            start += blocks
+    elif layout == "gate_up":
+        pairs = out.view(-1, 2, *out.shape[1:])
+        _fill_linear(pairs[:, 0], weights[0])
+        _fill_linear(pairs[:, 1], weights[1])
+    elif layout in ("expert_gate_up", "expert_down"):
+        per_expert = out.view(out.shape[0], -1, 2, *out.shape[2:]) if layout == "expert_gate_up" else out
+        for expert, source in zip(per_expert, weights[0]):
+            order = _expert_gate_up_order(source[None])[0] if layout == "expert_gate_up" else _linear_order(source)
+            expert.copy_(order)
+            _drop_file_pages(source)
+    elif layout in ("mla_key", "mla_value"):
+        out.copy_(_linear_order(_mla_part(weights[0], *args, value=layout == "mla_value")))
+    else:
+        raise ValueError(f"unknown packed layout {layout!r}")
+    return out
+
+
+def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
+    """The specification of ``layout``: a new (ordinary) tensor holding ``weights`` packed."""
+    _check_sources(layout, weights)
+    return _fill(layout, weights, args, torch.zeros(_layout_shape(layout, weights, args), dtype=weights[0].dtype))
+
+
+def pack_linear_weight_reference(weight: torch.Tensor) -> torch.Tensor:
+    return pack_reference("linear", [weight])
+
+
+def pack_fused_linear_weight_reference(weights) -> torch.Tensor:
+    return pack_reference("linear", list(weights))
+
+
+def pack_gate_up_weight_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return pack_reference("gate_up", [gate, up])
+
+
+def pack_expert_gate_up_weight_reference(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    return pack_reference("expert_gate_up", [gate_up_proj])
+
+
+def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
+    return pack_reference("expert_down", [down_proj])
+
+
+def pack_mla_absorbed_weight_reference(kv_b_weight, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
+    return pack_reference("mla_value" if value else "mla_key", [kv_b_weight], (heads, nope_dim))
+
+
+def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The inverse of the ``linear`` layout (also per expert / head: ``[..., N, K]``)."""
+    *lead, blocks, pairs, _, _ = packed.shape
+    whole = packed.transpose(-3, -2).reshape(*lead, blocks * BLOCK_N, 2 * pairs)
+    return whole[..., :out_features, :in_features]
+
+
+def unpack_gate_up_weight(packed: torch.Tensor, out_features: int, in_features: int):
+    """The inverse of the ``gate_up`` layout: ``(gate, up)``, each ``[I, K]``."""
+    interleaved = packed.unflatten(0, (-1, 2))
+    return tuple(unpack_linear_weight(interleaved[:, i], out_features, in_features) for i in (0, 1))
+
+
+def unpack_expert_gate_up_weight(packed: torch.Tensor, hidden: int) -> torch.Tensor:
+    """The inverse of the ``expert_gate_up`` layout: ``[E, 2I, H]``."""
+    experts, two_blocks, pairs, _, _ = packed.shape
+    halves = packed.view(experts, two_blocks // 2, 2, pairs, BLOCK_N, 2).transpose(1, 2)
+    return unpack_linear_weight(halves, two_blocks // 2 * BLOCK_N, hidden).reshape(experts, -1, hidden)
+
+
+def unpack_expert_down_weight(packed: torch.Tensor, hidden: int, inter: int) -> torch.Tensor:
+    """The inverse of the ``expert_down`` (and per-head) layout: ``[E, H, I]``."""
+    return unpack_linear_weight(packed, hidden, inter)
+
+
+def _check_sources(layout: str, weights) -> None:
+    """Shapes only (the references pack any dtype; ``can_pack`` says what the kernels take)."""
+    what = f"pack ({layout})"
+    torch._check(len(weights) >= 1, lambda: f"{what}: no weights")
+    if layout in ("linear", "gate_up"):
+        torch._check(all(w.dim() == 2 and w.shape[1] == weights[0].shape[1] and w.dtype == weights[0].dtype
+                         for w in weights),
+                     lambda: f"{what}: weights must be 2-D and share in_features and dtype, got "
+                             f"{[(tuple(w.shape), w.dtype) for w in weights]}")
+        whole = weights if layout == "gate_up" else weights[:-1]
+        torch._check(all(w.shape[0] % BLOCK_N == 0 for w in whole),
+                     lambda: f"{what}: out_features must be multiples of {BLOCK_N}, got {[w.shape[0] for w in weights]}")
+        torch._check(layout != "gate_up" or (len(weights) == 2 and weights[0].shape == weights[1].shape),
+                     lambda: f"{what}: gate {tuple(weights[0].shape)} != up {tuple(weights[-1].shape)}")
+    elif layout == "expert_gate_up":
+        torch._check(weights[0].dim() == 3 and weights[0].shape[1] % (2 * BLOCK_N) == 0,
+                     lambda: f"pack_expert_gate_up_weight: gate_up_proj must be [E, 2I, H] with I a multiple of "
+                             f"{BLOCK_N}, got {tuple(weights[0].shape)}")
+    elif layout == "expert_down":
+        torch._check(weights[0].dim() == 3, lambda: f"pack_expert_down_weight: down_proj must be [E, H, I], got "
+                                                    f"{tuple(weights[0].shape)}")
+
+
+# -- the descriptor and the registry ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """The part of a weight a packed tensor holds: ``index`` of ``count`` equal slices along ``dim``."""
+
+    dim: int
+    index: int
+    count: int
+
+
+@dataclasses.dataclass(eq=False)
+class PackedWeight:
+    """One packed tensor the kernels read, and what it was made from."""
+
+    layout: str
+    data: torch.Tensor
+    source_shapes: tuple[tuple[int, ...], ...]
+    names: tuple[str, ...] = ()  # the source parameters' names where the loader knows them
+    args: tuple = ()  # layout arguments (mla_*: heads, nope_dim)
+    format: str = "bf16"
+    scales: torch.Tensor | None = None  # int8 / fp8: per channel or per block
+    shard: Shard | None = None  # None: the whole weight
+    released: bool = False  # the sources are views of ``data`` (their own memory handed back)
+    _sources: tuple = ()  # weakrefs to the source tensors
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    def members(self, first: int, last: int) -> torch.Tensor:
+        """Sources ``first..last``'s own packing (``linear`` layout): the contiguous blocks they fill."""
+        if self.layout != "linear":
+            raise ValueError(f"{self.describe()}: only the linear layout has per-source slices")
+        blocks = [-(-shape[0] // BLOCK_N) for shape in self.source_shapes]
+        return self.data[sum(blocks[:first]) : sum(blocks[: last + 1])]
+
+    def describe(self) -> str:
+        names = ", ".join(self.names) or f"{len(self.source_shapes)} weight(s)"
+        return f"{self.layout} {self.format} [{names}]"
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+            weight._version)
+
+
+# key of one source tensor -> the packings that hold it, each with the source's index among its sources
+_registry: dict[tuple, list[tuple[PackedWeight, int]]] = {}
+
+
+def _current(key: tuple, packed: PackedWeight, index: int) -> bool:
+    """The source is alive and unchanged: an address can be reused by a new tensor, and weights edited in place."""
+    source = packed._sources[index]()
+    return source is not None and _key(source) == key
+
+
+def _drop_stale() -> None:
+    for key in list(_registry):
+        _registry[key] = [hit for hit in _registry[key] if _current(key, *hit)]
+        if not _registry[key]:
+            del _registry[key]
+
+
+def packings_of(weight: torch.Tensor) -> list[tuple[PackedWeight, int]]:
+    """The PackedWeights that hold ``weight``, each with ``weight``'s index among its sources."""
+    key = _key(weight)
+    return [hit for hit in _registry.get(key, ()) if _current(key, *hit)]
+
+
+def packing_of(weight: torch.Tensor) -> PackedWeight | None:
+    """The one PackedWeight that holds ``weight`` (None if none or several do)."""
+    hits = packings_of(weight)
+    return hits[0][0] if len(hits) == 1 else None
+
+
+def is_released(weight: torch.Tensor) -> bool:
+    """``weight``'s data is a view of a packed tensor: only packing ops may read it."""
+    return any(packed.released for packed, _ in packings_of(weight))
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed tensor that holds ``weight`` (alone or with its siblings), if exactly one does."""
+    packed = packing_of(weight)
+    return None if packed is None else packed.data
+
+
+def _serve(layout: str, weights, args: tuple) -> torch.Tensor | None:
+    """The existing packed tensor for this request, or None where the weights are to be packed (again)."""
+    for packed, first in packings_of(weights[0]):
+        indices = [next((i for p, i in packings_of(w) if p is packed), None) for w in weights]
+        if None in indices or indices != list(range(first, first + len(weights))):
+            continue
+        if packed.layout == layout and packed.args == tuple(args) and len(weights) == len(packed.source_shapes):
+            return packed.data
+        if layout == "linear" == packed.layout:
+            return packed.members(indices[0], indices[-1])  # some siblings of a fused packing, in order
+    held = sorted({p.describe() for w in weights for p, _ in packings_of(w) if p.released})
+    if held:  # their own data is gone: there is nothing to pack from
+        raise ValueError(
+            f"weights of shapes {[tuple(w.shape) for w in weights]} were packed as {'; '.join(held)} and released, "
+            f"and cannot also be packed as {layout}{list(args) if args else ''}: a graph must read a packed weight "
+            f"the way it was packed (custom_ops/weights.py). Compile with fuse_linears=False if sibling fusion differs."
+        )
+    return None
+
+
+def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = ()) -> torch.Tensor:
+    """``weights`` packed in ``layout``: the existing packed tensor where one holds them, else packed now,
+    once (into transparent huge pages: streamed every token), and registered."""
+    weights = list(weights)
+    existing = _serve(layout, weights, tuple(args))
+    if existing is not None:
+        return existing
+    _check_sources(layout, weights)
+    data = _fill(layout, weights, tuple(args), isa.huge_page_empty(_layout_shape(layout, weights, args),
+                                                                   weights[0].dtype))
+    packed = PackedWeight(layout, data, tuple(tuple(w.shape) for w in weights), tuple(names), tuple(args),
+                          _sources=tuple(weakref.ref(w) for w in weights))
+    _drop_stale()
+    for index, weight in enumerate(weights):
+        _registry.setdefault(_key(weight), []).append((packed, index))
+    return data
+
+
+def _packing_with_data(data: torch.Tensor) -> PackedWeight:
+    for hits in _registry.values():
+        for packed, _ in hits:
+            if packed.data is data:
+                return packed
+    raise ValueError("not a packed tensor made by tilefx.custom_ops.weights.pack")
+
+
+def release(packed_data: torch.Tensor) -> int:
+    """The release policy: the sources of ``packed_data`` give their memory back and become views of it.
+
+    Each source's data becomes a view of its own range of the packed tensor (same shape,
+    values in packed order), so memory holds the weight once; packing the same sources
+    again returns the same packed tensor. Pages of a source mapped from a file (safetensors
+    loaded lazily) are dropped from this process too. A source packed in two ways stays.
+    Returns the bytes released.
+    """
+    packed = _packing_with_data(packed_data)
+    if packed.released:
+        return 0
+    sources = [ref() for ref in packed._sources]
+    if any(s is None for s in sources):
+        raise ValueError(f"release: a source of {packed.describe()} is gone")
+    if any(len(packings_of(s)) > 1 for s in sources):
+        raise ValueError(f"release: a source of {packed.describe()} is packed in another way too")
+    flat, offset, released = packed.data.view(-1), 0, 0
+    for index, source in enumerate(sources):
+        del _registry[_key(source)]
+        old = source.data
+        if old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            released += old.numel() * old.element_size()
+            _drop_file_pages(old)
+        source.data = flat[offset : offset + source.numel()].view(source.shape)
+        offset += source.numel()
+        _registry[_key(source)] = [(packed, index)]
+    packed.released = True
+    return released
+
+
+def release_sources(ids: set[int]) -> tuple[int, int]:
+    """Release every packing not yet released whose sources' ``id``s are all in ``ids`` (read only packed)
+    and packed in one way only. Returns (bytes released, sources in ``ids`` kept unpacked)."""
+    released = kept = 0
+    for packed in registered():
+        sources = [ref() for ref in packed._sources]
+        if packed.released or not any(id(s) in ids for s in sources):
+            continue
+        if all(id(s) in ids and len(packings_of(s)) == 1 for s in sources):
+            released += release(packed.data)
+        else:
+            kept += sum(id(s) in ids for s in sources)
+    return released, kept
+
+
+def registered() -> list[PackedWeight]:
+    """Every current packed weight (for reports)."""
+    _drop_stale()
+    return list({id(p): p for hits in _registry.values() for p, _ in hits}.values())
+
+
+# -- file-backed sources -----------------------------------------------------------------------------------
+
+_MADV_DONTNEED = 4
+_libc = None
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from safetensors files (a lazy load keeps weights there)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip().endswith(".safetensors"):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+def _drop_file_pages(tensor: torch.Tensor) -> None:
+    """Drop the pages of ``tensor``'s bytes from this process where they are mapped from a safetensors file:
+    they stay in the page cache, but no longer count as this process's memory (a later read maps them again)."""
+    global _libc
+    if not tensor.numel():
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(lo <= start and end <= hi for lo, hi in _file_mappings()):
+        return  # anonymous memory: freed when its last reference goes
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
+    if last > first:
+        _libc = _libc or ctypes.CDLL(None, use_errno=True)
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+# -- the packing ops: what the passes insert in graphs (constant-folded under freezing) ---------------------
+
+
+def _pack_linear_weight(weight):
+    return pack("linear", [weight])
+
+
+def _pack_fused_linear_weight(weights):
+    return pack("linear", list(weights))
+
+
+def _pack_gate_up_weight(gate, up):
+    return pack("gate_up", [gate, up])
+
+
+def _pack_expert_gate_up_weight(gate_up_proj):
+    return pack("expert_gate_up", [gate_up_proj])
+
+
+def _pack_expert_down_weight(down_proj):
+    return pack("expert_down", [down_proj])
+
+
+def _pack_mla_absorbed_weight(kv_b_weight, heads, nope_dim, value):
+    return pack("mla_value" if value else "mla_key", [kv_b_weight], (heads, nope_dim))
+
+
+def _fake(layout: str, weights, args: tuple = ()) -> torch.Tensor:
+    weights = list(weights)
+    _check_sources(layout, weights)
+    if layout.startswith("mla"):
+        _mla_part(weights[0], *args, value=layout == "mla_value")  # its shape check
+    return weights[0].new_empty(_layout_shape(layout, weights, args))
+
+
+_LIB = torch.library.Library("tilefx", "FRAGMENT")
+for _name, _schema, _impl, _fake_impl in (
+    ("pack_linear_weight", "(Tensor weight) -> Tensor", _pack_linear_weight, lambda w: _fake("linear", [w])),
+    ("pack_fused_linear_weight", "(Tensor[] weights) -> Tensor", _pack_fused_linear_weight,
+     lambda ws: _fake("linear", ws)),
+    ("pack_gate_up_weight", "(Tensor gate, Tensor up) -> Tensor", _pack_gate_up_weight,
+     lambda g, u: _fake("gate_up", [g, u])),
+    ("pack_expert_gate_up_weight", "(Tensor gate_up_proj) -> Tensor", _pack_expert_gate_up_weight,
+     lambda w: _fake("expert_gate_up", [w])),
+    ("pack_expert_down_weight", "(Tensor down_proj) -> Tensor", _pack_expert_down_weight,
+     lambda w: _fake("expert_down", [w])),
+    ("pack_mla_absorbed_weight", "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
+     _pack_mla_absorbed_weight,
+     lambda w, heads, nope, value: _fake("mla_value" if value else "mla_key", [w], (heads, nope))),
+):
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _impl, "CPU")
+    torch.library.register_fake(f"tilefx::{_name}", _fake_impl, lib=_LIB)
+
+
+pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
+pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
+pack_gate_up_weight = torch.ops.tilefx.pack_gate_up_weight.default
+pack_expert_gate_up_weight = torch.ops.tilefx.pack_expert_gate_up_weight.default
+pack_expert_down_weight = torch.ops.tilefx.pack_expert_down_weight.default
+pack_mla_absorbed_weight = torch.ops.tilefx.pack_mla_absorbed_weight.default
+PACKING_OPS = frozenset({pack_linear_weight, pack_fused_linear_weight, pack_gate_up_weight,
+                         pack_expert_gate_up_weight, pack_expert_down_weight, pack_mla_absorbed_weight})

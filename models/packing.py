@@ -1,0 +1,131 @@
+"""Packing a loaded model's weights, layer by layer, each source released as its packed copy exists.
+
+What is packed how comes from the family adapter (``sibling_linears``,
+``gated_linears``, the MoE experts and router classes) and the compile options, and
+every decision about formats and block sizes from ``weights.can_pack``:
+
+- sibling linears of one module that read one input (q/k/v; DeepSeek's q_a / kv_a)
+  -> one ``linear`` packing, the siblings' blocks one after another;
+- a gated MLP's gate and up -> one ``gate_up`` packing (SiLU-and-mul epilogue);
+- MoE experts -> ``expert_gate_up`` and ``expert_down``;
+- every other linear and each router weight -> its own ``linear`` packing
+  (a tied ``lm_head`` included: the linear pass then reads the input embedding
+  from the same packed tensor);
+- left unpacked: embeddings (read a few rows a token), norms, biases, and, with the
+  MLA pass on, DeepSeek's ``kv_b_proj`` (the pass absorbs it per head, two packings
+  of one weight; it is small).
+
+``release`` hands each source's memory back as soon as its packed copy exists, so
+the peak is the checkpoint plus one group's packed copy. The linear, MoE and MLA
+passes find these packings (``weights.packings_of``) and read them as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from tilefx.compiler.report import PackSummary
+from tilefx.custom_ops import weights
+
+_ATTENTION_LATENT = "kv_b_proj"  # absorbed per head by the MLA pass
+_LAYER = re.compile(r"^model\.layers\.\d+")
+
+
+@dataclasses.dataclass
+class PackGroup:
+    layout: str
+    names: tuple[str, ...]  # the parameters' names in the model
+    params: tuple[torch.nn.Parameter, ...]
+
+
+def _linear_children(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {name: child for name, child in module.named_children() if isinstance(child, torch.nn.Linear)}
+
+
+def _bias_state(linears) -> set[bool]:
+    return {linear.bias is not None for linear in linears}
+
+
+def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
+    """``[(module path, groups)]`` in module order: what ``pack_model`` packs, per top-level part (one entry per
+    decoder layer, then the rest)."""
+    from tilefx.models.adapters import adapter_for
+
+    if not options.freezing:  # the passes pack nothing without freezing: weights are not constants
+        return []
+    adapter = adapter_for(model.config)
+    gated = options.fuse_linears and getattr(model.config, "hidden_act", "silu") == "silu"
+    taken: set[int] = set()
+    parts: dict[str, list[PackGroup]] = {}
+
+    for name, module in model.named_modules():
+        layer = _LAYER.match(name)
+        part = layer.group(0) if layer else "model"
+        cls = type(module).__name__
+        if adapter.moe is not None and options.moe and cls == adapter.moe.experts_class:
+            experts_pair = (module.gate_up_proj, module.down_proj)
+            if weights.can_pack("experts", experts_pair) is None:
+                for layout, param in zip(("expert_gate_up", "expert_down"), experts_pair):
+                    taken.add(id(param))
+                    parts.setdefault(part, []).append(PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,)))
+            continue
+        if not options.linear:
+            continue
+        if adapter.moe is not None and cls == adapter.moe.router_class and isinstance(
+                getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 2:
+            _add_single(parts, taken, part, f"{name}.weight", module.weight)
+            continue
+        linears = _linear_children(module)
+        if options.fuse_linears:
+            for siblings in adapter.sibling_linears:
+                group = [linears.get(s) for s in siblings]
+                if None in group or len(_bias_state(group)) != 1:
+                    continue
+                order = sorted(range(len(group)), key=lambda i: group[i].out_features % weights.BLOCK_N != 0)
+                params = [group[i].weight for i in order]
+                if weights.can_pack("linear", params) is None and not any(id(p) in taken for p in params):
+                    taken.update(id(p) for p in params)
+                    parts.setdefault(part, []).append(
+                        PackGroup("linear", tuple(f"{name}.{siblings[i]}.weight" for i in order), tuple(params)))
+                break
+        gate, up = (linears.get(n) for n in adapter.gated_linears)
+        if gated and gate is not None and up is not None and gate.bias is None and up.bias is None:
+            params = [gate.weight, up.weight]
+            if weights.can_pack("gate_up", params) is None and not any(id(p) in taken for p in params):
+                taken.update(id(p) for p in params)
+                parts.setdefault(part, []).append(
+                    PackGroup("gate_up", tuple(f"{name}.{n}.weight" for n in adapter.gated_linears), tuple(params)))
+        for child, linear in linears.items():
+            if adapter.mla and options.mla and child == _ATTENTION_LATENT:
+                continue
+            _add_single(parts, taken, part, f"{name}.{child}.weight" if name else f"{child}.weight", linear.weight)
+    rest = parts.pop("model", [])  # the root's linears (lm_head) come first in module order
+    return [*parts.items(), *([("model", rest)] if rest else [])]
+
+
+def _add_single(parts, taken: set[int], part: str, name: str, param) -> None:
+    if id(param) not in taken and param.dim() == 2 and weights.can_pack("linear", [param]) is None:
+        taken.add(id(param))
+        parts.setdefault(part, []).append(PackGroup("linear", (name,), (param,)))
+
+
+def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> PackSummary:
+    """Pack every weight ``plan`` names, one part (decoder layer) at a time, releasing each source at once."""
+    summary = PackSummary()
+    start = time.perf_counter()
+    parts = plan(model, options)
+    with torch.no_grad():
+        for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
+                              leave=False):
+            for group in groups:
+                packed = weights.pack(group.layout, list(group.params), names=group.names)
+                summary.tensors += 1
+                summary.packed_bytes += packed.nbytes
+                summary.released_bytes += weights.release(packed)
+    summary.seconds = time.perf_counter() - start
+    return summary

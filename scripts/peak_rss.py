@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Peak memory of ``compile_model`` and a first ``generate()``, against the checkpoint's bytes.
+
+    python scripts/make_checkpoint.py --preset llama-3.2-1b ./ckpt
+    python scripts/peak_rss.py ./ckpt            # one JSON line: peak RSS, checkpoint bytes, ratios
+
+Run it in a fresh process per measurement: the peak (``ru_maxrss``) only grows.
+``import_rss`` is the process's RSS after importing torch, transformers and tilefx;
+``baseline`` its RSS after it also compiled a tiny model of the same kind (``--stack``),
+which brings in what every compile costs once whatever the model (Dynamo, Inductor,
+their caches and code: a few hundred MB); ``over_checkpoint`` is ``(peak - baseline -
+kv_cache) / checkpoint``: what holding this model cost, per checkpoint byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import sys
+import time
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def checkpoint_bytes(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=pathlib.Path, help="a checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--options", default="{}", help="compile_model options as JSON, e.g. '{\"fuse_linears\": false}'")
+    parser.add_argument("--stack", default="tiny-llama",
+                        help="a preset compiled before the baseline is taken ('none': baseline right after imports)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TILEFX_QUIET", "1")
+
+    import torch
+
+    import tilefx
+
+    import_rss = _rss()
+    if args.stack != "none":
+        from tilefx.models.presets import build_model
+
+        tiny = tilefx.compile_model(build_model(args.stack), max_seq_len=16)
+        with torch.no_grad():
+            tiny.generate(torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, do_sample=False)
+        del tiny
+    baseline = _rss()
+    start = time.perf_counter()
+    model = tilefx.compile_model(str(args.model), max_seq_len=args.max_seq_len, **json.loads(args.options))
+    compiled_at = time.perf_counter()
+    peak_compile = _peak()
+    ids = torch.randint(3, min(model.config.vocab_size, 1000), (1, 16))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+    peak = _peak()
+    ckpt, cache = checkpoint_bytes(args.model), model.tilefx.cache.nbytes
+    print(json.dumps({
+        "model": str(args.model),
+        "checkpoint_bytes": ckpt,
+        "kv_cache_bytes": cache,
+        "import_rss": import_rss,
+        "baseline_rss": baseline,
+        "peak_rss_compile": peak_compile,
+        "peak_rss": peak,
+        "rss_after": _rss(),
+        "peak_over_checkpoint": round(peak / ckpt, 3),
+        "over_checkpoint": round((peak - baseline - cache) / ckpt, 3),
+        "compile_seconds": round(compiled_at - start, 1),
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The packed-weight home: layouts round-trip, one packing per group of sources, release, can_pack."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights
+
+
+def _bf16(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_fused_siblings_round_trip_and_each_reads_its_own_slice():
+    q, k, v = _bf16(64, 40, seed=1), _bf16(32, 40, seed=2), _bf16(20, 40, seed=3)  # the last may be ragged
+    fused = weights.pack("linear", [q, k, v], names=("q", "k", "v"))
+    assert torch.equal(weights.unpack_linear_weight(fused, 116, 40), torch.cat([q, k, v]))
+    packing = weights.packing_of(q)
+    assert packing.layout == "linear" and packing.names == ("q", "k", "v") and packing.shard is None
+    # a graph that uses k alone, or k and v together, reads their slices of the same memory
+    assert torch.equal(weights.unpack_linear_weight(weights.pack_linear_weight(k), 32, 40), k)
+    kv = weights.pack_fused_linear_weight([k, v])
+    assert kv.data_ptr() == weights.pack_linear_weight(k).data_ptr() and kv.untyped_storage() is not None
+    assert torch.equal(weights.unpack_linear_weight(kv, 52, 40), torch.cat([k, v]))
+    assert weights.pack_fused_linear_weight([q, k, v]) is fused
+
+
+def test_gate_up_round_trip():
+    gate, up = _bf16(64, 30, seed=4), _bf16(64, 30, seed=5)
+    packed = weights.pack_gate_up_weight(gate, up)
+    got_gate, got_up = weights.unpack_gate_up_weight(packed, 64, 30)
+    assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
+    assert torch.equal(packed, weights.pack_gate_up_weight_reference(gate, up))
+
+
+@pytest.mark.parametrize("hidden", [48, 33])
+def test_experts_round_trip(hidden):
+    gate_up, down = _bf16(3, 128, hidden, seed=6), _bf16(3, hidden, 64, seed=7)
+    assert weights.can_pack("experts", [gate_up, down]) is None
+    w13, w2 = weights.pack_expert_gate_up_weight(gate_up), weights.pack_expert_down_weight(down)
+    assert torch.equal(weights.unpack_expert_gate_up_weight(w13, hidden), gate_up)
+    assert torch.equal(weights.unpack_expert_down_weight(w2, hidden, 64), down)
+    assert torch.equal(w13, weights.pack_expert_gate_up_weight_reference(gate_up))
+
+
+def test_mla_halves_are_two_packings_of_one_weight():
+    heads, nope, value, rank = 2, 32, 32, 64
+    kv_b = _bf16(heads * (nope + value), rank, seed=8)
+    key_half = weights.pack_mla_absorbed_weight(kv_b, heads, nope, False)
+    value_half = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)
+    per_head = kv_b.view(heads, nope + value, rank)
+    assert torch.equal(weights.unpack_expert_down_weight(key_half, rank, nope), per_head[:, :nope].transpose(1, 2))
+    assert torch.equal(weights.unpack_expert_down_weight(value_half, value, rank), per_head[:, nope:])
+    assert len(weights.packings_of(kv_b)) == 2
+    with pytest.raises(ValueError, match="packed in another way"):
+        weights.release(key_half)  # its data cannot be both packings
+
+
+def test_release_makes_sources_views_and_serves_later_requests():
+    q, k = _bf16(64, 16, seed=9), _bf16(32, 16, seed=10)
+    want = torch.cat([q, k]).clone()
+    fused = weights.pack("linear", [q, k])
+    assert weights.release(fused) == want.nbytes
+    assert weights.is_released(q) and weights.is_released(k)
+    assert q.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert weights.pack_fused_linear_weight([q, k]) is fused  # a graph compiled later gets the same tensor
+    assert torch.equal(weights.unpack_linear_weight(fused, 96, 16), want)
+    x = _bf16(3, 16, seed=11)
+    got = linear_ops.linear_reference(x, weights.pack_linear_weight(k), None, 32)  # k's own slice
+    torch.testing.assert_close(got.float(), (x.float() @ want[64:].float().T).to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="released"):
+        weights.pack_gate_up_weight(q[:32], k)  # q's own data is gone: nothing to pack from
+    with pytest.raises(ValueError, match="released"):
+        weights.pack("gate_up", [k, k])
+
+
+def test_released_embedding_reads_the_packed_rows():
+    table = _bf16(100, 37, seed=12)
+    want = table.clone()
+    packed = weights.pack_linear_weight(table)
+    weights.release(packed)
+    ids = torch.tensor([[0, 31, 32, 99], [5, 5, 64, 1]])
+    assert torch.equal(linear_ops.packed_embedding(ids, packed, 37), want[ids])
+
+
+def test_can_pack_says_why_not():
+    assert "float32" in weights.can_pack("linear", [torch.randn(32, 8)])
+    assert "activations" in weights.can_pack("linear", [_bf16(32, 8)], torch.float32)
+    assert "multiples of 32" in weights.can_pack("linear", [_bf16(20, 8), _bf16(32, 8)])
+    assert weights.can_pack("linear", [_bf16(32, 8), _bf16(20, 8)]) is None
+    assert "gate/up" in weights.can_pack("gate_up", [_bf16(32, 8), _bf16(64, 8)])
+    assert "multiple of 32" in weights.can_pack("experts", [_bf16(2, 40, 8), _bf16(2, 8, 20)])
+
+
+def test_file_backed_source_pages_are_dropped_and_still_readable(tmp_path):
+    """A lazily loaded weight lives in the safetensors file's mapping: releasing it drops those pages from this
+    process (madvise), and anything that reads the mapping again gets the file's bytes back."""
+    path = tmp_path / "w.safetensors"
+    values = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    values.tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r"))
+    assert any(lo <= mapped.data_ptr() < hi for lo, hi in weights._file_mappings())
+    weights._drop_file_pages(mapped)
+    assert torch.equal(mapped, torch.from_numpy(values))
+    anonymous = torch.from_numpy(values.copy())
+    weights._drop_file_pages(anonymous)  # not file-backed: left alone (dropping would zero it)
+    assert torch.equal(anonymous, torch.from_numpy(values))
+
+
+def test_opcheck_packed_embedding():
+    packed = weights.pack_linear_weight_reference(_bf16(64, 10, seed=13))
+    torch.library.opcheck(linear_ops.packed_embedding, (torch.tensor([[1, 40]]), packed, 10))
