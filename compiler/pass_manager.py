@@ -18,7 +18,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
-from tilefx.compiler.passes.base import PassResult, TilefxPass, model_parameter
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.graph_utils import model_parameter
 from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass

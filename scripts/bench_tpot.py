@@ -125,8 +125,10 @@ def main(argv=None) -> int:
     for mode in modes:
         start = time.perf_counter()
         # torch.compile leaves the weights alone: it shares the eager model's (a shallow copy with its own
-        # forward); tilefx packs and releases them, so it gets its own model
-        model = base if mode == "eager" else copy.copy(base) if mode == "torch.compile" else copy.deepcopy(base)
+        # forward); tilefx packs and releases them, so it gets its own model unless it runs alone
+        shared = len(modes) > 1
+        model = base if mode == "eager" else copy.copy(base) if mode == "torch.compile" else (
+            copy.deepcopy(base) if shared else base)
         gen_kwargs[mode] = {}
         if mode == "torch.compile":
             gen_kwargs[mode] = stock_compile(model, args.prompt_len + args.new_tokens)  # its own need only

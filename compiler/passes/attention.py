@@ -19,50 +19,28 @@ DeepSeek's MLA fails the first: HF caches the latent and expands it to K/V with
 
 from __future__ import annotations
 
-import collections
 import math
-import operator
 
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
-
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-_VIEW_METHODS = {"reshape", "view", "expand", "contiguous", "unsqueeze"}
-
-
-def _view_source(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    """Follow view-like ops back to their base; return the base and the view nodes passed."""
-    chain = []
-    while True:
-        if node.op == "call_method" and node.target in _VIEW_METHODS:
-            chain.append(node)
-            node = node.args[0]
-        elif node.op == "call_function" and node.target is operator.getitem and example_value(node.args[0]) is not None:
-            chain.append(node)
-            node = node.args[0]
-        else:
-            return node, chain
-
-
-def _cache_writes(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """Map each buffer written by ``index_copy_`` along dim 2 to its writer nodes."""
-    writes: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for node in graph.nodes:
-        if node.op == "call_method" and node.target == "index_copy_" and node.args[1] == 2:
-            base, _ = _view_source(node.args[0])
-            writes.setdefault(base, []).append(node)
-    return writes
-
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.graph_utils import (
+    SDPA,
+    cache_writes,
+    computed_from_cache,
+    erase_unused,
+    example_value,
+    view_source,
+)
 
 class AttentionPass(TilefxPass):
     name = "attention"
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
-        writes = _cache_writes(graph)
-        for index, sdpa in enumerate([n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA]):
+        writes = cache_writes(graph)
+        for index, sdpa in enumerate([n for n in graph.nodes if n.op == "call_function" and n.target in SDPA]):
             where = f"attention #{index}"
             why = self._rewrite(graph, sdpa, writes)
             if why is None:
@@ -82,10 +60,10 @@ class AttentionPass(TilefxPass):
         mask_val = example_value(mask)
         if mask_val is None or mask_val.dtype != torch.bool or mask_val.dim() != 4:
             return "no boolean 4-D attention mask (cache not owned by tilefx?)"
-        k_base, k_chain = _view_source(key)
-        v_base, v_chain = _view_source(value)
+        k_base, k_chain = view_source(key)
+        v_base, v_chain = view_source(value)
         if k_base.op != "placeholder" or v_base.op != "placeholder":
-            if _computed_from_cache(key, writes) or _computed_from_cache(value, writes):
+            if computed_from_cache(key, writes) or computed_from_cache(value, writes):
                 return ("K/V are computed from the cache, not views of it (MLA: the latent is expanded by "
                         "kv_b_proj over the whole cache); left for the MLA pass")
             return "K/V are not views of graph-input cache buffers"
@@ -117,25 +95,8 @@ class AttentionPass(TilefxPass):
         for write in (k_write, v_write):
             target = write.args[0]
             graph.erase_node(write)
-            _erase_unused(graph, _view_source(target)[1])
-        _erase_unused(graph, k_chain + v_chain)
+            erase_unused(graph, view_source(target)[1])
+        erase_unused(graph, k_chain + v_chain)
         return None
 
 
-def _computed_from_cache(node: torch.fx.Node, writes, limit: int = 64) -> bool:
-    """Whether ``node`` is computed (within ``limit`` nodes back) from a buffer the cache writes go to."""
-    seen, frontier = set(), collections.deque([node])
-    while frontier and len(seen) < limit:
-        current = frontier.popleft()
-        if current in writes:
-            return True
-        if current not in seen:
-            seen.add(current)
-            frontier.extend(current.all_input_nodes)
-    return False
-
-
-def _erase_unused(graph: torch.fx.Graph, nodes) -> None:
-    for node in nodes:
-        if node.op != "placeholder" and not node.users:
-            graph.erase_node(node)

@@ -25,30 +25,10 @@ class PassResult:
         self.fallbacks.append(f"{where}: {why}")
 
 
-def example_value(node) -> torch.Tensor | None:
-    """The example tensor Dynamo recorded for a graph node (None for non-tensors and constants)."""
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def model_parameter(node) -> torch.nn.Parameter | None:
-    """The model parameter a node stands for: a graph attribute (freezing at trace time) or a Dynamo input."""
-    if not isinstance(node, torch.fx.Node):
-        return None
-    if node.op == "get_attr":
-        value = getattr(node.graph.owning_module, node.target, None)
-    elif node.op == "placeholder" and node.meta.get("grapharg") is not None:
-        value = node.meta["grapharg"].example
-    else:
-        return None
-    return value if isinstance(value, torch.nn.Parameter) else None
-
-
-
 class TilefxPass:
     """One pass: ``__call__(graph) -> PassResult`` and ``uuid()`` for Inductor's FX graph cache.
 
-    ``uuid()`` hashes the pass's module source, the custom ops' sources, and the options the
+    ``uuid()`` hashes the pass's module source and the shared graph helpers, the custom ops' sources, and the options the
     pass reads (``option_key``), so editing either invalidates cached compiled graphs
     (vLLM's ``InductorPass.hash_source``; pytorch#144344 for the custom ops).
     """
@@ -64,7 +44,10 @@ class TilefxPass:
     def uuid(self) -> str:
         from tilefx import custom_ops
 
+        from tilefx.compiler.passes import graph_utils
+
         digest = hashlib.sha256(inspect.getsource(inspect.getmodule(type(self))).encode())
+        digest.update(inspect.getsource(graph_utils).encode())  # the helpers every pass matches with
         digest.update(custom_ops.source_hash().encode())
         digest.update(self.option_key().encode())
         return digest.hexdigest()

@@ -39,21 +39,11 @@ import operator
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value, model_parameter
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.graph_utils import LINEAR, example_value, is_parameter, linear_args, model_parameter, replace
 from tilefx.custom_ops import weights as packed_weights
 from tilefx.custom_ops.weights import BLOCK_N
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def _is_parameter(node) -> bool:
-    return model_parameter(node) is not None
-
-
-def _linear_args(node: torch.fx.Node):
-    """(x, weight, bias) of a linear call, positional or keyword."""
-    args = list(node.args) + [None] * 2
-    return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
 
 
 def _is_silu(node) -> bool:
@@ -78,10 +68,10 @@ class LinearPass(TilefxPass):
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
         siblings: dict[tuple, list[torch.fx.Node]] = {}  # (x, has bias) -> packable linears, in graph order
-        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR]:
-            why = self._why_not(*_linear_args(node))
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR]:
+            why = self._why_not(*linear_args(node))
             if why is None:
-                x, _, bias = _linear_args(node)
+                x, _, bias = linear_args(node)
                 siblings.setdefault((x, bias is not None), []).append(node)
             elif (weight := self._float_of_bf16(graph, node)) is not None:
                 result.rewritten += 1
@@ -91,11 +81,11 @@ class LinearPass(TilefxPass):
                 result.skip(node.name, why)
         weights = []
         for (x, _), nodes in siblings.items():
-            prepacked = [n for n in nodes if packed_weights.packings_of(model_parameter(_linear_args(n)[1]))]
+            prepacked = [n for n in nodes if packed_weights.packings_of(model_parameter(linear_args(n)[1]))]
             rest = [n for n in nodes if n not in prepacked]
             groups = self._groups(rest) if self.fuse else [("single", [n]) for n in rest]
             for kind, group in _as_packed(prepacked) + groups:
-                weights += [_linear_args(n)[1] for n in group]
+                weights += [linear_args(n)[1] for n in group]
                 result.rewritten += len(group)
                 if kind == "gate_up":
                     self._gate_up(graph, x, *group)
@@ -117,21 +107,21 @@ class LinearPass(TilefxPass):
         if not self.freezing:
             return "freezing is off: weights are not constants, packing would run every call"
         x_val, w_val = example_value(x), example_value(weight)
-        if not _is_parameter(weight) or w_val is None or w_val.dim() != 2:
+        if not is_parameter(weight) or w_val is None or w_val.dim() != 2:
             return "weight is not a 2-D model parameter"
         why = packed_weights.can_pack("linear", [w_val], None if x_val is None else x_val.dtype)
         if why is not None or x_val is None:
             return why or "x has no example value"
-        if bias is not None and not (_is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
+        if bias is not None and not (is_parameter(bias) and example_value(bias).dtype == torch.bfloat16):
             return "bias is not a bf16 model parameter"
         return None
 
     def _float_of_bf16(self, graph, node) -> torch.fx.Node | None:
         """``linear(x.float(), W.float())`` of a bf16 x and a bf16 parameter W (HF's fp32 routers) ->
         ``tilefx.linear_float(x, pack(W))``: the same fp32 products, without an fp32 weight. Returns W."""
-        x, weight, bias = _linear_args(node)
+        x, weight, bias = linear_args(node)
         x16, w16 = _bf16_source(x), _bf16_source(weight)
-        if not self.freezing or bias is not None or x16 is None or w16 is None or not _is_parameter(w16):
+        if not self.freezing or bias is not None or x16 is None or w16 is None or not is_parameter(w16):
             return None
         if example_value(w16).dim() != 2:
             return None
@@ -139,7 +129,7 @@ class LinearPass(TilefxPass):
             packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (w16,))
             fused = graph.call_function(torch.ops.tilefx.linear_float.default,
                                         (x16, packed, None, int(example_value(w16).shape[0])))
-        _replace(graph, node, fused)
+        replace(graph, node, fused)
         for cast in (x, weight):
             if not cast.users:
                 graph.erase_node(cast)
@@ -166,12 +156,12 @@ class LinearPass(TilefxPass):
 
     @staticmethod
     def _single(graph, node) -> None:
-        x, weight, bias = _linear_args(node)
+        x, weight, bias = linear_args(node)
         with graph.inserting_before(node):
             packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (weight,))
             fused = graph.call_function(torch.ops.tilefx.linear.default,
                                         (x, packed, bias, int(example_value(weight).shape[0])))
-        _replace(graph, node, fused)
+        replace(graph, node, fused)
 
     @staticmethod
     def _gate_up(graph, x, gate, up) -> None:
@@ -179,10 +169,10 @@ class LinearPass(TilefxPass):
         width = int(example_value(gate).shape[-1])
         with graph.inserting_before(mul):
             packed = graph.call_function(torch.ops.tilefx.pack_gate_up_weight.default,
-                                         (_linear_args(gate)[1], _linear_args(up)[1]))
+                                         (linear_args(gate)[1], linear_args(up)[1]))
             fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width))
         silu = _only_user(gate)
-        _replace(graph, mul, fused)
+        replace(graph, mul, fused)
         graph.erase_node(silu)
         graph.erase_node(gate)
         graph.erase_node(up)
@@ -191,7 +181,7 @@ class LinearPass(TilefxPass):
     def _gate_up_parts(graph, x, group) -> None:
         """Gate and up weights packed together but not used as ``silu(gate) * up``: one linear over both,
         then each linear's columns picked out of the interleaved blocks."""
-        gate, up = (_linear_args(n)[1] for n in sorted(group, key=lambda n: _packed_index(n)))
+        gate, up = (linear_args(n)[1] for n in sorted(group, key=lambda n: _packed_index(n)))
         width = int(example_value(gate).shape[0])
         first = min(group, key={node: i for i, node in enumerate(graph.nodes)}.__getitem__)
         with graph.inserting_before(first):
@@ -201,7 +191,7 @@ class LinearPass(TilefxPass):
             for node in group:
                 part = graph.call_method("flatten", (graph.call_method("select", (blocks, -2, _packed_index(node))),
                                                      -2))
-                _replace(graph, node, part)
+                replace(graph, node, part)
 
     @staticmethod
     def _packed_embeddings(graph, result: PassResult) -> None:
@@ -220,13 +210,13 @@ class LinearPass(TilefxPass):
                 packed = graph.call_function(packed_weights.pack_linear_weight, (weight,))
                 lookup = graph.call_function(torch.ops.tilefx.packed_embedding.default,
                                              (ids, packed, int(example_value(weight).shape[1])))
-            _replace(graph, node, lookup)
+            replace(graph, node, lookup)
             result.rewritten += 1
 
     @staticmethod
     def _fused(graph, x, group) -> None:
-        weights = [_linear_args(n)[1] for n in group]
-        biases = [_linear_args(n)[2] for n in group]
+        weights = [linear_args(n)[1] for n in group]
+        biases = [linear_args(n)[2] for n in group]
         widths = [int(example_value(w).shape[0]) for w in weights]
         order = {node: i for i, node in enumerate(graph.nodes)}
         first = min(group, key=order.__getitem__)
@@ -241,12 +231,12 @@ class LinearPass(TilefxPass):
             offsets = [sum(widths[:i]) for i in range(len(widths))]
             parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
         for node, part in zip(group, parts):
-            _replace(graph, node, part)
+            replace(graph, node, part)
 
 
 def _packed_index(node: torch.fx.Node) -> int:
     """The index of a linear's weight among the sources of the (one) packing the loader made of it."""
-    return packed_weights.packings_of(model_parameter(_linear_args(node)[1]))[0][1]
+    return packed_weights.packings_of(model_parameter(linear_args(node)[1]))[0][1]
 
 
 def _gated_partner(gate: torch.fx.Node) -> torch.fx.Node | None:
@@ -256,8 +246,8 @@ def _gated_partner(gate: torch.fx.Node) -> torch.fx.Node | None:
     if mul is None or mul.target is not operator.mul or len(mul.args) != 2 or mul.kwargs:
         return None
     up = mul.args[1] if mul.args[0] is silu else mul.args[0]
-    if (not isinstance(up, torch.fx.Node) or up is gate or up.target not in _LINEAR or _only_user(up) is not mul
-            or _linear_args(gate)[2] is not None or _linear_args(up)[2] is not None
+    if (not isinstance(up, torch.fx.Node) or up is gate or up.target not in LINEAR or _only_user(up) is not mul
+            or linear_args(gate)[2] is not None or linear_args(up)[2] is not None
             or example_value(up).shape[-1] != example_value(gate).shape[-1]):
         return None
     return up
@@ -270,7 +260,7 @@ def _as_packed(nodes: list[torch.fx.Node]) -> list[tuple[str, list[torch.fx.Node
     by_packing: dict[int, list[torch.fx.Node]] = {}
     layout = {}
     for node in nodes:
-        packing = packed_weights.packings_of(model_parameter(_linear_args(node)[1]))[0][0]
+        packing = packed_weights.packings_of(model_parameter(linear_args(node)[1]))[0][0]
         by_packing.setdefault(id(packing), []).append(node)
         layout[id(packing)] = packing.layout
     groups = []
@@ -299,7 +289,3 @@ def _bf16_source(node) -> torch.fx.Node | None:
     return source
 
 
-def _replace(graph, old: torch.fx.Node, new: torch.fx.Node) -> None:
-    new.meta.update(old.meta)
-    old.replace_all_uses_with(new)
-    graph.erase_node(old)

@@ -30,17 +30,14 @@ and a boolean mask and a constant scale are given.
 
 from __future__ import annotations
 
-import collections
-import operator
 
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
 
-from tilefx.compiler.passes.attention import _SDPA, _cache_writes, _view_source
-from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.graph_utils import LINEAR, SDPA, cache_writes, erase_region, example_value, first_user, view_source
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
 class MlaPass(TilefxPass):
@@ -48,9 +45,9 @@ class MlaPass(TilefxPass):
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
-        writes = _cache_writes(graph)
-        expansions = [n for n in graph.nodes if n.op == "call_function" and n.target in _LINEAR
-                      and _view_source(n.args[0])[0] in writes]
+        writes = cache_writes(graph)
+        expansions = [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR
+                      and view_source(n.args[0])[0] in writes]
         for index, expand in enumerate(expansions):
             why = self._rewrite(graph, expand, writes)
             if why is None:
@@ -60,7 +57,7 @@ class MlaPass(TilefxPass):
         return result
 
     def _rewrite(self, graph: torch.fx.Graph, expand: torch.fx.Node, writes) -> str | None:
-        latent_buf, _ = _view_source(expand.args[0])
+        latent_buf, _ = view_source(expand.args[0])
         latent_writes = writes[latent_buf]
         if len(latent_writes) != 1:
             return f"expected one write of the latent cache, found {len(latent_writes)}"
@@ -70,13 +67,13 @@ class MlaPass(TilefxPass):
         if len(rope_writes) != 1:
             return "no rope-key cache write at the latent's positions"
         rope_write = rope_writes[0]
-        rope_buf, _ = _view_source(rope_write.args[0])
+        rope_buf, _ = view_source(rope_write.args[0])
         if latent_buf.op != "placeholder" or rope_buf.op != "placeholder":
             return "latent / rope key are not graph-input cache buffers"
         weight = expand.args[1]
         if (len(expand.args) > 2 and expand.args[2] is not None) or expand.kwargs.get("bias") is not None:
             return "kv_b_proj has a bias (absorption assumes none)"
-        sdpa = _first_user(expand, lambda n: n.op == "call_function" and n.target in _SDPA)
+        sdpa = first_user(expand, lambda n: n.op == "call_function" and n.target in SDPA)
         if sdpa is None:
             return "no attention reads the expanded latent"
         if len(sdpa.args) != 3 or sdpa.kwargs.get("dropout_p", 0.0) not in (0, 0.0) or sdpa.kwargs.get("is_causal"):
@@ -112,7 +109,7 @@ class MlaPass(TilefxPass):
             out = graph.call_function(ops.linear_per_head.default, (o_latent, w_uv, v_dim))
         out.meta.update(sdpa.meta)
         sdpa.replace_all_uses_with(out)
-        _erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})
+        erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})
         return None
 
 
@@ -135,49 +132,3 @@ class _FakeValues:
         return node
 
 
-def _first_user(node: torch.fx.Node, predicate, limit: int = 64) -> torch.fx.Node | None:
-    """The first node (breadth-first, within ``limit`` nodes) downstream of ``node`` that satisfies ``predicate``."""
-    seen, frontier = set(), collections.deque(node.users)
-    while frontier and len(seen) < limit:
-        current = frontier.popleft()
-        if predicate(current):
-            return current
-        if current not in seen:
-            seen.add(current)
-            frontier.extend(current.users)
-    return None
-
-
-def _erase_region(graph: torch.fx.Graph, roots: list[torch.fx.Node], keep: set) -> None:
-    """Erase ``roots`` and every node that only fed them (or only wrote into what fed them).
-
-    HF builds the expanded key with ``new_empty`` + in-place ``copy_`` into slices of it:
-    a node whose other users all write into it dies with those writes.
-    """
-    dead = set(roots)
-    frontier = list(roots)
-    while frontier:
-        node = frontier.pop()
-        for source in node.all_input_nodes:
-            if source in dead or source in keep or source.op in ("placeholder", "get_attr"):
-                continue
-            writes = _writes_into(source)
-            if set(source.users) - writes <= dead:
-                dead |= {source} | writes
-                frontier += [source, *writes]
-    for node in reversed(list(graph.nodes)):  # users come after their inputs
-        if node in dead:
-            graph.erase_node(node)
-
-
-def _writes_into(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The ``copy_`` nodes writing into ``node`` or into slices of it, with those slices."""
-    found = set()
-    for user in node.users:
-        if user.op == "call_method" and user.target == "copy_" and user.args[0] is node:
-            found.add(user)
-        elif user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
-            inner = _writes_into(user)
-            if inner and set(user.users) <= inner:
-                found |= inner | {user}
-    return found

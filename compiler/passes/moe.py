@@ -24,61 +24,23 @@ found. Shared experts are ordinary MLPs: the linear pass fuses their gate/up.
 from __future__ import annotations
 
 import operator
-import re
 
 import torch
 import torch.fx
 
-from tilefx.compiler.passes.base import PassResult, TilefxPass, example_value, model_parameter
+from tilefx.compiler.passes.base import PassResult, TilefxPass
+from tilefx.compiler.passes.graph_utils import (
+    LINEAR,
+    ancestors,
+    descendants,
+    example_value,
+    inside,
+    model_parameter,
+    module_path,
+    region_inputs,
+)
 from tilefx.custom_ops import weights as packed_weights
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-_ROOT = re.compile(r"^L\['[^']*'\]\.?(?:__self__\.)?")  # L['self']. or L['forward'].__self__. (a bound forward)
-
-
-def _module_path(node: torch.fx.Node) -> str | None:
-    """The innermost module a node was traced in, as ``model.layers.0.mlp.experts``."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return _ROOT.sub("", path)
-
-
-def _inside(path: str | None, module: str) -> bool:
-    return path is not None and (path == module or path.startswith(module + "."))
-
-
-def _inputs(region: list[torch.fx.Node]) -> list[torch.fx.Node]:
-    inside, seen, found = set(region), set(), []
-    for node in region:
-        for arg in node.all_input_nodes:
-            if arg not in inside and arg not in seen:
-                seen.add(arg)
-                found.append(arg)
-    return found
-
-
-def _ancestors(nodes, stop: torch.fx.Node) -> set[torch.fx.Node]:
-    """Nodes that ``nodes`` depend on, down to (and without) ``stop``."""
-    found, todo = set(), list(nodes)
-    while todo:
-        node = todo.pop()
-        if node is stop or node in found:
-            continue
-        found.add(node)
-        todo.extend(node.all_input_nodes)
-    return found
-
-
-def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
-    found, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user not in found:
-                found.add(user)
-                todo.append(user)
-    return found
 
 
 class MoePass(TilefxPass):
@@ -96,12 +58,12 @@ class MoePass(TilefxPass):
         result = PassResult(self.name)
         by_module: dict[str, list[torch.fx.Node]] = {}
         for node in graph.nodes:
-            path = _module_path(node) if node.op in ("call_function", "call_method", "call_module") else None
+            path = module_path(node) if node.op in ("call_function", "call_method", "call_module") else None
             if path is not None:  # (parameters' placeholders carry their module too: they are inputs)
                 by_module.setdefault(path, []).append(node)
         for block, routing in self.blocks.items():
-            experts = [n for path, nodes in by_module.items() if _inside(path, block + ".experts") for n in nodes]
-            router = [n for path, nodes in by_module.items() if _inside(path, block + ".gate") for n in nodes]
+            experts = [n for path, nodes in by_module.items() if inside(path, block + ".experts") for n in nodes]
+            router = [n for path, nodes in by_module.items() if inside(path, block + ".gate") for n in nodes]
             if not experts:
                 continue  # this graph does not run the block (or it was rewritten already)
             why = self._rewrite(graph, block, routing, experts, router, result)
@@ -120,12 +82,12 @@ class MoePass(TilefxPass):
         outputs = [n for n in experts if any(user not in inside for user in n.users)]
         # Shape values (a SymInt Dynamo computed here and later layers reuse) stay, with what they read.
         shapes = [n for n in outputs if example_value(n) is None]
-        keep = _ancestors(shapes, stop=None) & inside
+        keep = ancestors(shapes, stop=None) & inside
         outputs = [n for n in outputs if n not in shapes]
         if len(outputs) != 1:
             return f"experts region has {len(outputs)} tensor outputs, expected 1"
         output = outputs[0]
-        inputs = _inputs(experts)
+        inputs = region_inputs(experts)
         params = [n for n in inputs if (v := example_value(n)) is not None and v.dim() == 3]
         # gate_up_proj [E, 2I, H] and down_proj [E, H, I], told apart by shape (node names follow HF's
         # local variables when Dynamo freezes parameters)
@@ -151,21 +113,21 @@ class MoePass(TilefxPass):
             return "experts inputs x [T, H], weights and ids [T, k] not found"
         if example_value(ids).shape[-1] != routing.top_k:
             return f"experts get {example_value(ids).shape[-1]} ids per token, routing says top_k={routing.top_k}"
-        logits = next((n for n in router if n.op == "call_function" and n.target in _LINEAR), None)
+        logits = next((n for n in router if n.op == "call_function" and n.target in LINEAR), None)
         if logits is None:
             return "router linear (the logits) not found in the router module"
-        if not ({ids, weights} <= _descendants(logits)):
+        if not ({ids, weights} <= descendants(logits)):
             return "the experts' weights/ids do not come from the router logits"
-        after_logits = _descendants(logits)
-        routing_nodes = _ancestors([ids, weights], stop=logits) & after_logits
+        after_logits = descendants(logits)
+        routing_nodes = ancestors([ids, weights], stop=logits) & after_logits
         # In-place updates of routing tensors (DeepSeek's group mask: zeros_like(...).scatter_(...))
         # have no users: they and what feeds them are routing too.
         mutations = [n for n in after_logits if not n.users and n.op in ("call_function", "call_method")
                      and set(n.all_input_nodes) & routing_nodes]
-        routing_nodes |= _ancestors(mutations, stop=logits) & after_logits
+        routing_nodes |= ancestors(mutations, stop=logits) & after_logits
         bias = None
         if routing.correction_bias:
-            bias = next((n for n in _inputs(sorted(routing_nodes, key=order.__getitem__))
+            bias = next((n for n in region_inputs(sorted(routing_nodes, key=order.__getitem__))
                          if n.op in ("get_attr", "placeholder") and (v := example_value(n)) is not None
                          and tuple(v.shape) == (num_experts,)), None)  # e_score_correction_bias [E]
             if bias is None:
