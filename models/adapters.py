@@ -134,6 +134,15 @@ SPARSE_LAYER_RULES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeBlock:
+    """One sparse MoE block of a model, as the MoE pass needs it: module paths and the routing rule."""
+
+    experts: str  # module path of the experts (``model.layers.3.mlp.experts``)
+    router: str  # module path of the router (``model.layers.3.mlp.gate``)
+    routing: Routing
+
+
+@dataclasses.dataclass(frozen=True)
 class MoeSpec:
     """A family's sparse MoE block (``decoder_layer.mlp`` on the layers the sparse-layer rule picks)."""
 
@@ -148,6 +157,9 @@ class MoeSpec:
     # "sigmoid_gated": += sigmoid(shared_expert_gate(x)) * shared_expert(x) (Qwen2-MoE, gate is Linear(H, 1))
     shared_experts: str = "none"
     shared_module: str | None = None  # attribute of the block holding the shared MLP
+    block_module: str = "mlp"  # attribute of the decoder layer holding the sparse block
+    experts_module: str = "experts"  # attribute of the block holding the experts
+    router_module: str = "gate"  # attribute of the block holding the router
 
     def shared_intermediate_size(self, config) -> int:
         if self.shared_experts == "none":
@@ -213,6 +225,17 @@ class FamilyAdapter:
             return []
         rule = SPARSE_LAYER_RULES[self.moe.sparse_layers]
         return [layer for layer in range(config.num_hidden_layers) if rule(config, layer)]
+
+    def moe_blocks(self, config) -> dict[str, MoeBlock]:
+        """Module path of each sparse MoE block -> its ``MoeBlock`` (empty for dense models)."""
+        if self.moe is None:
+            return {}
+        routing, spec = self.routing(config), self.moe
+        blocks = {}
+        for layer in self.moe_layers(config):
+            path = f"model.layers.{layer}.{spec.block_module}"
+            blocks[path] = MoeBlock(f"{path}.{spec.experts_module}", f"{path}.{spec.router_module}", routing)
+        return blocks
 
     def routing(self, config) -> Routing:
         if self.moe is None:

@@ -38,14 +38,10 @@ def _private_frame(forward):
 
 
 def moe_blocks(config) -> dict:
-    """Module path of each sparse MoE block -> the ``Routing`` its router computes (empty for dense models)."""
+    """Module path of each sparse MoE block -> its ``MoeBlock`` (the family adapter's; empty for dense models)."""
     from tilefx.models.adapters import adapter_for
 
-    adapter = adapter_for(config)
-    if adapter.moe is None:
-        return {}
-    routing = adapter.routing(config)
-    return {f"model.layers.{layer}.mlp": routing for layer in adapter.moe_layers(config)}
+    return adapter_for(config).moe_blocks(config)
 
 
 class TilefxRuntime:

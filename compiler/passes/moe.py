@@ -5,12 +5,13 @@ not by the shape of the code inside, so the pass works whichever experts
 implementation HF ran (``grouped_mm``, ``batched_mm``, ...) and whatever each
 family's router looks like:
 
-- experts region: every node traced inside ``<block>.experts``. Its inputs are the
+- experts region: every node traced inside the block's experts module (the family
+  adapter names it, as it names the router and the block). Its inputs are the
   hidden states ``x [T, H]``, the routing weights and expert ids ``[T, k]`` and the
   fused 3-D parameters ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``; its one
   output (``[T, H]``) becomes ``tilefx.fused_moe`` over the packed experts.
 - routing: the nodes between the router's logits (the linear traced inside
-  ``<block>.gate``) and the experts' weights/ids inputs, wherever they were traced
+  router module) and the experts' weights/ids inputs, wherever they were traced
   (the router module or the block). They become the router op the family's
   ``Routing`` names (computing exactly what HF computes), then casts to the dtypes HF
   handed the experts.
@@ -47,7 +48,8 @@ class MoePass(TilefxPass):
     name = "moe"
 
     def __init__(self, blocks: dict, freezing: bool = True):
-        """``blocks``: module path of each sparse MoE block (``model.layers.3.mlp``) -> its ``Routing``."""
+        """``blocks``: module path of each sparse MoE block (``model.layers.3.mlp``) -> its ``MoeBlock``
+        (models/adapters.py: the experts' and router's module paths and the routing rule)."""
         self.blocks = dict(blocks)
         self.freezing = freezing
 
@@ -61,9 +63,10 @@ class MoePass(TilefxPass):
             path = module_path(node) if node.op in ("call_function", "call_method", "call_module") else None
             if path is not None:  # (parameters' placeholders carry their module too: they are inputs)
                 by_module.setdefault(path, []).append(node)
-        for block, routing in self.blocks.items():
-            experts = [n for path, nodes in by_module.items() if inside(path, block + ".experts") for n in nodes]
-            router = [n for path, nodes in by_module.items() if inside(path, block + ".gate") for n in nodes]
+        for block, spec in self.blocks.items():
+            routing = spec.routing
+            experts = [n for path, nodes in by_module.items() if inside(path, spec.experts) for n in nodes]
+            router = [n for path, nodes in by_module.items() if inside(path, spec.router) for n in nodes]
             if not experts:
                 continue  # this graph does not run the block (or it was rewritten already)
             why = self._rewrite(graph, block, routing, experts, router, result)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -90,5 +92,6 @@ def test_leaves_blocks_alone_without_freezing():
 def test_uuid_depends_on_routing():
     model = build_model("tiny-qwen3-moe")
     blocks = moe_blocks(model.config)
-    other = {path: type(r)(**{**r.__dict__, "top_k": r.top_k + 1}) for path, r in blocks.items()}
+    other = {path: dataclasses.replace(b, routing=dataclasses.replace(b.routing, top_k=b.routing.top_k + 1))
+             for path, b in blocks.items()}
     assert MoePass(blocks).uuid() != MoePass(other).uuid()
