@@ -81,3 +81,56 @@ def test_pack_model_releases_every_source_and_round_trips(family):
     untouched = [n for n in params if not weights.packings_of(params[n])]
     assert untouched and all(torch.equal(params[n], reference[n]) for n in untouched)  # norms, embeddings
 
+
+
+def _tied_tiny_llama(seed=5):
+    model = build_model("tiny-llama", seed=seed)
+    model.lm_head.weight = model.model.embed_tokens.weight  # as Llama-3.2-1B ties them
+    model.config.tie_word_embeddings = True
+    return model
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 1), (2, 5)])
+def test_passes_read_the_load_time_packings_and_match_eager(batch, seq):
+    """Packed at load (q/k/v fused, gate/up, a tied lm_head whose embedding lookup reads the packed copy):
+    the attention and linear passes run over those packings and the logits equal eager's."""
+    from helpers import PassTestBackend, count, is_op, run
+
+    from tilefx.compiler.passes.attention import AttentionPass
+    from tilefx.compiler.passes.linear import LinearPass
+    from tilefx.models.kv_cache import TilefxCache
+
+    torch._dynamo.reset()
+    model = _tied_tiny_llama()
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    pack_model(model, CompileOptions(), progress=False)
+    assert weights.is_released(model.model.embed_tokens.weight)
+    backend = PassTestBackend(AttentionPass(), LinearPass())
+    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache.start(batch)
+    got = run(model, cache, ids, backend)
+    after, layers = backend.after[0], model.config.num_hidden_layers
+    assert count(after, is_op("packed_embedding")) == 1
+    assert count(after, lambda n: n.target is torch.nn.functional.embedding) == 0
+    assert count(after, is_op("linear_silu_mul")) == layers and count(after, is_op("linear")) == 3 * layers + 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_a_released_weight_read_unpacked_is_an_error():
+    """Without the linear pass the graph would multiply by packed-order values: the pass manager refuses."""
+    from helpers import PassTestBackend, run
+
+    from tilefx.compiler.pass_manager import check_released_weights_read_packed
+    from tilefx.compiler.passes.attention import AttentionPass
+    from tilefx.models.kv_cache import TilefxCache
+
+    torch._dynamo.reset()
+    model = build_model("tiny-llama", seed=5)
+    pack_model(model, CompileOptions(), progress=False)
+    backend = PassTestBackend(AttentionPass(), check_released_weights_read_packed)
+    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=32)
+    cache.start(1)
+    with pytest.raises(Exception, match="packed at load"):
+        run(model, cache, torch.randint(3, 500, (1, 4)), backend)
