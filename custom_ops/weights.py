@@ -139,36 +139,37 @@ def _layout_shape(layout: str, weights, args: tuple) -> tuple[int, ...]:
 CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
 
 
-def _fill_linear(out: torch.Tensor, weight: torch.Tensor) -> None:
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time."""
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // BLOCK_N) * BLOCK_N
     for row in range(0, weight.shape[0], rows_per_chunk):
         rows = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
         out[block : block + -(-rows.shape[0] // BLOCK_N)].copy_(_linear_order(rows))
-        _drop_file_pages(rows)
+        _drop_file_pages(rows, mapped)
 
 
 def _fill(layout: str, weights, args: tuple, out: torch.Tensor) -> torch.Tensor:
     """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time (no copy of a whole
     weight): pages of a source mapped from a file are dropped as soon as they are packed, so packing a
     lazily loaded weight holds it about once, not twice."""
+    mapped = _file_mappings()
     if layout == "linear":
         start = 0
         for weight in weights:
             blocks = -(-weight.shape[0] // BLOCK_N)
-            _fill_linear(out[start : start + blocks], weight)
+            _fill_linear(out[start : start + blocks], weight, mapped)
             start += blocks
     elif layout == "gate_up":
         pairs = out.view(-1, 2, *out.shape[1:])
-        _fill_linear(pairs[:, 0], weights[0])
-        _fill_linear(pairs[:, 1], weights[1])
+        _fill_linear(pairs[:, 0], weights[0], mapped)
+        _fill_linear(pairs[:, 1], weights[1], mapped)
     elif layout in ("expert_gate_up", "expert_down"):
         per_expert = out.view(out.shape[0], -1, 2, *out.shape[2:]) if layout == "expert_gate_up" else out
         for expert, source in zip(per_expert, weights[0]):
             order = _expert_gate_up_order(source[None])[0] if layout == "expert_gate_up" else _linear_order(source)
             expert.copy_(order)
-            _drop_file_pages(source)
+            _drop_file_pages(source, mapped)
     elif layout in ("mla_key", "mla_value"):
         out.copy_(_linear_order(_mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -405,13 +406,13 @@ def release(packed_data: torch.Tensor) -> int:
         raise ValueError(f"release: a source of {packed.describe()} is gone")
     if any(len(packings_of(s)) > 1 for s in sources):
         raise ValueError(f"release: a source of {packed.describe()} is packed in another way too")
-    flat, offset, released = packed.data.view(-1), 0, 0
+    flat, offset, released, mapped = packed.data.view(-1), 0, 0, _file_mappings()
     for index, source in enumerate(sources):
         del _registry[_key(source)]
         old = source.data
         if old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             released += old.numel() * old.element_size()
-            _drop_file_pages(old)
+            _drop_file_pages(old, mapped)
         source.data = flat[offset : offset + source.numel()].view(source.shape)
         offset += source.numel()
         _registry[_key(source)] = [(packed, index)]
@@ -458,15 +459,15 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
-def _drop_file_pages(tensor: torch.Tensor) -> None:
-    """Drop the pages of ``tensor``'s bytes from this process where they are mapped from a safetensors file:
+def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
+    """Drop the pages of ``tensor``'s bytes from this process where they lie in one of the ``mapped`` file ranges:
     they stay in the page cache, but no longer count as this process's memory (a later read maps them again)."""
     global _libc
     if not tensor.numel():
         return
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    if not any(lo <= start and end <= hi for lo, hi in _file_mappings()):
+    if not any(lo <= start and end <= hi for lo, hi in mapped):
         return  # anonymous memory: freed when its last reference goes
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only

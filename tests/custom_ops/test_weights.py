@@ -103,10 +103,10 @@ def test_file_backed_source_pages_are_dropped_and_still_readable(tmp_path):
     values.tofile(path)
     mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r"))
     assert any(lo <= mapped.data_ptr() < hi for lo, hi in weights._file_mappings())
-    weights._drop_file_pages(mapped)
+    weights._drop_file_pages(mapped, weights._file_mappings())
     assert torch.equal(mapped, torch.from_numpy(values))
     anonymous = torch.from_numpy(values.copy())
-    weights._drop_file_pages(anonymous)  # not file-backed: left alone (dropping would zero it)
+    weights._drop_file_pages(anonymous, weights._file_mappings())  # not file-backed: left alone (dropping would zero it)
     assert torch.equal(anonymous, torch.from_numpy(values))
 
 
