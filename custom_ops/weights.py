@@ -459,10 +459,38 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def drop_unused_file_pages(live) -> int:
+    """Drop from this process every page of its safetensors mappings that no tensor in ``live`` reads.
+
+    Loading can read a checkpoint tensor without keeping it: transformers stacks per-expert
+    weights into fused 3-D experts, and the per-expert bytes it read stay resident in the
+    file's mapping (counted as this process's memory) while the mapping lives for the
+    weights still read from it (norms, embeddings). Pages outside ``live`` serve no tensor,
+    so dropping them changes nothing a tensor sees. Returns the bytes of the ranges advised.
+    """
+    page = mmap.PAGESIZE
+    keep = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in live if t.numel())
+    dropped = 0
+    for lo, hi in _file_mappings():
+        start = lo
+        for begin, end in [r for r in keep if r[1] > lo and r[0] < hi] + [(hi, hi)]:
+            first, last = start, begin // page * page  # pages wholly before this live range
+            if last > first:
+                _madvise_dontneed(first, last - first)
+                dropped += last - first
+            start = max(start, -(-end // page) * page)
+    return dropped
+
+
+def _madvise_dontneed(address: int, length: int) -> None:
+    global _libc
+    _libc = _libc or ctypes.CDLL(None, use_errno=True)
+    _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED)
+
+
 def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     """Drop the pages of ``tensor``'s bytes from this process where they lie in one of the ``mapped`` file ranges:
     they stay in the page cache, but no longer count as this process's memory (a later read maps them again)."""
-    global _libc
     if not tensor.numel():
         return
     start = tensor.data_ptr()
@@ -472,8 +500,7 @@ def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> Non
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
     if last > first:
-        _libc = _libc or ctypes.CDLL(None, use_errno=True)
-        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        _madvise_dontneed(first, last - first)
 
 
 # -- the packing ops: what the passes insert in graphs (constant-folded under freezing) ---------------------

@@ -127,5 +127,7 @@ def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> Pac
                 summary.tensors += 1
                 summary.packed_bytes += packed.nbytes
                 summary.released_bytes += weights.release(packed)
+        # What loading read but no weight keeps (per-expert tensors transformers fused) leaves the process.
+        weights.drop_unused_file_pages([*model.parameters(), *model.buffers()])
     summary.seconds = time.perf_counter() - start
     return summary
