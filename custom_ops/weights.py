@@ -27,9 +27,11 @@ freezing, find those packed tensors here and return them instead of packing agai
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import mmap
+import threading
 import weakref
 
 import torch
@@ -480,6 +482,28 @@ def drop_unused_file_pages(live) -> int:
                 dropped += last - first
             start = max(start, -(-end // page) * page)
     return dropped
+
+
+@contextlib.contextmanager
+def checkpoint_pages_bounded(every_seconds: float = 0.2):
+    """While the block runs (a lazy load), drop this process's pages of safetensors mappings every
+    ``every_seconds``: what loading reads and converts (per-expert tensors stacked into fused experts)
+    then never sits in memory twice, mapped and converted. The pages stay in the page cache and a
+    later read maps them again; the checkpoint's bytes are never written, so a read sees the file."""
+    stop = threading.Event()
+
+    def drop() -> None:
+        while not stop.wait(every_seconds):
+            for lo, hi in _file_mappings():
+                _madvise_dontneed(lo, hi - lo)
+
+    thread = threading.Thread(target=drop, name="tilefx-page-dropper", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _madvise_dontneed(address: int, length: int) -> None:

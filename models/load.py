@@ -8,6 +8,7 @@ import pathlib
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from tilefx.custom_ops import weights
 from tilefx.models.adapters import adapter_for
 
 
@@ -45,6 +46,7 @@ def load_model(
             f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
         ) from error
     adapter_for(config)
-    return AutoModelForCausalLM.from_pretrained(
-        name, config=config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa", **kwargs
-    ).eval()
+    with weights.checkpoint_pages_bounded():  # the packing that follows reads the rest once, chunk by chunk
+        return AutoModelForCausalLM.from_pretrained(
+            name, config=config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa", **kwargs
+        ).eval()
