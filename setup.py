@@ -2,7 +2,8 @@
 
 The extension builds against the torch already installed (pip --no-build-isolation).
 One binary serves every x86-64 CPU: ISA-specific units carry their own
-``#pragma GCC target`` and ops.cpp calls them only where CPUID says they run.
+``#pragma GCC target`` and the ops call them only where CPUID says they run
+(csrc/dispatch.cpp holds the table of which unit each op family runs on each path).
 
 Where simde-py (SIMDe's headers) is installed, the AVX512-BF16 unit is also built on
 SIMDe's portable intrinsics (linear_avx512_emulated.cpp), so the tests check its code

@@ -3,10 +3,12 @@
 The native library (``tilefx.custom_ops._C``) is one binary for every x86-64 CPU; each
 path lives in its own translation unit and runs only where CPUID says it can. The
 native CPU kernels are registered with the dispatcher directly (no Python per
-call) and read the current path: by default the fastest this CPU supports; an op
-without a kernel for it takes the next one along ``PATHS`` (attention has AVX2
-kernels only and runs them on the amx and avx512_bf16 paths; MoE and the per-head
-linear run AVX2 on amx); ``reference`` runs the ``*_portable`` ops written in PyTorch.
+call) and read the current path: by default the fastest this CPU supports. One
+table in ``csrc/dispatch.cpp`` says which unit each op family runs on each path
+(``kernel_units(path)`` reads it): on amx, linears of more than 4 rows run brgemm
+on AMX tiles and everything else the AVX512-BF16 unit every AMX CPU also has;
+attention has AVX2 kernels only and runs them on every native path; ``reference``
+runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
 
@@ -57,6 +59,19 @@ def unsupported_reason(path: str) -> str | None:
 def supported() -> tuple[str, ...]:
     """The paths that run on this CPU with this build, fastest first (always ends with reference)."""
     return tuple(path for path in PATHS if unsupported_reason(path) is None)
+
+
+def kernel_units(path: str) -> dict[str, str]:
+    """The unit each op family runs on ``path`` in this build, from the native table (empty for reference).
+
+    The table is read whether or not this CPU runs ``path``."""
+    if path not in PATHS and path != EMULATED_AVX512:
+        raise ValueError(f"unknown kernel path {path!r}; expected one of {', '.join(PATHS)}")
+    if path == "reference" or native is None:
+        return {}
+    if path == EMULATED_AVX512 and not getattr(native, "avx512_emulation", False):
+        raise RuntimeError(f"kernel path {path}: this build has no emulated AVX512-BF16 unit")
+    return dict(native.kernel_units(path))
 
 
 def _from_environment() -> str:
@@ -121,7 +136,7 @@ def huge_page_empty(shape, dtype) -> "torch.Tensor":
     """An uninitialized tensor in transparent huge pages where it pays (large, native library built).
 
     Decode streams packed weights and the KV cache every token; with 4 KiB pages their
-    page walks cost measurably (csrc/ops.cpp). Small tensors use the ordinary allocator.
+    page walks cost measurably (csrc/memory.cpp). Small tensors use the ordinary allocator.
     """
     import math
 

@@ -1,8 +1,9 @@
-// Kernel entry points shared by the dispatch code (ops.cpp) and the ISA-specific
-// translation units. ISA units include only this header, <immintrin.h> (or SIMDe, for
-// the baseline ISA) and their own static helpers (vec_avx2.h, bf16_scalar.h, linear_walk.h): nothing
-// inline from ATen or the standard library is compiled with wider ISA flags (it could
-// be picked by the linker for the whole library and crash an older CPU).
+// Kernel entry points of the ISA-specific translation units, called by the generic
+// code (the *_ops.cpp files, moe.cpp, memory.cpp; dispatch.h picks the unit). ISA
+// units include only this header, <immintrin.h> (or SIMDe, for the baseline ISA) and
+// their own static helpers (vec_avx2.h, bf16_scalar.h, linear_walk.h): nothing inline
+// from ATen or the standard library is compiled with wider ISA flags (it could be
+// picked by the linker for the whole library and crash an older CPU).
 #pragma once
 #include <cstdint>
 
@@ -43,17 +44,6 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
 // only in builds with TILEFX_AVX512_EMULATION, for the tests).
 void linear_blocks_avx512(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
-
-// The unit that computes a linear's column blocks, and the call that runs it (ops.cpp).
-// The activations must be in the form the unit reads: `x` for avx2, `x_pairs` for the
-// AVX512-BF16 units.
-enum class LinearUnit { avx2, avx512, avx512_emulated };
-void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
-// Row `row` of activations `rows` (ldx per row, even) from n bf16 values, as `unit`
-// reads it: fp32 for avx2, bf16 (pairs) otherwise; K padded to ldx with a zero (ops.cpp).
-void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row);
-// Points `p` (p.ldx set) at rows [row, ...) of such activations: p.x or p.x_pairs.
-void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row);
 
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops.h"
 
 namespace tilefx {
 

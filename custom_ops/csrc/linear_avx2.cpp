@@ -15,8 +15,8 @@
 // over it.
 #include "kernels.h"
 
-// This unit (and only this unit) is compiled for AVX2 + FMA; ops.cpp calls it only
-// where CPUID reports both.
+// This unit (and only this unit) is compiled for AVX2 + FMA; the ops (dispatch.h) call
+// it only where CPUID reports both.
 #pragma GCC target("avx2,fma")
 #include "vec_avx2.h"
 #include "linear_walk.h"

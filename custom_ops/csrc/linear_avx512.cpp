@@ -10,8 +10,8 @@
 // over an L1-resident panel of one block and kKChunk K pairs, here with micro-tiles of
 // 8 rows x 32 columns (16 zmm accumulators).
 //
-// The same source builds twice: for the CPU (the `#pragma` below; ops.cpp calls it
-// only where CPUID reports AVX512F and AVX512-BF16), and, as
+// The same source builds twice: for the CPU (the `#pragma` below; the ops (dispatch.h)
+// call it only where CPUID reports AVX512F and AVX512-BF16), and, as
 // linear_avx512_emulated.cpp, on SIMDe's portable implementations of the same
 // intrinsics, so that the tests check this unit's logic on CPUs without AVX512.
 #include "kernels.h"

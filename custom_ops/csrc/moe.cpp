@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "ops.h"
 #include "parallel.h"
 
 namespace tilefx {
@@ -52,7 +53,7 @@ void for_expert_blocks(LinearUnit isa, const std::vector<ExpertRows>& experts, i
 
 }  // namespace
 
-// Arguments checked by the caller (ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
+// Arguments checked by the caller (moe_ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
 // (pack_gate_up_weight per expert); w2 [E, H/32 (padded), I/2 (padded), 32, 2]; topk_ids [T, k] in [0, E).
 at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit) {

@@ -1,4 +1,4 @@
-// Threading for the native ops (included by ops.cpp and moe.cpp, never by the ISA units).
+// Threading for the native ops (included by the *_ops.cpp files and moe.cpp, never by the ISA units).
 #pragma once
 #include <ATen/Parallel.h>
 

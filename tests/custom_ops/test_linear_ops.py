@@ -196,6 +196,26 @@ def test_kernel_path_decides_what_runs(path):
     assert ran_portable == (path == "reference")
 
 
+def test_dispatch_table_rows():
+    """One native table maps path to unit per op family. On AMX CPUs (which all have AVX512-BF16) only
+    linears of more than 4 rows take brgemm; decode GEMVs, the per-head linear and the experts run the
+    AVX512-BF16 unit, not AVX2. The table is read on any CPU; the amx row runs only where AMX exists."""
+    from tilefx.custom_ops import isa
+
+    if isa.native is None:
+        pytest.skip(isa.NATIVE_IMPORT_ERROR)
+    assert isa.kernel_units("reference") == {}
+    amx = isa.kernel_units("amx")
+    assert amx["linear"] == "amx above 4 rows, else avx512_bf16"
+    assert {amx[f] for f in ("linear_float", "linear_per_head", "fused_moe")} == {"avx512_bf16"}
+    avx512 = isa.kernel_units("avx512_bf16")
+    assert {avx512[f] for f in ("linear", "linear_float", "linear_per_head", "fused_moe")} == {"avx512_bf16"}
+    assert set(isa.kernel_units("avx2").values()) == {"avx2"}
+    assert {row["attention"] for row in (amx, avx512)} == {"avx2"}
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        isa.kernel_units("avx1024")
+
+
 @pytest.mark.parametrize("rows,out_features,in_features", [((1,), 64, 2048), ((3,), 33, 70), ((2, 5), 16, 64)])
 def test_linear_float_keeps_fp32(kernel_path, rows, out_features, in_features):
     """HF's fp32 routers over bf16 values: the fp32 product, not rounded to bf16."""

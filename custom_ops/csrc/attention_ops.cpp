@@ -1,0 +1,238 @@
+// CPU kernels of tilefx::decode_attention, extend_attention and mla_attention: argument
+// checks, the new tokens' cache writes, the split of the keys over the threads and the
+// merge of the splits; each task runs the path's attention unit (dispatch.h). The
+// references (*_portable) on the reference path.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace tilefx {
+namespace {
+
+// `t` itself when its last dimension is dense (what the kernels index), else a contiguous copy.
+at::Tensor unit_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// K/V of the new tokens into the cache rows [0, B) at `positions` (one row copy per token and head).
+void write_kv(const at::Tensor& new_rows, at::Tensor& cache, const int64_t* positions) {
+  const at::Tensor rows = unit_stride(new_rows);
+  const int64_t batch = rows.size(0), heads = rows.size(1), seq = rows.size(2), dim = rows.size(3);
+  const at::BFloat16* src = rows.data_ptr<at::BFloat16>();
+  at::BFloat16* dst = cache.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t s = 0; s < seq; ++s)
+        std::memcpy(dst + b * cache.stride(0) + h * cache.stride(1) + positions[s] * cache.stride(2),
+                    src + b * rows.stride(0) + h * rows.stride(1) + s * rows.stride(2), dim * sizeof(at::BFloat16));
+}
+
+// What every attention op does before attending: checks the mask and the new tokens'
+// positions (contiguous increasing cache slots), writes each (new rows, cache) pair at
+// those positions, and returns the end of the keys to attend (last position + 1).
+int64_t write_new_tokens(const at::Tensor& mask, const at::Tensor& positions_in, int64_t batch, int64_t seq,
+                         int64_t max_len, std::initializer_list<std::pair<const at::Tensor*, at::Tensor*>> writes) {
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) >= batch &&
+                  mask.size(2) == seq && mask.size(3) == max_len,
+              "tilefx attention: mask must be bool [B, 1, S, max_len], got ", mask.scalar_type(), " ", mask.sizes());
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(seq > 0 && positions.dim() == 1 && positions.numel() == seq,
+              "tilefx attention: one position per new token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t s = 0; s < seq; ++s) {
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < max_len && (s == 0 || pos[s] == pos[s - 1] + 1),
+                "tilefx attention: positions must be increasing cache slots below ", max_len);
+  }
+  for (const auto& [rows, cache] : writes) write_kv(*rows, *cache, pos);
+  return pos[seq - 1] + 1;
+}
+
+void attention_task(AttentionUnit unit, const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s,
+                    int64_t key_begin, int64_t key_end, const AttentionPartial& part) {
+  switch (unit) {
+    case AttentionUnit::avx2: return attention_task_avx2(p, b, kv_head, s, key_begin, key_end, part);
+  }
+}
+
+// Runs `p` (query, cache and mask pointers set) on `unit` over keys [0, end) and returns
+// [batch, q_heads, seq, v_dim] bf16. Tasks are (batch row, KV head, query row, key
+// split); with few rows the keys are split so every thread has work (flash-decoding),
+// and the splits are merged here.
+at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+                         const at::TensorOptions& options) {
+  const int64_t q_heads = p.q_heads, kv_heads = p.kv_heads, dim = p.v_dim;
+  const int64_t group = q_heads / kv_heads;
+  const int64_t rows = batch * kv_heads * seq;
+  const int64_t threads = at::get_num_threads();
+  int64_t splits = 1;
+  if (rows < 4 * threads) splits = std::min<int64_t>((4 * threads + rows - 1) / rows, (end + 63) / 64);
+  const int64_t split_len = (end + splits - 1) / splits;
+  splits = (end + split_len - 1) / split_len;
+
+  std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
+  const size_t scratch_floats = attention_scratch_floats(p);
+  parallel_chunks(rows * splits, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+    for (int64_t task = begin; task < stop; ++task) {
+      const int64_t row = task / splits, split = task % splits;
+      const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
+      const int64_t key_begin = split * split_len, key_end = std::min(end, key_begin + split_len);
+      const int64_t at = task * group;
+      AttentionPartial out{&max[at], &sum[at], &part[at * dim], scratch.data()};
+      attention_task(unit, p, b, kv_head, s, key_begin, key_end, out);
+    }
+  });
+
+  // Merge the splits of each (row, head); rows that may attend no key are zero.
+  at::Tensor y = at::empty({batch, q_heads, seq, dim}, options);
+  at::BFloat16* out = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> acc(dim);
+    for (int64_t row = begin; row < stop; ++row) {
+      const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
+      for (int64_t g = 0; g < group; ++g) {
+        float global_max = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < splits; ++i) global_max = std::max(global_max, max[(row * splits + i) * group + g]);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        float total = 0.0f;
+        if (global_max != -std::numeric_limits<float>::infinity()) {
+          for (int64_t i = 0; i < splits; ++i) {
+            const int64_t at = (row * splits + i) * group + g;
+            if (sum[at] == 0.0f) continue;
+            const float w = std::exp(max[at] - global_max);
+            total += w * sum[at];
+            const float* src = &part[at * dim];
+            for (int64_t d = 0; d < dim; ++d) acc[d] += w * src[d];
+          }
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        at::BFloat16* dst = out + ((b * q_heads + kv_head * group + g) * seq + s) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<at::BFloat16>(acc[d] * inv);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
+                            AttentionUnit unit) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
+                "tilefx attention: q, k, v and the caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "tilefx attention: caches must be contiguous and of one shape");
+  const int64_t batch = q_in.size(0), q_heads = q_in.size(1), seq = q_in.size(2), dim = q_in.size(3);
+  const int64_t kv_heads = k.size(1), max_len = k_cache.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == seq && k.size(3) == dim,
+              "tilefx attention: k/v ", k.sizes(), " do not match q ", q_in.sizes());
+  TORCH_CHECK(kv_heads > 0 && q_heads % kv_heads == 0 && k_cache.size(1) == kv_heads && k_cache.size(0) >= batch &&
+                  k_cache.size(3) == dim,
+              "tilefx attention: cache ", k_cache.sizes(), " does not fit k ", k.sizes());
+  TORCH_CHECK(dim % 16 == 0, "tilefx attention: head_dim must be a multiple of 16, got ", dim);
+  const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len, {{&k, &k_cache}, {&v, &v_cache}});
+
+  const at::Tensor q = unit_stride(q_in), mask = unit_stride(mask_in);
+  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                     nullptr, 0, 0, 0,
+                     bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     nullptr, 0, 0, 0,
+                     bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                     q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
+  return run_attention(unit, p, batch, seq, end, q.options());
+}
+
+// Weight-absorbed MLA over the latent cache: key = [latent | rope key], value = the
+// latent, every query head against the one latent "head". Writes the new tokens'
+// latent and rope key first.
+at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor& q_rope_in, const at::Tensor& latent,
+                                const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
+                                const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
+                                AttentionUnit unit) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_latent_in, &q_rope_in, &latent, &k_rope,
+                                                                        &latent_cache, &rope_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
+                "tilefx mla_attention: queries, latent, rope key and caches must be 4-D bfloat16, got ",
+                t->scalar_type(), " ", t->sizes());
+  }
+  const int64_t batch = q_latent_in.size(0), heads = q_latent_in.size(1), seq = q_latent_in.size(2);
+  const int64_t rank = q_latent_in.size(3), rope_dim = q_rope_in.size(3), max_len = latent_cache.size(2);
+  TORCH_CHECK(latent_cache.is_contiguous() && rope_cache.is_contiguous() &&
+                  latent_cache.sizes().slice(0, 3) == rope_cache.sizes().slice(0, 3) && latent_cache.size(1) == 1 &&
+                  latent_cache.size(0) >= batch && latent_cache.size(3) == rank && rope_cache.size(3) == rope_dim,
+              "tilefx mla_attention: caches ", latent_cache.sizes(), " / ", rope_cache.sizes(),
+              " do not fit the queries ", q_latent_in.sizes(), " / ", q_rope_in.sizes());
+  TORCH_CHECK(q_rope_in.sizes().slice(0, 3) == q_latent_in.sizes().slice(0, 3) &&
+                  latent.sizes() == at::IntArrayRef({batch, 1, seq, rank}) &&
+                  k_rope.sizes() == at::IntArrayRef({batch, 1, seq, rope_dim}),
+              "tilefx mla_attention: latent ", latent.sizes(), " / rope key ", k_rope.sizes(),
+              " do not match the queries ", q_latent_in.sizes());
+  TORCH_CHECK(rank % 16 == 0 && rope_dim % 16 == 0,
+              "tilefx mla_attention: kv_lora_rank and the rope dim must be multiples of 16, got ", rank, ", ",
+              rope_dim);
+  const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len,
+                                       {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
+
+  const at::Tensor q = unit_stride(q_latent_in), qr = unit_stride(q_rope_in), mask = unit_stride(mask_in);
+  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                     bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
+                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                     bf16_bits(rope_cache), rope_cache.stride(0), rope_cache.stride(1), rope_cache.stride(2),
+                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                     heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
+  return run_attention(unit, p, batch, seq, end, q.options());
+}
+
+}  // namespace
+
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,
+                         double scale) {
+  const KernelUnits units = current_units();
+  if (units.native && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && q.dim() == 4 &&
+      q.size(3) % 16 == 0) {
+    return attention_native(q, k.to(at::kBFloat16), v.to(at::kBFloat16), k_cache, v_cache, positions, mask, scale,
+                            units.attention);
+  }
+  static const auto portable =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tilefx::attention_portable", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return portable.call(q, k, v, k_cache, v_cache, positions, mask, scale);
+}
+
+at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
+                             const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
+                             const at::Tensor& positions, const at::Tensor& mask, double scale) {
+  const KernelUnits units = current_units();
+  if (units.native && q_latent.scalar_type() == at::kBFloat16 && latent_cache.scalar_type() == at::kBFloat16 &&
+      q_latent.dim() == 4 && q_latent.size(3) % 16 == 0 && q_rope.dim() == 4 && q_rope.size(3) % 16 == 0) {
+    return mla_attention_native(q_latent, q_rope.to(at::kBFloat16), latent.to(at::kBFloat16),
+                                k_rope.to(at::kBFloat16), latent_cache, rope_cache, positions, mask, scale,
+                                units.attention);
+  }
+  static const auto portable =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("tilefx::mla_attention_portable", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return portable.call(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale);
+}
+
+}  // namespace tilefx

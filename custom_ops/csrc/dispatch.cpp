@@ -1,0 +1,71 @@
+// The kernel path and its table of units (dispatch.h).
+#include "dispatch.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+
+#include "ops.h"
+
+namespace tilefx {
+namespace {
+
+std::atomic<int> current_path{static_cast<int>(Path::reference)};
+
+}  // namespace
+
+void set_path(const std::string& path) {
+  if (path == "reference") current_path = static_cast<int>(Path::reference);
+  else if (path == "avx2") current_path = static_cast<int>(Path::avx2);
+  else if (path == "amx") current_path = static_cast<int>(Path::amx);
+  else if (path == "avx512_bf16") current_path = static_cast<int>(Path::avx512_bf16);
+  else if (path == "avx512_bf16_emulated" && kAvx512Emulation)
+    current_path = static_cast<int>(Path::avx512_bf16_emulated);
+  else TORCH_CHECK(false, "tilefx: no native kernels for path '", path, "'");
+}
+
+Path path() { return static_cast<Path>(current_path.load(std::memory_order_relaxed)); }
+
+bool cpu_has(const std::string& feature) {
+  __builtin_cpu_init();
+  if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (feature == "avx512_bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (feature == "amx") return amx_available();
+  TORCH_CHECK(false, "unknown CPU feature '", feature, "'");
+}
+
+// One row per path: what each family runs where its native kernel takes the arguments.
+KernelUnits units_for(Path path) {
+  constexpr LinearUnit avx2 = LinearUnit::avx2, avx512 = LinearUnit::avx512;
+  constexpr LinearUnit emulated = LinearUnit::avx512_emulated;
+  constexpr AttentionUnit attention_avx2 = AttentionUnit::avx2;
+  switch (path) {
+    //                                       native amx_linear  linear    per_head  moe       attention
+    // PyTorch references only; the units are never read.
+    case Path::reference:            return {false, false,      avx2,     avx2,     avx2,     attention_avx2};
+    // Every family on its AVX2 unit (linear_avx2.cpp, attention_avx2.cpp).
+    case Path::avx2:                 return {true,  false,      avx2,     avx2,     avx2,     attention_avx2};
+    // brgemm for prefill-sized linears; every AMX CPU also has AVX512-BF16, which runs the
+    // decode GEMVs, linear_float (linear_amx writes bf16 only), the per-head linear and the
+    // experts (no AMX kernels).
+    case Path::amx:                  return {true,  true,       avx512,   avx512,   avx512,   attention_avx2};
+    // The column-block linears on vdpbf16ps (linear_avx512.cpp); attention has no AVX512 unit.
+    case Path::avx512_bf16:          return {true,  false,      avx512,   avx512,   avx512,   attention_avx2};
+    // The AVX512-BF16 unit on SIMDe: set_path refuses this path in builds without it.
+    case Path::avx512_bf16_emulated: return {true,  false,      emulated, emulated, emulated, attention_avx2};
+  }
+  TORCH_CHECK(false, "tilefx: unknown kernel path ", static_cast<int>(path));
+}
+
+KernelUnits current_units() { return units_for(path()); }
+
+const char* unit_name(LinearUnit unit) {
+  switch (unit) {
+    case LinearUnit::avx2: return "avx2";
+    case LinearUnit::avx512: return "avx512_bf16";
+    case LinearUnit::avx512_emulated: return "avx512_bf16_emulated";
+  }
+  return "unknown";
+}
+
+}  // namespace tilefx

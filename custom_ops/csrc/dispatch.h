@@ -1,0 +1,62 @@
+// The kernel path the native ops take, and the one table of what each op family runs
+// on it. custom_ops/isa.py sets the path; the dispatcher calls the ops' CPU kernels
+// directly, with no Python in between (~7 us per call saved; decode makes ~130), and
+// each kernel reads the path's units once per call.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace tilefx {
+
+// avx512_bf16_emulated runs the AVX512-BF16 unit on SIMDe (tests only; see kernels.h).
+enum class Path : int { reference = 0, avx2 = 1, amx = 2, avx512_bf16 = 3, avx512_bf16_emulated = 4 };
+
+#ifdef TILEFX_AVX512_EMULATION
+constexpr bool kAvx512Emulation = true;
+#else
+constexpr bool kAvx512Emulation = false;
+#endif
+
+// Takes "reference", "avx2", "amx", "avx512_bf16" or, in builds with SIMDe,
+// "avx512_bf16_emulated"; refuses anything else.
+void set_path(const std::string& path);
+Path path();
+
+// Whether this CPU runs the given kernel ISA: "avx2", "avx512_bf16" or "amx".
+bool cpu_has(const std::string& feature);
+
+// The unit that computes a linear's column blocks (linear_blocks, ops.h). It reads
+// the activations as fp32 (avx2) or bf16 pairs (the AVX512-BF16 units).
+enum class LinearUnit { avx2, avx512, avx512_emulated };
+
+// The unit that runs one attention task (kernels.h).
+enum class AttentionUnit { avx2 };
+
+// Up to this many rows a linear is a GEMV, bound by reading its weight: the column-block
+// units stream it at the memory's speed, while brgemm's tile setup and per-call
+// packing of the activations cost more than they save (SGLang switches at the same M).
+constexpr int64_t kGemvRows = 4;
+
+// What each op family runs on one path. Each op's CPU kernel first checks that its
+// native kernel takes the arguments (for most, that they are bf16) and otherwise calls
+// its *_portable reference, on any path. The routers (topk_softmax, grouped_topk) are
+// the same ATen calls on every native path.
+struct KernelUnits {
+  bool native;              // false: every op calls its *_portable reference (PyTorch)
+  bool amx_linear;          // linear and linear_silu_mul above kGemvRows rows as oneDNN brgemm GEMMs on AMX tiles
+                            // (linear_amx.cpp)
+  LinearUnit linear;        // linear_float, and linear / linear_silu_mul where brgemm is not used
+  LinearUnit per_head;      // linear_per_head
+  LinearUnit moe;           // fused_moe's expert GEMMs
+  AttentionUnit attention;  // decode_attention, extend_attention, mla_attention
+};
+
+KernelUnits units_for(Path path);
+// Whether a bf16 linear over `rows` rows runs brgemm on AMX tiles rather than units.linear.
+inline bool use_amx(const KernelUnits& units, int64_t rows) { return units.amx_linear && rows > kGemvRows; }
+// The name of a unit, as custom_ops.isa.kernel_units reports it.
+const char* unit_name(LinearUnit unit);
+// Read once per op call, so one call never mixes two paths' units.
+KernelUnits current_units();
+
+}  // namespace tilefx

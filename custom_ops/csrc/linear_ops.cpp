@@ -1,0 +1,257 @@
+// CPU kernels of tilefx::linear, linear_float, linear_silu_mul and linear_per_head:
+// argument checks, threading (parallel_chunks for the streaming linears) and the unit
+// the current path runs (dispatch.h); the references (*_portable) on the reference
+// path. Also the unit-generic calls that moe.cpp shares (ops.h).
+#include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace tilefx {
+
+void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  switch (unit) {
+    case LinearUnit::avx2: return linear_blocks_avx2(p, block_begin, block_end, scratch);
+    case LinearUnit::avx512: return linear_blocks_avx512(p, block_begin, block_end, scratch);
+    case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return linear_blocks_avx512_emulated(p, block_begin, block_end, scratch);
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+  }
+}
+
+void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row) {
+  if (unit == LinearUnit::avx2) {
+    float* dst = static_cast<float*>(rows) + row * ldx;
+    bf16_to_float_avx2(src, dst, n);
+    if (ldx > n) dst[n] = 0.0f;
+  } else {
+    uint16_t* dst = static_cast<uint16_t*>(rows) + row * ldx;
+    std::memcpy(dst, src, n * sizeof(uint16_t));
+    if (ldx > n) dst[n] = 0;
+  }
+}
+
+void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row) {
+  if (unit == LinearUnit::avx2) {
+    p.x = static_cast<const float*>(rows) + row * p.ldx;
+  } else {
+    p.x_pairs = static_cast<const uint32_t*>(rows) + row * p.ldx / 2;
+  }
+}
+
+namespace {
+
+// The rows a linear computes: every dimension of x but the features.
+int64_t rows_of(const at::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / x.size(-1); }
+
+void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                  int64_t out_features) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tilefx linear: x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kBlockN &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "tilefx linear: weight must be packed by pack_linear_weight (bf16 [N/", kBlockN, ", K/2, ", kBlockN,
+              ", 2]), got ", packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(x.size(-1) <= 2 * packed.size(1) && x.size(-1) > 2 * packed.size(1) - 2,
+              "tilefx linear: x has ", x.size(-1), " features, the packed weight ", 2 * packed.size(1));
+  TORCH_CHECK(out_features > packed.size(0) * kBlockN - kBlockN && out_features <= packed.size(0) * kBlockN,
+              "tilefx linear: out_features ", out_features, " does not match the packed weight");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == out_features &&
+                    bias->is_contiguous(),
+                "tilefx linear: bias must be contiguous bf16 [", out_features, "]");
+  }
+}
+
+// x as the unit reads it (write_activation_row), in a reused thread-local buffer when
+// small, else in `storage`. bf16 x with even K already is the AVX512-BF16 unit's pairs.
+void prepare_activations(const at::Tensor& x2, int64_t rows, LinearUnit unit, LinearProblem& p, at::Tensor& storage) {
+  const int64_t in_features = x2.size(-1), ldx = p.ldx;
+  const uint16_t* x_bits = bf16_bits(x2);
+  const bool pairs = unit != LinearUnit::avx2;
+  if (pairs && ldx == in_features && reinterpret_cast<uintptr_t>(x_bits) % alignof(uint32_t) == 0) {
+    return attach_activations(p, unit, x_bits, 0);
+  }
+  constexpr int64_t kReusedBytes = 1 << 18;
+  const int64_t bytes = rows * ldx * (pairs ? sizeof(uint16_t) : sizeof(float));
+  thread_local std::vector<float> reused;
+  void* buffer;
+  if (bytes <= kReusedBytes) {
+    reused.resize(kReusedBytes / sizeof(float));
+    buffer = reused.data();
+  } else {
+    storage = at::empty({rows, ldx}, x2.options().dtype(pairs ? at::kBFloat16 : at::kFloat));
+    buffer = storage.data_ptr();
+  }
+  for (int64_t m = 0; m < rows; ++m) write_activation_row(unit, x_bits + m * in_features, in_features, ldx, buffer, m);
+  attach_activations(p, unit, buffer, 0);
+}
+
+// Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
+// here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
+// thread-local buffer, not an ATen temporary.
+at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit) {
+  const int64_t in_features = x.size(-1);
+  const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
+  // No dispatcher round trips before the weight stream starts: a decode call spends
+  // a few us in them (reshape and at::empty, measured 3 and 3 us with caches cold
+  // after the previous weight's stream), ~4% of a 1536 x 1536 GEMV.
+  const at::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
+  const int64_t rows = in_features == 0 ? 0 : x2.numel() / in_features;
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor y = at::detail::empty_cpu(out_shape, float_out ? at::kFloat : at::kBFloat16, /*pin_memory=*/false,
+                                       c10::nullopt);
+  if (rows == 0) return y;
+
+  LinearProblem p{/*x=*/nullptr, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
+                  float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
+                  k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
+  at::Tensor activations;
+  prepare_activations(x2, rows, unit, p, activations);
+  const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
+  const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
+  parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+    linear_blocks(unit, p, begin, end, scratch.data());
+  });
+  return y;
+}
+
+// One linear per head: y[..., h, s, :] = x[..., h, s, :] @ W_h^T, with W packed per
+// head ([H, N/32, K/2, 32, 2], the expert layout). MLA's absorbed projections: the
+// query through each head's key half of kv_b_proj, the attended latent through its
+// value half. Work units are (row group, head, column block), in contiguous ranges.
+at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                                  LinearUnit isa) {
+  const int64_t heads = packed.size(0), blocks = packed.size(1), k_pairs = packed.size(2), ldx = 2 * k_pairs;
+  const int64_t seq = x.size(-2), in_features = x.size(-1);
+  const at::Tensor x4 = x.reshape({-1, heads, seq, in_features});
+  const int64_t groups = x4.size(0);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = out_features;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (x4.numel() == 0) return y;
+
+  // Activations [groups, H, S, ldx], K padded to even: fp32 (AVX2) or bf16 pairs (AVX512-BF16).
+  const at::Tensor xa_tensor =
+      at::empty({groups, heads, seq, ldx}, x.options().dtype(isa == LinearUnit::avx2 ? at::kFloat : at::kBFloat16));
+  void* xa = xa_tensor.data_ptr();
+  const uint16_t* x_bits = bf16_bits(x4);
+  at::parallel_for(0, groups * heads * seq, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
+      write_activation_row(isa, x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2), in_features, ldx,
+                           xa, row);
+    }
+  });
+  uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const uint16_t* w_bits = bf16_bits(packed);
+  const int64_t head_weight = blocks * k_pairs * kBlockN * 2;
+  const size_t scratch_floats = 2 * std::max<int64_t>(seq, 2) * kBlockN;
+  at::parallel_for(0, groups * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+    for (int64_t unit = begin; unit < end;) {  // one call per (group, head) run of blocks
+      const int64_t matrix = unit / blocks, first = unit % blocks;
+      const int64_t last = std::min(blocks, first + (end - unit));
+      const int64_t h = matrix % heads;
+      LinearProblem p{/*x=*/nullptr, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features, seq,
+                      out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
+      attach_activations(p, isa, xa, matrix * seq);
+      linear_blocks(isa, p, first, last, scratch.data());
+      unit += last - first;
+    }
+  });
+  return y;
+}
+
+// tilefx::linear (bf16 result) and tilefx::linear_float (fp32 result: routers that HF
+// computes in fp32 from bf16 weights and activations, such as DeepSeek's, get the same
+// values without an fp32 weight copy). AMX serves only the bf16 result of more than
+// kGemvRows rows (linear_amx writes bf16); the column-block unit serves the rest.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, bool float_out) {
+  const KernelUnits units = current_units();
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
+    check_packed(x, packed, bias, out_features);
+    if (!float_out && use_amx(units, rows_of(x))) return linear_amx(x, packed, bias, out_features);
+    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, units.linear);
+  }
+  using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+  static const auto bf16_out =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_portable", "").typed<Portable>();
+  static const auto fp32_out =
+      c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_float_portable", "").typed<Portable>();
+  return (float_out ? fp32_out : bf16_out).call(x, packed, bias, out_features);
+}
+
+}  // namespace
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/false);
+}
+
+at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/true);
+}
+
+at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const KernelUnits units = current_units();
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
+    const int64_t blocks = (out_features + kBlockN - 1) / kBlockN;
+    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == 2 * blocks,
+                "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", 2 * blocks,
+                " blocks for ", out_features, " features), got ", packed.sizes());
+    check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
+    if (!use_amx(units, rows_of(x))) {
+      return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false,
+                           units.linear);
+    }
+    // AMX, prefill: one GEMM over the interleaved blocks, then the epilogue in ATen.
+    const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
+    const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
+    return (at::silu(gate) * up).flatten(-2).narrow(-1, 0, out_features).to(at::kBFloat16);
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::linear_silu_mul_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return portable.call(x, packed, out_features);
+}
+
+at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  const KernelUnits units = current_units();
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
+    TORCH_CHECK(packed.dim() == 5 && packed.size(3) == kBlockN && packed.size(4) == 2 && packed.is_contiguous(),
+                "tilefx linear_per_head: weight must be packed per head ([H, N/", kBlockN, ", K/2, ", kBlockN,
+                ", 2]), got ", packed.sizes());
+    TORCH_CHECK(x.dim() >= 3 && x.size(-3) == packed.size(0) && x.stride(-1) == 1,
+                "tilefx linear_per_head: x must be [..., ", packed.size(0), " heads, S, K] with contiguous rows, got ",
+                x.sizes());
+    TORCH_CHECK(x.size(-1) <= 2 * packed.size(2) && x.size(-1) > 2 * packed.size(2) - 2 &&
+                    out_features > (packed.size(1) - 1) * kBlockN && out_features <= packed.size(1) * kBlockN,
+                "tilefx linear_per_head: x ", x.sizes(), " -> ", out_features, " features does not fit the packed ",
+                packed.sizes());
+    return linear_per_head_native(x, packed, out_features, units.per_head);
+  }
+  static const auto portable = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("tilefx::linear_per_head_portable", "")
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
+  return portable.call(x, packed, out_features);
+}
+
+}  // namespace tilefx

@@ -1,0 +1,70 @@
+// Declarations shared by the generic translation units (the *_ops.cpp files, moe.cpp,
+// memory.cpp, register.cpp): the ops' CPU kernels, which register.cpp registers, and
+// what they call across files. The ISA units never include it (see kernels.h).
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+
+namespace tilefx {
+
+inline const uint16_t* bf16_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// Column blocks [block_begin, block_end) of `p` on `unit` (linear_ops.cpp; moe.cpp runs
+// its experts through it too). The activations must be in the form `unit` reads: `x`
+// for avx2, `x_pairs` for the AVX512-BF16 units.
+void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
+// Row `row` of activations `rows` (ldx per row, even) from n bf16 values, as `unit`
+// reads it: fp32 for avx2, bf16 (pairs) otherwise; K padded to ldx with a zero.
+void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row);
+// Points `p` (p.ldx set) at rows [row, ...) of such activations: p.x or p.x_pairs.
+void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row);
+
+// linear_amx.cpp (oneDNN brgemm; only where AMX exists).
+bool amx_available();
+at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t out_features);
+
+// moe.cpp.
+at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit);
+
+// The CPU kernels of the tilefx ops. Each runs the current path's unit (dispatch.h),
+// or the op's *_portable reference.
+// linear_ops.cpp
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      int64_t out_features);
+at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features);
+at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+// moe_ops.cpp
+at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+// routing_ops.cpp
+std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
+std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_logits,
+                                                    const c10::optional<at::Tensor>& correction_bias, int64_t top_k,
+                                                    int64_t num_expert_group, int64_t topk_group,
+                                                    c10::string_view scoring_func, bool renormalize,
+                                                    double routed_scaling_factor);
+// attention_ops.cpp (decode_attention and extend_attention share attention_cpu)
+at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,
+                         double scale);
+at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
+                             const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
+                             const at::Tensor& positions, const at::Tensor& mask, double scale);
+
+// memory.cpp, called from Python through the module.
+at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
+double stream_read_gbps(const at::Tensor& buffer, int64_t streams);
+
+}  // namespace tilefx

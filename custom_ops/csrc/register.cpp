@@ -1,0 +1,72 @@
+// The module: registers the ops' CPU kernels with the dispatcher (the *_ops.cpp files)
+// and exposes the kernel path and the memory helpers to Python.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "dispatch.h"
+#include "ops.h"
+
+namespace tilefx {
+namespace {
+
+// Called once by custom_ops/__init__.py after the op schemas are defined.
+std::unique_ptr<torch::Library> cpu_kernels;
+void register_cpu_kernels() {
+  TORCH_CHECK(!cpu_kernels, "tilefx: CPU kernels are already registered");
+  cpu_kernels = std::make_unique<torch::Library>(torch::Library::IMPL, "tilefx", c10::DispatchKey::CPU, __FILE__,
+                                                 __LINE__);
+  cpu_kernels->impl("linear", TORCH_FN(linear_cpu));
+  cpu_kernels->impl("linear_silu_mul", TORCH_FN(linear_silu_mul_cpu));
+  cpu_kernels->impl("linear_per_head", TORCH_FN(linear_per_head_cpu));
+  cpu_kernels->impl("linear_float", TORCH_FN(linear_float_cpu));
+  cpu_kernels->impl("fused_moe", TORCH_FN(fused_moe_cpu));
+  cpu_kernels->impl("topk_softmax", TORCH_FN(topk_softmax_cpu));
+  cpu_kernels->impl("grouped_topk", TORCH_FN(grouped_topk_cpu));
+  cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
+  cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
+  cpu_kernels->impl("mla_attention", TORCH_FN(mla_attention_cpu));
+}
+
+// One row of the dispatch table, for custom_ops.isa.kernel_units.
+std::map<std::string, std::string> kernel_units(const std::string& name) {
+  Path path;
+  if (name == "reference") path = Path::reference;
+  else if (name == "avx2") path = Path::avx2;
+  else if (name == "amx") path = Path::amx;
+  else if (name == "avx512_bf16") path = Path::avx512_bf16;
+  else if (name == "avx512_bf16_emulated") path = Path::avx512_bf16_emulated;
+  else TORCH_CHECK(false, "tilefx: unknown kernel path '", name, "'");
+  const KernelUnits units = units_for(path);
+  if (!units.native) return {};
+  const std::string attention = "avx2";  // AttentionUnit has one member
+  return {{"linear", units.amx_linear ? std::string("amx above ") + std::to_string(kGemvRows) + " rows, else " +
+                                            unit_name(units.linear)
+                                      : unit_name(units.linear)},
+          {"linear_float", unit_name(units.linear)},
+          {"linear_per_head", unit_name(units.per_head)},
+          {"fused_moe", unit_name(units.moe)},
+          {"attention", attention}};
+}
+
+}  // namespace
+}  // namespace tilefx
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "tilefx native CPU kernels (see custom_ops/csrc/kernels.h)";
+  m.def("set_path", &tilefx::set_path,
+        "the kernel path the CPU kernels take: reference, avx2, avx512_bf16, amx "
+        "(or avx512_bf16_emulated in builds with SIMDe)");
+  m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
+        "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
+  m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, amx");
+  m.def("kernel_units", &tilefx::kernel_units,
+        "the unit each op family runs on a path (empty for reference): the dispatch table's row");
+  m.attr("avx512_emulation") = tilefx::kAvx512Emulation;
+  m.def("huge_page_empty", &tilefx::huge_page_empty,
+        "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
+  m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
+}
