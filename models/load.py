@@ -27,6 +27,12 @@ def load_model(
     """Load ``source`` for inference in ``dtype``, safetensors only; fail early for unsupported families."""
     if isinstance(source, PreTrainedModel):
         adapter_for(source.config)
+        if any(parameter.is_inference() for parameter in source.parameters()):
+            raise ValueError(
+                "this model's weights are inference tensors (it was built or loaded under torch.inference_mode): "
+                "tilefx packs them in place, which inference tensors refuse. Build or load it outside "
+                "inference_mode, or pass its hub id or directory (compile_model itself may be called inside it)."
+            )
         return source.to(dtype).eval()
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"expected a hub id, a local directory or a PreTrainedModel, got {type(source).__name__}")

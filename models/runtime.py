@@ -98,6 +98,11 @@ class TilefxRuntime:
         self.report.kept_unpacked = kept + len(shared)
 
     # -- forward -----------------------------------------------------------------------
+    # The graphs are traced on normal tensors under no_grad. A caller in inference_mode
+    # would hand Dynamo inference tensors, whose dispatch keys differ (Dynamo guards on
+    # them): every graph would compile again. Outside inference mode the inputs built
+    # below are normal tensors whatever mode the caller is in, and the logits too.
+    @torch.inference_mode(False)
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,

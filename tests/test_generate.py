@@ -78,6 +78,42 @@ def test_no_recompiles_after_warmup(pair):
     assert report.recompiles == 0
 
 
+GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": torch.enable_grad}
+
+
+@pytest.mark.parametrize("mode", sorted(GRAD_MODES))
+def test_no_graph_compiles_in_any_grad_mode(pair, mode):
+    """Warm-up traced under no_grad; a caller in inference_mode (inference tensors carry other dispatch
+    keys, which Dynamo guards on) or with grad enabled gets the same graphs, at every batch size."""
+    reference, compiled = pair
+    report = compiled.tilefx.report
+    before = len(report.graphs)
+    for prompts in ([_prompt(6, 11)], [_prompt(7, 12), _prompt(3, 13)]):
+        ids, mask = padded_batch(prompts)
+        with GRAD_MODES[mode]():
+            out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+            logits = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits  # as generate() asks
+        assert not logits.requires_grad and not logits.is_inference()
+        assert_greedy_matches(reference, ids, mask, out)
+    assert len(report.graphs) == before, tilefx.explain(compiled)
+    assert report.recompiles == 0
+
+
+def test_compiled_inside_inference_mode_generates_outside_it():
+    """Weights and cache made under a caller's inference_mode are still normal tensors: the cache is
+    updated in place outside inference mode, which inference tensors refuse."""
+    reference, model = build_model("tiny-llama", seed=3), build_model("tiny-llama", seed=3)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="inference tensors"):
+            tilefx.compile_model(build_model("tiny-llama", seed=3), max_seq_len=32, progress=False)
+        compiled = tilefx.compile_model(model, max_seq_len=32, progress=False)
+    assert not compiled.tilefx.cache.length.is_inference()
+    ids, mask = padded_batch([_prompt(5, 21)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+    assert compiled.tilefx.report.recompiles == 0
+
+
 def test_too_long_request_fails_cleanly_then_recovers(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(40, 4)])

@@ -18,6 +18,9 @@ __version__ = "0.1.0"
 __all__ = ["compile_model", "explain", "__version__"]
 
 
+# Weights, packings and the KV cache are normal tensors even for a caller in inference
+# mode: the runtime updates the cache in place outside it (models/runtime.py, forward).
+@torch.inference_mode(False)
 def compile_model(
     source,
     *,
