@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import time
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -69,6 +70,7 @@ class PassManager(CustomGraphPass):
         self._dump_dir = os.environ.get("TILEFX_DUMP_GRAPHS")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        start = time.perf_counter()
         results: list[PassResult] = []
         graph_index = len(self.report.graphs)
         self._dump(graph, graph_index, "0-captured")
@@ -78,7 +80,7 @@ class PassManager(CustomGraphPass):
             results.append(result)
             self._dump(graph, graph_index, f"{step}-after-{tilefx_pass.name}")
         check_released_weights_read_packed(graph)
-        self.report.record_graph(graph, results)
+        self.report.record_graph(graph, results, passes_seconds=time.perf_counter() - start)
 
     def uuid(self) -> str:
         digest = hashlib.sha256(self.options.key().encode())

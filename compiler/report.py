@@ -16,7 +16,8 @@ class GraphRecord:
     nodes: int
     tilefx_ops: dict[str, int]
     passes: list[PassResult]
-    compile_seconds: float = 0.0
+    passes_seconds: float = 0.0  # the tilefx passes on this graph
+    compile_seconds: float = 0.0  # the whole backend call: AOT, the passes, Inductor (or its cache)
 
 
 @dataclasses.dataclass
@@ -40,9 +41,14 @@ class CompileReport:
     released_bytes: int = 0  # weights packed while compiling, their unpacked copy released after warm-up
     kept_unpacked: int = 0  # weights packed while compiling whose unpacked copy is still needed (read unpacked)
 
-    def record_graph(self, graph: torch.fx.Graph, results: list[PassResult]) -> None:
+    warmup_seconds: float = 0.0  # compile_model's warm-up steps: Dynamo tracing, the backend, the steps themselves
+    total_seconds: float = 0.0  # all of compile_model, its imports included
+    caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
+
+    def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], passes_seconds: float = 0.0) -> None:
         self.graphs.append(
-            GraphRecord(phase=self.phase, nodes=len(graph.nodes), tilefx_ops=tilefx_op_counts(graph), passes=results)
+            GraphRecord(phase=self.phase, nodes=len(graph.nodes), tilefx_ops=tilefx_op_counts(graph), passes=results,
+                        passes_seconds=passes_seconds)
         )
 
     @property
@@ -53,6 +59,47 @@ class CompileReport:
     @property
     def compile_seconds(self) -> float:
         return sum(g.compile_seconds for g in self.graphs)
+
+    @property
+    def passes_seconds(self) -> float:
+        return sum(g.passes_seconds for g in self.graphs)
+
+    def startup_line(self) -> str:
+        """Where compile_model's time went (with freezing on, torch bypasses its AOT cache: every start
+        re-runs AOT tracing, counted under inductor). Tracing is the warm-up less the backend calls: Dynamo, guards
+        and the steps' own run time; inductor is the backend less the passes: AOT, codegen, C++ builds."""
+        warmup_graphs = self.graphs[: self.warmup_graphs]
+        backend = sum(g.compile_seconds for g in warmup_graphs)
+        passes = sum(g.passes_seconds for g in warmup_graphs)
+        hits = ", ".join(f"{name} {count}" for name, count in sorted(self.caches.items())) or "none counted"
+        other = self.total_seconds - self.load_seconds - self.packing.seconds - self.warmup_seconds
+        return (
+            f"startup {self.total_seconds:.1f}s: imports and setup {max(0.0, other):.1f}s, load "
+            f"{self.load_seconds:.1f}s, pack {self.packing.seconds:.1f}s, trace {max(0.0, self.warmup_seconds - backend):.1f}s, "
+            f"passes {passes:.1f}s, inductor {backend - passes:.1f}s; caches: {hits}"
+        )
+
+
+# Counters torch keeps for its compile caches (torch._dynamo.utils.counters[group][name]).
+CACHE_COUNTERS = {
+    ("inductor", "fxgraph_cache_hit"): "fx graph hit",
+    ("inductor", "fxgraph_cache_miss"): "fx graph miss",
+    ("inductor", "fxgraph_cache_bypass"): "fx graph bypass",
+    ("aot_autograd", "autograd_cache_hit"): "aot hit",
+    ("aot_autograd", "autograd_cache_miss"): "aot miss",
+    ("aot_autograd", "autograd_cache_bypass"): "aot bypass",
+}
+
+
+def cache_counters() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {label: counters[group][name] for (group, name), label in CACHE_COUNTERS.items()}
+
+
+def counters_since(before: dict[str, int]) -> dict[str, int]:
+    """The cache counters that moved since ``before`` (a cache_counters() snapshot)."""
+    return {label: count - before.get(label, 0) for label, count in cache_counters().items() if count != before.get(label, 0)}
 
 
 def tilefx_op_counts(graph: torch.fx.Graph) -> dict[str, int]:

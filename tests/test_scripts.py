@@ -46,3 +46,16 @@ def test_bench_kernels_holds_packed_copies_in_huge_pages():
     copies = cold_copies(weight, at_least_bytes=3 * weight.nbytes, huge_pages=True)
     assert len(copies) == 3
     assert all(torch.equal(c, weight) and c.data_ptr() % (2 << 20) == 0 for c in copies)
+
+
+def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
+    """Two fresh processes share one Inductor cache directory: the second reports cache hits in
+    explain() and generates the same first token; neither compiles at the first generate()."""
+    out = tmp_path / "startup.json"
+    run_script("startup.py", ["--preset", "tiny-llama", "--json", str(out)])
+    cold, warm = json.loads(out.read_text())
+    assert (cold["start"], warm["start"]) == ("cold", "warm")
+    assert "fx graph miss" in cold["startup"] and "fx graph hit" not in cold["startup"]
+    assert "fx graph hit 2" in warm["startup"], warm["startup"]
+    assert warm["token"] == cold["token"]
+    assert cold["recompiles"] == warm["recompiles"] == 0 and cold["graphs"] == warm["graphs"] == 2

@@ -43,8 +43,10 @@ def compile_model(
     ``max_batch`` are compiled here rather than on the first request. Other keyword
     arguments are fields of ``tilefx.compiler.CompileOptions``.
     """
+    started = time.perf_counter()
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
     from tilefx.compiler import CompileOptions, CompileReport
+    from tilefx.compiler.report import cache_counters, counters_since
     from tilefx.models.load import load_model
     from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
@@ -73,14 +75,18 @@ def compile_model(
     bar.update()
     runtime = TilefxRuntime(model, opts, report)
     runtime.install()
+    counters_before, warmup_start = cache_counters(), time.perf_counter()
     for batch in warmup_batches:
         bar.set_postfix_str(f"compile prefill+decode, batch {batch}")
         _warm_up(model, batch)
         bar.update()
+    report.warmup_seconds = time.perf_counter() - warmup_start
+    report.caches = counters_since(counters_before)
     bar.close()
     report.warmup_graphs = len(report.graphs)
     if warmup:
         runtime.keep_only_packed_weights()
+    report.total_seconds = time.perf_counter() - started
     return model
 
 
@@ -105,13 +111,14 @@ def explain(model) -> str:
         f"weights: {report.packing.tensors} packed as they loaded ({report.packing.packed_bytes / 2**20:.1f} MiB, "
         f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
-        f"load {report.load_seconds:.1f}s, pack {report.packing.seconds:.1f}s, compile {report.compile_seconds:.1f}s; "
+        report.startup_line(),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),
     ]
     for index, graph in enumerate(report.graphs):
         ops = ", ".join(f"{name} x{count}" for name, count in sorted(graph.tilefx_ops.items())) or "none"
-        lines.append(f"graph {index} [{graph.phase}]: {graph.nodes} nodes, {graph.compile_seconds:.1f}s; tilefx ops: {ops}")
+        lines.append(f"graph {index} [{graph.phase}]: {graph.nodes} nodes, {graph.compile_seconds:.1f}s (passes "
+                     f"{graph.passes_seconds:.1f}s); tilefx ops: {ops}")
         for result in graph.passes:
             lines.append(f"  pass {result.name}: {result.rewritten} rewritten, {len(result.fallbacks)} left alone")
             lines.extend(f"    fallback {why}" for why in result.fallbacks)
