@@ -76,7 +76,7 @@ class CompileReport:
         return (
             f"startup {self.total_seconds:.1f}s: imports and setup {max(0.0, other):.1f}s, load "
             f"{self.load_seconds:.1f}s, pack {self.packing.seconds:.1f}s, trace {max(0.0, self.warmup_seconds - backend):.1f}s, "
-            f"passes {passes:.1f}s, inductor {backend - passes:.1f}s; caches: {hits}"
+            f"passes {passes:.2f}s, inductor {backend - passes:.1f}s; caches: {hits}"
         )
 
 
