@@ -63,16 +63,7 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None) -> str | 
     if x_dtype is not None and x_dtype != torch.bfloat16:
         return f"activations are {x_dtype}: packed linears take bf16 activations"
     if layout in ("linear", "gate_up", "mla"):
-        if any(w.dim() != 2 for w in weights):
-            return f"weights must be 2-D, got {[tuple(w.shape) for w in weights]}"
-        if len({w.shape[1] for w in weights}) != 1:
-            return f"siblings differ in in_features: {[tuple(w.shape) for w in weights]}"
-        whole = weights if layout == "gate_up" else weights[:-1]
-        if any(w.shape[0] % BLOCK_N for w in whole):
-            return f"out_features {[w.shape[0] for w in weights]}: siblings but the last need multiples of {BLOCK_N}"
-        if layout == "gate_up" and (len(weights) != 2 or weights[0].shape != weights[1].shape):
-            return f"gate/up must be two weights of one shape, got {[tuple(w.shape) for w in weights]}"
-        return None
+        return _siblings_problem(layout, weights)
     if layout == "experts":
         if len(weights) != 2 or any(w.dim() != 3 for w in weights):
             return "experts are gate_up_proj [E, 2I, H] and down_proj [E, H, I]"
@@ -84,6 +75,22 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None) -> str | 
             return f"expert intermediate size {inter}: need a multiple of {BLOCK_N}"
         return None
     raise ValueError(f"unknown packed layout {layout!r}")
+
+
+def _siblings_problem(layout: str, weights) -> str | None:
+    """Why 2-D ``weights`` cannot share one ``linear`` (or ``mla``) or ``gate_up`` packing, or None: every
+    block but a linear's last must be whole, so each sibling's packing is a contiguous slice."""
+    if any(w.dim() != 2 for w in weights):
+        return f"weights must be 2-D, got {[tuple(w.shape) for w in weights]}"
+    if any(w.shape[1] != weights[0].shape[1] for w in weights):  # no set: symbolic sizes do not hash
+        return f"siblings differ in in_features: {[tuple(w.shape) for w in weights]}"
+    gate_up = layout == "gate_up"
+    if any(w.shape[0] % BLOCK_N for w in (weights if gate_up else weights[:-1])):
+        which = "gate and up" if gate_up else "siblings but the last"
+        return f"out_features {[w.shape[0] for w in weights]}: {which} need multiples of {BLOCK_N}"
+    if gate_up and (len(weights) != 2 or weights[0].shape != weights[1].shape):
+        return f"gate/up must be two weights of one shape, got {[tuple(w.shape) for w in weights]}"
+    return None
 
 
 # -- layouts: element orders as views (a copy only where padding is needed) ---------------------------------
@@ -185,30 +192,6 @@ def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
     return _fill(layout, weights, args, torch.zeros(_layout_shape(layout, weights, args), dtype=weights[0].dtype))
 
 
-def pack_linear_weight_reference(weight: torch.Tensor) -> torch.Tensor:
-    return pack_reference("linear", [weight])
-
-
-def pack_fused_linear_weight_reference(weights) -> torch.Tensor:
-    return pack_reference("linear", list(weights))
-
-
-def pack_gate_up_weight_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return pack_reference("gate_up", [gate, up])
-
-
-def pack_expert_gate_up_weight_reference(gate_up_proj: torch.Tensor) -> torch.Tensor:
-    return pack_reference("expert_gate_up", [gate_up_proj])
-
-
-def pack_expert_down_weight_reference(down_proj: torch.Tensor) -> torch.Tensor:
-    return pack_reference("expert_down", [down_proj])
-
-
-def pack_mla_absorbed_weight_reference(kv_b_weight, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
-    return pack_reference("mla_value" if value else "mla_key", [kv_b_weight], (heads, nope_dim))
-
-
 def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The inverse of the ``linear`` layout (also per expert / head: ``[..., N, K]``)."""
     *lead, blocks, pairs, _, _ = packed.shape
@@ -239,15 +222,10 @@ def _check_sources(layout: str, weights) -> None:
     what = f"pack ({layout})"
     torch._check(len(weights) >= 1, lambda: f"{what}: no weights")
     if layout in ("linear", "gate_up"):
-        torch._check(all(w.dim() == 2 and w.shape[1] == weights[0].shape[1] and w.dtype == weights[0].dtype
-                         for w in weights),
-                     lambda: f"{what}: weights must be 2-D and share in_features and dtype, got "
-                             f"{[(tuple(w.shape), w.dtype) for w in weights]}")
-        whole = weights if layout == "gate_up" else weights[:-1]
-        torch._check(all(w.shape[0] % BLOCK_N == 0 for w in whole),
-                     lambda: f"{what}: out_features must be multiples of {BLOCK_N}, got {[w.shape[0] for w in weights]}")
-        torch._check(layout != "gate_up" or (len(weights) == 2 and weights[0].shape == weights[1].shape),
-                     lambda: f"{what}: gate {tuple(weights[0].shape)} != up {tuple(weights[-1].shape)}")
+        problem = _siblings_problem(layout, weights)
+        torch._check(problem is None, lambda: f"{what}: {problem}")
+        torch._check(len({w.dtype for w in weights}) == 1,
+                     lambda: f"{what}: weights must share a dtype, got {[w.dtype for w in weights]}")
     elif layout == "expert_gate_up":
         torch._check(weights[0].dim() == 3 and weights[0].shape[1] % (2 * BLOCK_N) == 0,
                      lambda: f"pack_expert_gate_up_weight: gate_up_proj must be [E, 2I, H] with I a multiple of "
@@ -530,30 +508,6 @@ def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> Non
 # -- the packing ops: what the passes insert in graphs (constant-folded under freezing) ---------------------
 
 
-def _pack_linear_weight(weight):
-    return pack("linear", [weight])
-
-
-def _pack_fused_linear_weight(weights):
-    return pack("linear", list(weights))
-
-
-def _pack_gate_up_weight(gate, up):
-    return pack("gate_up", [gate, up])
-
-
-def _pack_expert_gate_up_weight(gate_up_proj):
-    return pack("expert_gate_up", [gate_up_proj])
-
-
-def _pack_expert_down_weight(down_proj):
-    return pack("expert_down", [down_proj])
-
-
-def _pack_mla_absorbed_weight(kv_b_weight, heads, nope_dim, value):
-    return pack("mla_value" if value else "mla_key", [kv_b_weight], (heads, nope_dim))
-
-
 def _fake(layout: str, weights, args: tuple = ()) -> torch.Tensor:
     weights = list(weights)
     _check_sources(layout, weights)
@@ -562,25 +516,37 @@ def _fake(layout: str, weights, args: tuple = ()) -> torch.Tensor:
     return weights[0].new_empty(_layout_shape(layout, weights, args))
 
 
-_LIB = torch.library.Library("tilefx", "FRAGMENT")
-for _name, _schema, _impl, _fake_impl in (
-    ("pack_linear_weight", "(Tensor weight) -> Tensor", _pack_linear_weight, lambda w: _fake("linear", [w])),
-    ("pack_fused_linear_weight", "(Tensor[] weights) -> Tensor", _pack_fused_linear_weight,
-     lambda ws: _fake("linear", ws)),
-    ("pack_gate_up_weight", "(Tensor gate, Tensor up) -> Tensor", _pack_gate_up_weight,
-     lambda g, u: _fake("gate_up", [g, u])),
-    ("pack_expert_gate_up_weight", "(Tensor gate_up_proj) -> Tensor", _pack_expert_gate_up_weight,
-     lambda w: _fake("expert_gate_up", [w])),
-    ("pack_expert_down_weight", "(Tensor down_proj) -> Tensor", _pack_expert_down_weight,
-     lambda w: _fake("expert_down", [w])),
-    ("pack_mla_absorbed_weight", "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
-     _pack_mla_absorbed_weight,
-     lambda w, heads, nope, value: _fake("mla_value" if value else "mla_key", [w], (heads, nope))),
-):
-    _LIB.define(_name + _schema)
-    _LIB.impl(_name, _impl, "CPU")
-    torch.library.register_fake(f"tilefx::{_name}", _fake_impl, lib=_LIB)
+# Each packing op's schema, and how its arguments become one request (layout, weights, layout args): the op
+# serves it with pack(), its fake with _fake(), its reference (pack_<op>_reference) with pack_reference().
+_REQUESTS = {
+    "pack_linear_weight": ("(Tensor weight) -> Tensor", lambda w: ("linear", [w], ())),
+    "pack_fused_linear_weight": ("(Tensor[] weights) -> Tensor", lambda ws: ("linear", list(ws), ())),
+    "pack_gate_up_weight": ("(Tensor gate, Tensor up) -> Tensor", lambda g, u: ("gate_up", [g, u], ())),
+    "pack_expert_gate_up_weight": ("(Tensor gate_up_proj) -> Tensor", lambda w: ("expert_gate_up", [w], ())),
+    "pack_expert_down_weight": ("(Tensor down_proj) -> Tensor", lambda w: ("expert_down", [w], ())),
+    "pack_mla_absorbed_weight": (
+        "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
+        lambda w, heads, nope_dim, value: ("mla_value" if value else "mla_key", [w], (heads, nope_dim)),
+    ),
+}
 
+
+def _serving(serve, request):
+    return lambda *op_args, **op_kwargs: serve(*request(*op_args, **op_kwargs))
+
+
+_LIB = torch.library.Library("tilefx", "FRAGMENT")
+for _name, (_schema, _request) in _REQUESTS.items():
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _serving(pack, _request), "CPU")
+    torch.library.register_fake(f"tilefx::{_name}", _serving(_fake, _request), lib=_LIB)
+
+pack_linear_weight_reference = _serving(pack_reference, _REQUESTS["pack_linear_weight"][1])
+pack_fused_linear_weight_reference = _serving(pack_reference, _REQUESTS["pack_fused_linear_weight"][1])
+pack_gate_up_weight_reference = _serving(pack_reference, _REQUESTS["pack_gate_up_weight"][1])
+pack_expert_gate_up_weight_reference = _serving(pack_reference, _REQUESTS["pack_expert_gate_up_weight"][1])
+pack_expert_down_weight_reference = _serving(pack_reference, _REQUESTS["pack_expert_down_weight"][1])
+pack_mla_absorbed_weight_reference = _serving(pack_reference, _REQUESTS["pack_mla_absorbed_weight"][1])
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
