@@ -14,14 +14,20 @@ std::atomic<int> current_path{static_cast<int>(Path::reference)};
 
 }  // namespace
 
-void set_path(const std::string& path) {
-  if (path == "reference") current_path = static_cast<int>(Path::reference);
-  else if (path == "avx2") current_path = static_cast<int>(Path::avx2);
-  else if (path == "amx") current_path = static_cast<int>(Path::amx);
-  else if (path == "avx512_bf16") current_path = static_cast<int>(Path::avx512_bf16);
-  else if (path == "avx512_bf16_emulated" && kAvx512Emulation)
-    current_path = static_cast<int>(Path::avx512_bf16_emulated);
-  else TORCH_CHECK(false, "tilefx: no native kernels for path '", path, "'");
+Path parse_path(const std::string& name) {
+  if (name == "reference") return Path::reference;
+  if (name == "avx2") return Path::avx2;
+  if (name == "amx") return Path::amx;
+  if (name == "avx512_bf16") return Path::avx512_bf16;
+  if (name == "avx512_bf16_emulated") return Path::avx512_bf16_emulated;
+  TORCH_CHECK(false, "tilefx: unknown kernel path '", name, "'");
+}
+
+void set_path(const std::string& name) {
+  const Path parsed = parse_path(name);
+  TORCH_CHECK(parsed != Path::avx512_bf16_emulated || kAvx512Emulation, "tilefx: no native kernels for path '", name,
+              "' (this build has no SIMDe)");
+  current_path = static_cast<int>(parsed);
 }
 
 Path path() { return static_cast<Path>(current_path.load(std::memory_order_relaxed)); }
@@ -64,6 +70,13 @@ const char* unit_name(LinearUnit unit) {
     case LinearUnit::avx2: return "avx2";
     case LinearUnit::avx512: return "avx512_bf16";
     case LinearUnit::avx512_emulated: return "avx512_bf16_emulated";
+  }
+  return "unknown";
+}
+
+const char* unit_name(AttentionUnit unit) {
+  switch (unit) {
+    case AttentionUnit::avx2: return "avx2";
   }
   return "unknown";
 }

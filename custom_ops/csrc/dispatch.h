@@ -17,8 +17,10 @@ constexpr bool kAvx512Emulation = true;
 constexpr bool kAvx512Emulation = false;
 #endif
 
-// Takes "reference", "avx2", "amx", "avx512_bf16" or, in builds with SIMDe,
-// "avx512_bf16_emulated"; refuses anything else.
+// The path named "reference", "avx2", "amx", "avx512_bf16" or "avx512_bf16_emulated";
+// refuses anything else.
+Path parse_path(const std::string& name);
+// Takes a path parse_path names; avx512_bf16_emulated only in builds with SIMDe.
 void set_path(const std::string& path);
 Path path();
 
@@ -56,6 +58,7 @@ KernelUnits units_for(Path path);
 inline bool use_amx(const KernelUnits& units, int64_t rows) { return units.amx_linear && rows > kGemvRows; }
 // The name of a unit, as custom_ops.isa.kernel_units reports it.
 const char* unit_name(LinearUnit unit);
+const char* unit_name(AttentionUnit unit);
 // Read once per op call, so one call never mixes two paths' units.
 KernelUnits current_units();
 

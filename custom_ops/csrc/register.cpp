@@ -33,23 +33,15 @@ void register_cpu_kernels() {
 
 // One row of the dispatch table, for custom_ops.isa.kernel_units.
 std::map<std::string, std::string> kernel_units(const std::string& name) {
-  Path path;
-  if (name == "reference") path = Path::reference;
-  else if (name == "avx2") path = Path::avx2;
-  else if (name == "amx") path = Path::amx;
-  else if (name == "avx512_bf16") path = Path::avx512_bf16;
-  else if (name == "avx512_bf16_emulated") path = Path::avx512_bf16_emulated;
-  else TORCH_CHECK(false, "tilefx: unknown kernel path '", name, "'");
-  const KernelUnits units = units_for(path);
+  const KernelUnits units = units_for(parse_path(name));
   if (!units.native) return {};
-  const std::string attention = "avx2";  // AttentionUnit has one member
   return {{"linear", units.amx_linear ? std::string("amx above ") + std::to_string(kGemvRows) + " rows, else " +
                                             unit_name(units.linear)
                                       : unit_name(units.linear)},
           {"linear_float", unit_name(units.linear)},
           {"linear_per_head", unit_name(units.per_head)},
           {"fused_moe", unit_name(units.moe)},
-          {"attention", attention}};
+          {"attention", unit_name(units.attention)}};
 }
 
 }  // namespace
