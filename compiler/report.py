@@ -56,14 +56,6 @@ class CompileReport:
         """Graphs compiled after warm-up: each is a recompilation the user paid for at run time."""
         return max(0, len(self.graphs) - self.warmup_graphs)
 
-    @property
-    def compile_seconds(self) -> float:
-        return sum(g.compile_seconds for g in self.graphs)
-
-    @property
-    def passes_seconds(self) -> float:
-        return sum(g.passes_seconds for g in self.graphs)
-
     def startup_line(self) -> str:
         """Where compile_model's time went (with freezing on, torch bypasses its AOT cache: every start
         re-runs AOT tracing, counted under inductor). Tracing is the warm-up less the backend calls: Dynamo, guards
