@@ -1,34 +1,37 @@
-"""The torch.compile backend: tilefx passes, then Inductor with freezing."""
+"""The torch.compile backend: tilefx passes, packed weights as graph inputs, then Inductor."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 from torch._inductor.compile_fx import compile_fx
 
 from tilefx.compiler.options import CompileOptions
-from tilefx.compiler.pass_manager import PassManager
+from tilefx.compiler.pass_manager import CacheKey, PassManager, packings_as_inputs
 from tilefx.compiler.report import CompileReport
 
 
 class Backend:
     """``torch.compile(fn, backend=Backend(options))``.
 
-    The pass manager is installed as Inductor's ``pre_grad_custom_pass`` with early
-    timing, so it runs on every compiled graph (its report is complete even on an FX
-    graph cache hit) and Inductor's cache key covers the graph it produced.
+    Each graph Dynamo captures goes through the passes (every time, cache hit or not:
+    the report is complete and the packed weights are found), then its packing ops
+    become inputs holding the packed tensors, which the returned function appends to
+    Dynamo's arguments on every call. Inductor's compile caches see the rewritten graph
+    and, through ``CacheKey``, the passes' and options' ``uuid()``.
     """
 
     def __init__(self, options: CompileOptions, report: CompileReport | None = None, moe_blocks: dict | None = None):
         self.options = options
         self.report = report if report is not None else CompileReport()
         self.pass_manager = PassManager(options, self.report, moe_blocks=moe_blocks)
+        self.cache_key = CacheKey(self.pass_manager.uuid())
 
     def inductor_config(self) -> dict:
         return {
-            "pre_grad_custom_pass": self.pass_manager,
-            "pre_grad_pass_timing": "early",
+            "pre_grad_custom_pass": self.cache_key,
             "freezing": self.options.freezing,
             # The wrapper checks every extern op's output size, stride and alignment in Python
             # before using it: debugging aids that cost microseconds per op on every decode step.
@@ -38,8 +41,38 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         start = time.perf_counter()
-        graphs_before = len(self.report.graphs)
-        compiled = compile_fx(gm, example_inputs, config_patches=self.inductor_config())
-        if len(self.report.graphs) > graphs_before:
-            self.report.graphs[-1].compile_seconds = time.perf_counter() - start
+        gm = _own_copy(gm)
+        self.pass_manager(gm.graph)
+        packed, fakes = packings_as_inputs(gm, torch._guards.detect_fake_mode(example_inputs))
+        compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=self.inductor_config())
+        self.report.graphs[-1].compile_seconds = time.perf_counter() - start
+        return _with_inputs(compiled, packed)
+
+
+_DYNAMO_ATTRIBUTES = ("_param_name_to_source", "_source_to_user_stacks", "_backend_id", "compile_subgraph_reason")
+
+
+def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` over a copy of its graph (nodes and their meta shallow-copied; weights shared): Dynamo reads its
+    graph's inputs again after the backend returns, so the inputs the backend adds must not be in it."""
+    nodes: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph = torch.fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    value, output = graph.graph_copy(gm.graph, nodes, return_output_node=True)
+    graph.output(value, type_expr=getattr(output, "type", None)).meta = copy.copy(output.meta)
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    own = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    own.meta = dict(gm.meta)
+    for name in _DYNAMO_ATTRIBUTES:
+        if hasattr(gm, name):
+            setattr(own, name, getattr(gm, name))
+    return own
+
+
+def _with_inputs(compiled, extra: list[torch.Tensor]):
+    """``compiled`` (called as Dynamo calls a backend's result: ``*args``) with ``extra`` after the caller's arguments."""
+    if not extra:
         return compiled
+    return lambda *args: compiled(*args, *extra)

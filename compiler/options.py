@@ -18,7 +18,9 @@ class CompileOptions:
     moe: bool = True  # swap each sparse MoE block's routing + experts for tilefx router ops + fused_moe
     linear: bool = True  # swap every linear for tilefx.linear over a weight packed at compile time
     fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear
-    freezing: bool = True  # Inductor freezing: weights become constants of the compiled graph
+    # Inductor freezing (weights become constants of the compiled graphs). Off: packed weights are graph
+    # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.
+    freezing: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     tp_rank: int = 0
     tp_world_size: int = 1

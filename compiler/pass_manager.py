@@ -1,10 +1,12 @@
-"""The pass manager: the one object installed into Inductor's config (``pre_grad_custom_pass``).
+"""The pass manager: runs tilefx's passes on each graph Dynamo captures, before Inductor sees it.
 
-It runs tilefx's passes, in the order below, on the Torch-IR graph Dynamo captured,
-before AOT autograd functionalizes it. It records what each pass did in a
-``CompileReport`` (read by ``tilefx.explain``), dumps graphs before/after each pass
-when ``TILEFX_DUMP_GRAPHS=<dir>`` is set, and hashes passes + options in ``uuid()``
-so Inductor's FX graph cache never reuses a graph compiled by other passes.
+It runs the passes, in the order below, on the Torch-IR graph, records what each
+did in a ``CompileReport`` (read by ``tilefx.explain``), dumps graphs before/after
+each pass when ``TILEFX_DUMP_GRAPHS=<dir>`` is set, then turns every packing op
+the passes inserted into a graph input holding the packed tensor
+(``packings_as_inputs``). ``uuid()`` hashes passes + options; ``CacheKey`` puts it
+in Inductor's config so the compile caches never reuse a graph compiled by other
+passes or another tilefx.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
     if options.mla:
         passes.append(MlaPass())
     if options.moe and moe_blocks:
-        passes.append(MoePass(moe_blocks, freezing=options.freezing))
+        passes.append(MoePass(moe_blocks))
     if options.linear:
-        passes.append(LinearPass(freezing=options.freezing, fuse=options.fuse_linears))
+        passes.append(LinearPass(fuse=options.fuse_linears))
     return passes
 
 
@@ -59,6 +61,61 @@ def check_released_weights_read_packed(graph: torch.fx.Graph) -> None:
                 f"that use (see tilefx.explain). Compile with the option that disables the region's pass "
                 f"(linear=False, moe=False, fuse_linears=False) to keep such weights unpacked."
             )
+
+
+def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each packing op in ``gm`` run now, on the model's weights; its packed tensor becomes a new graph input.
+
+    The packing ops serve the packings the loader made (or pack once, custom_ops/weights.py),
+    so this costs no copy. As inputs, packed weights are neither computed per call nor
+    constants of the compiled graph: the graph is the same with or without Inductor's
+    freezing, and the compile caches key it by the weights' shapes, never their values
+    (AOT autograd's cache refuses frozen graphs). Returns the packed tensors, in the order
+    of the new inputs, and fake tensors of them for the example inputs.
+    """
+    packed: list[torch.Tensor] = []
+    inputs: dict[tuple, torch.fx.Node] = {}  # one input per packed tensor, shared by the ops that ask for it
+    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+
+    def real(arg):
+        if isinstance(arg, (list, tuple)):
+            return [real(a) for a in arg]
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        param = model_parameter(arg)
+        if param is None:
+            raise RuntimeError(f"{arg.format_node()}: a packing op reads something other than a model parameter")
+        return param
+
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]:
+        with torch.no_grad():
+            tensor = node.target(*real(node.args), **real(dict(node.kwargs)))
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if key not in inputs:
+            with gm.graph.inserting_after(last_input):
+                last_input = inputs[key] = gm.graph.placeholder(f"tilefx_packed_{len(packed)}")
+            last_input.meta["example_value"] = last_input.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+            last_input._dynamo_source = None  # AOT autograd asks each input of a Dynamo graph where it came from
+            packed.append(tensor)
+        node.replace_all_uses_with(inputs[key])
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return packed, [inputs_node.meta["val"] for inputs_node in inputs.values()]
+
+
+class CacheKey(CustomGraphPass):
+    """Installed as Inductor's ``pre_grad_custom_pass`` only for its ``uuid()`` (the passes already ran): FX graph
+    and AOT autograd cache keys include it."""
+
+    def __init__(self, uuid: str):
+        self._uuid = uuid
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self._uuid
 
 
 class PassManager(CustomGraphPass):

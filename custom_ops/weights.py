@@ -21,8 +21,9 @@ the one that exists for the same sources), ``release()`` hands the sources' memo
 back: each source parameter becomes a view of its part of the packed tensor, so
 memory holds the weight once (its values are then in packed order: only tilefx
 graphs, which read it packed, may use it). The loader packs and releases layer by
-layer (models/packing.py); the graph's packing ops, constant-folded by Inductor's
-freezing, find those packed tensors here and return them instead of packing again.
+layer (models/packing.py); the graph's packing ops, run once when a graph is compiled
+(compiler/pass_manager.py, ``packings_as_inputs``), find those packed tensors here and
+return them instead of packing again.
 """
 
 from __future__ import annotations
@@ -505,7 +506,7 @@ def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> Non
         _madvise_dontneed(first, last - first)
 
 
-# -- the packing ops: what the passes insert in graphs (constant-folded under freezing) ---------------------
+# -- the packing ops: what the passes insert in graphs (run once at compile time, their results graph inputs) --
 
 
 def _fake(layout: str, weights, args: tuple = ()) -> torch.Tensor:

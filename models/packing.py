@@ -56,8 +56,6 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
     decoder layer, then the rest)."""
     from tilefx.models.adapters import adapter_for
 
-    if not options.freezing:  # the passes pack nothing without freezing: weights are not constants
-        return []
     adapter = adapter_for(model.config)
     gated = options.fuse_linears and getattr(model.config, "hidden_act", "silu") == "silu"
     taken: set[int] = set()

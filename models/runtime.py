@@ -4,8 +4,11 @@
 starts or continues the tilefx cache, gives the compiled graph inputs of fixed
 shape (a 2-D mask padded to ``max_seq_len``, explicit position ids, the cache), and
 marks the prompt length dynamic, so one graph serves every prefill and one every
-decode step (per batch size). ``model.generate`` gets an up-front check of the
-whole request; everything else is transformers' own ``generate``.
+decode step. Batch 1 has graphs of its own (the decode step users wait on stays
+specialized); every batch from 2 to ``max_batch`` shares one pair in which the batch
+is a dynamic dim, so startup does not grow with ``max_batch``. ``model.generate``
+gets an up-front check of the whole request; everything else is transformers' own
+``generate``.
 """
 
 from __future__ import annotations
@@ -55,17 +58,17 @@ class TilefxRuntime:
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)
         self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
-        # With freezing the weights are constants of the compiled graphs: guards on the modules'
-        # attributes (thousands of them, checked before every decode step) cannot change what
-        # runs, so they are not installed. Without freezing they stay.
-        guard_options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if options.freezing else None
+        # The model is tilefx's: its modules and weights do not change after compile_model (packed
+        # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
+        # checked before every decode step, are not installed.
+        guard_options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.compiled_forward = torch.compile(
             _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False,
             options=guard_options,
         )
-        # Decode is one graph per batch size, prefill another (two with full logits): stay
-        # under Dynamo's per-frame limit, past which a frame silently runs eagerly.
-        needed = 3 * options.max_batch + 2
+        # Prefill, decode (and prefill with full logits), for batch 1 and for the dynamic batch:
+        # stay under Dynamo's per-frame limit, past which a frame silently runs eagerly.
+        needed = 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 8 * needed
@@ -139,6 +142,9 @@ class TilefxRuntime:
         if seq > 1:
             for tensor in (input_ids, position_ids):
                 torch._dynamo.mark_dynamic(tensor, 1, min=2, max=self.options.max_seq_len)
+        if batch > 1 and self.options.max_batch > 2:  # (2 is the only batch above 1: static)
+            for tensor in (input_ids, position_ids, mask):
+                torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.options.max_batch)
         if not continuing:
             cache.start(batch)
         self.report.phase = "prefill" if seq > 1 else "decode"

@@ -12,13 +12,14 @@ from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
+MAX_BATCH = 4  # batches 2-4 share graphs with a dynamic batch dim
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request):
     """(eager reference, compiled model) with identical weights; compiled once per module and family."""
     reference = build_model(request.param, seed=7)
-    compiled = tilefx.compile_model(build_model(request.param, seed=7), max_seq_len=MAX_SEQ_LEN, max_batch=2)
+    compiled = tilefx.compile_model(build_model(request.param, seed=7), max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     return reference, compiled
 
 
@@ -88,7 +89,9 @@ def test_no_graph_compiles_in_any_grad_mode(pair, mode):
     reference, compiled = pair
     report = compiled.tilefx.report
     before = len(report.graphs)
-    for prompts in ([_prompt(6, 11)], [_prompt(7, 12), _prompt(3, 13)]):
+    assert report.warmup_graphs == 4  # prefill and decode for batch 1, and for batches 2..MAX_BATCH
+    for batch in range(1, MAX_BATCH + 1):
+        prompts = [_prompt(3 + 2 * row, 11 + batch + row) for row in range(batch)]
         ids, mask = padded_batch(prompts)
         with GRAD_MODES[mode]():
             out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -129,10 +132,10 @@ def test_too_long_request_fails_cleanly_then_recovers(pair):
 
 def test_batch_over_max_fails_cleanly_then_recovers(pair):
     reference, compiled = pair
-    ids, mask = padded_batch([_prompt(5, s) for s in range(3)])
-    with pytest.raises(ValueError, match="max_batch=2"):
+    ids, mask = padded_batch([_prompt(5, s) for s in range(MAX_BATCH + 1)])
+    with pytest.raises(ValueError, match=f"max_batch={MAX_BATCH}"):
         compiled.generate(ids, attention_mask=mask, max_new_tokens=4)
-    with pytest.raises(ValueError, match="max_batch=2"):
+    with pytest.raises(ValueError, match=f"max_batch={MAX_BATCH}"):
         compiled(input_ids=ids, attention_mask=mask)
     ids, mask = padded_batch([_prompt(5, 0)])
     out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)

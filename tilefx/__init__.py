@@ -39,8 +39,9 @@ def compile_model(
     ``source`` is a hub id, a directory (``save_pretrained`` layout, safetensors), or a
     ``PreTrainedModel``. The KV cache is preallocated for ``max_batch`` sequences of
     ``max_seq_len`` tokens (prompt + new tokens); larger requests raise ``ValueError``.
-    With ``warmup`` the prefill and decode graphs for every batch size up to
-    ``max_batch`` are compiled here rather than on the first request. Other keyword
+    With ``warmup`` the prefill and decode graphs are compiled here rather than on the
+    first request: one pair for batch 1 and, with ``max_batch`` above 1, one pair for
+    every batch from 2 to ``max_batch`` (the batch a dynamic dim). Other keyword
     arguments are fields of ``tilefx.compiler.CompileOptions``.
     """
     started = time.perf_counter()
@@ -58,8 +59,9 @@ def compile_model(
                         f"{', '.join(option_names)} (fields of tilefx.compiler.CompileOptions)")
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
     report = CompileReport()
-    warmup_batches = list(range(1, max_batch + 1)) if warmup else []
-    steps = ["load", "pack"] + [f"compile batch {b}" for b in warmup_batches]
+    warmup_batches = [b for b in (1, 2) if b <= max_batch] if warmup else []
+    batches = {1: "batch 1", 2: f"batch 2-{max_batch}" if max_batch > 2 else "batch 2"}
+    steps = ["load", "pack"] + [f"compile {batches[b]}" for b in warmup_batches]
     bar = tqdm(steps, desc="tilefx", disable=not progress or os.environ.get("TILEFX_QUIET") == "1", leave=False)
     start = time.perf_counter()
     bar.set_postfix_str("load")
@@ -77,7 +79,7 @@ def compile_model(
     runtime.install()
     counters_before, warmup_start = cache_counters(), time.perf_counter()
     for batch in warmup_batches:
-        bar.set_postfix_str(f"compile prefill+decode, batch {batch}")
+        bar.set_postfix_str(f"compile prefill+decode, {batches[batch]}")
         _warm_up(model, batch)
         bar.update()
     report.warmup_seconds = time.perf_counter() - warmup_start

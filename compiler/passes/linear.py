@@ -1,10 +1,10 @@
 """Linear pass: every ``linear(x, W, b)`` -> ``tilefx.linear`` over a weight packed at compile time.
 
 Matches every ``torch._C._nn.linear`` / ``F.linear`` call of the Dynamo (Torch IR)
-graph. With Inductor's freezing, parameters are constants, so the inserted packing
-op is constant-folded: each weight is packed once when the graph is compiled, the
-graph keeps only the packed copy, and the graphs of one model share it (packing is
-memoized, custom_ops/linear.py).
+graph. The packing op it inserts runs once, when the graph is compiled: the backend
+turns it into a graph input holding the packed tensor (compiler/pass_manager.py,
+``packings_as_inputs``), and the graphs of one model share it (packing is memoized,
+custom_ops/weights.py).
 
 Sibling linears, several weights applied to one input, become one call (``fuse``):
 decode then streams them as one weight, and small projections (k/v: 0.5-2 MB,
@@ -27,8 +27,7 @@ Other weights are grouped here and packed when the graph is compiled. An input
 embedding whose weight was packed (tied to the ``lm_head``) becomes
 ``tilefx.packed_embedding`` over that packed tensor: memory holds it once.
 
-Preconditions (else the linear is left alone and the reason recorded): freezing
-on (otherwise packing would run every call), the weight is a 2-D model parameter
+Preconditions (else the linear is left alone and the reason recorded): the weight is a 2-D model parameter
 and ``weights.can_pack`` accepts it and x, the bias (if any) is a 1-D bf16 parameter.
 """
 
@@ -58,12 +57,11 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 class LinearPass(TilefxPass):
     name = "linear"
 
-    def __init__(self, freezing: bool = True, fuse: bool = True):
-        self.freezing = freezing
+    def __init__(self, fuse: bool = True):
         self.fuse = fuse
 
     def option_key(self) -> str:
-        return f"freezing={self.freezing},fuse={self.fuse}"
+        return f"fuse={self.fuse}"
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
@@ -104,8 +102,6 @@ class LinearPass(TilefxPass):
         return result
 
     def _why_not(self, x, weight, bias) -> str | None:
-        if not self.freezing:
-            return "freezing is off: weights are not constants, packing would run every call"
         x_val, w_val = example_value(x), example_value(weight)
         if not is_parameter(weight) or w_val is None or w_val.dim() != 2:
             return "weight is not a 2-D model parameter"
@@ -121,7 +117,7 @@ class LinearPass(TilefxPass):
         ``tilefx.linear_float(x, pack(W))``: the same fp32 products, without an fp32 weight. Returns W."""
         x, weight, bias = linear_args(node)
         x16, w16 = _bf16_source(x), _bf16_source(weight)
-        if not self.freezing or bias is not None or x16 is None or w16 is None or not is_parameter(w16):
+        if bias is not None or x16 is None or w16 is None or not is_parameter(w16):
             return None
         if example_value(w16).dim() != 2:
             return None

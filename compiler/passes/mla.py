@@ -21,7 +21,7 @@ and every head attends the one latent "head" (head folding: the cache is read on
 for all heads, over the valid prefix only). Nothing is expanded: per token the
 step reads ``kv_b_proj`` once instead of computing it over the whole cache. Both
 halves are packed per head when the graph is compiled (``pack_mla_absorbed_weight``,
-constant-folded under freezing, memoized on the weight).
+run once and made a graph input by the backend, memoized on the weight).
 Preconditions (else the region is left alone and the reason recorded): the expanded
 keys come from a bias-free linear over a cache buffer written by one ``index_copy_``,
 the rope key buffer is written at the same positions, the query is ``cat(q_nope, q_pe)``,

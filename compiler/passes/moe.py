@@ -16,8 +16,8 @@ family's router looks like:
   ``Routing`` names (computing exactly what HF computes), then casts to the dtypes HF
   handed the experts.
 
-Preconditions (else the block is left alone and the reason recorded): freezing on
-(expert weights are constants, packed once), experts ``weights.can_pack`` accepts,
+Preconditions (else the block is left alone and the reason recorded): experts
+``weights.can_pack`` accepts (packed once: the packing ops become graph inputs),
 exactly one experts output, a router linear and both routing inputs
 found. Shared experts are ordinary MLPs: the linear pass fuses their gate/up.
 """
@@ -47,14 +47,13 @@ from tilefx.custom_ops import weights as packed_weights
 class MoePass(TilefxPass):
     name = "moe"
 
-    def __init__(self, blocks: dict, freezing: bool = True):
+    def __init__(self, blocks: dict):
         """``blocks``: module path of each sparse MoE block (``model.layers.3.mlp``) -> its ``MoeBlock``
         (models/adapters.py: the experts' and router's module paths and the routing rule)."""
         self.blocks = dict(blocks)
-        self.freezing = freezing
 
     def option_key(self) -> str:
-        return f"freezing={self.freezing};" + ";".join(f"{path}={routing!r}" for path, routing in sorted(self.blocks.items()))
+        return ";".join(f"{path}={routing!r}" for path, routing in sorted(self.blocks.items()))
 
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
@@ -77,8 +76,6 @@ class MoePass(TilefxPass):
         return result
 
     def _rewrite(self, graph, block, routing, experts, router, result: PassResult) -> str | None:
-        if not self.freezing:
-            return "freezing is off: expert weights are not constants, packing would run every call"
         order = {node: i for i, node in enumerate(graph.nodes)}
         experts.sort(key=order.__getitem__)
         inside = set(experts)

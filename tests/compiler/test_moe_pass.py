@@ -76,19 +76,6 @@ def test_matches_whichever_experts_implementation_hf_runs(implementation):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_leaves_blocks_alone_without_freezing():
-    torch._dynamo.reset()
-    model = build_model("tiny-qwen3-moe", seed=4)
-    backend = PassTestBackend(MoePass(moe_blocks(model.config), freezing=False))
-    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=16)
-    cache.start(1)
-    run(model, cache, torch.randint(3, 200, (1, 3)), backend)
-    result = backend.results[0]
-    assert result.rewritten == 0 and len(result.fallbacks) == model.config.num_hidden_layers
-    assert all("freezing is off" in why for why in result.fallbacks)
-    assert count(backend.after[0], is_op("fused_moe")) == 0
-
-
 def test_uuid_depends_on_routing():
     model = build_model("tiny-qwen3-moe")
     blocks = moe_blocks(model.config)
