@@ -110,13 +110,6 @@ def _linear_order(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(*lead, blocks, BLOCK_N, pairs, 2).transpose(-3, -2)
 
 
-def _expert_gate_up_order(gate_up_proj: torch.Tensor) -> torch.Tensor:
-    """``[E, 2I, H]`` (gate rows, then up rows) as ``[E, I/32, 2, H/2, 32, 2]``: per expert gate/up interleaved."""
-    experts, two_inter, hidden = gate_up_proj.shape
-    halves = _linear_order(gate_up_proj.view(experts, 2, two_inter // 2, hidden))  # [E, 2, I/32, H/2, 32, 2]
-    return halves.transpose(1, 2)
-
-
 def _mla_part(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, value: bool) -> torch.Tensor:
     rows, rank = kv_b_weight.shape
     torch._check(rows % heads == 0 and 0 < nope_dim < rows // heads,
@@ -149,37 +142,49 @@ def _layout_shape(layout: str, weights, args: tuple) -> tuple[int, ...]:
 CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
 
 
-def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped) -> None:
+def _write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
+    """``out [blocks, pairs, 32, 2] = rows [n, k]`` in ``linear`` order (zero padded): the native copy
+    (csrc/memory.cpp, every thread) where it applies, else torch's copy of the permuted view."""
+    if (native and isa.native is not None and rows.element_size() == 2 and rows.stride(-1) == 1
+            and out.stride()[1:] == (2 * BLOCK_N, 2, 1)):
+        isa.native.pack_vnni_blocks(out, rows)
+    else:
+        out.copy_(_linear_order(rows))
+
+
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time."""
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // BLOCK_N) * BLOCK_N
     for row in range(0, weight.shape[0], rows_per_chunk):
         rows = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
-        out[block : block + -(-rows.shape[0] // BLOCK_N)].copy_(_linear_order(rows))
+        _write_blocks(out[block : block + -(-rows.shape[0] // BLOCK_N)], rows, native)
         _drop_file_pages(rows, mapped)
 
 
-def _fill(layout: str, weights, args: tuple, out: torch.Tensor) -> torch.Tensor:
+def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True) -> torch.Tensor:
     """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time (no copy of a whole
     weight): pages of a source mapped from a file are dropped as soon as they are packed, so packing a
-    lazily loaded weight holds it about once, not twice."""
+    lazily loaded weight holds it about once, not twice. ``native=False``: torch copies only (the reference)."""
     mapped = _file_mappings()
     if layout == "linear":
         start = 0
         for weight in weights:
             blocks = -(-weight.shape[0] // BLOCK_N)
-            _fill_linear(out[start : start + blocks], weight, mapped)
+            _fill_linear(out[start : start + blocks], weight, mapped, native)
             start += blocks
     elif layout == "gate_up":
         pairs = out.view(-1, 2, *out.shape[1:])
-        _fill_linear(pairs[:, 0], weights[0], mapped)
-        _fill_linear(pairs[:, 1], weights[1], mapped)
-    elif layout in ("expert_gate_up", "expert_down"):
-        per_expert = out.view(out.shape[0], -1, 2, *out.shape[2:]) if layout == "expert_gate_up" else out
-        for expert, source in zip(per_expert, weights[0]):
-            order = _expert_gate_up_order(source[None])[0] if layout == "expert_gate_up" else _linear_order(source)
-            expert.copy_(order)
-            _drop_file_pages(source, mapped)
+        _fill_linear(pairs[:, 0], weights[0], mapped, native)
+        _fill_linear(pairs[:, 1], weights[1], mapped, native)
+    elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
+        for expert, source in zip(out.view(out.shape[0], -1, 2, *out.shape[2:]), weights[0]):
+            gate, up = source.chunk(2)
+            _fill_linear(expert[:, 0], gate, mapped, native)
+            _fill_linear(expert[:, 1], up, mapped, native)
+    elif layout == "expert_down":
+        for expert, source in zip(out, weights[0]):
+            _fill_linear(expert, source, mapped, native)
     elif layout in ("mla_key", "mla_value"):
         out.copy_(_linear_order(_mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -190,7 +195,8 @@ def _fill(layout: str, weights, args: tuple, out: torch.Tensor) -> torch.Tensor:
 def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
     """The specification of ``layout``: a new (ordinary) tensor holding ``weights`` packed."""
     _check_sources(layout, weights)
-    return _fill(layout, weights, args, torch.zeros(_layout_shape(layout, weights, args), dtype=weights[0].dtype))
+    return _fill(layout, weights, args, torch.zeros(_layout_shape(layout, weights, args), dtype=weights[0].dtype),
+                 native=False)
 
 
 def unpack_linear_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:

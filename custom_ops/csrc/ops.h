@@ -65,6 +65,7 @@ at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
 
 // memory.cpp, called from Python through the module.
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
+void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight);
 double stream_read_gbps(const at::Tensor& buffer, int64_t streams);
 
 }  // namespace tilefx

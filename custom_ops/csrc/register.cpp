@@ -60,5 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;
   m.def("huge_page_empty", &tilefx::huge_page_empty,
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
+  m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,
+        "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }

@@ -28,6 +28,22 @@ def test_fused_siblings_round_trip_and_each_reads_its_own_slice():
     assert weights.pack_fused_linear_weight([q, k, v]) is fused
 
 
+@pytest.mark.skipif(weights.isa.native is None, reason="native library not built")
+@pytest.mark.parametrize("n, k", [(64, 40), (45, 33), (7, 1), (96, 130)])
+def test_native_block_writer_equals_the_layout(n, k):
+    """csrc pack_vnni_blocks against the layout's definition: ragged rows and an odd last pair zero padded,
+    rows read through a stride (a column slice), blocks written through a stride (gate/up interleave)."""
+    wide = _bf16(n, k + 6, seed=n + k)
+    weight = wide[:, 3 : 3 + k]
+    want = weights._linear_order(weight)
+    blocks, pairs = want.shape[:2]
+    out = torch.full((blocks, 2, pairs, 32, 2), float("nan"), dtype=torch.bfloat16).transpose(0, 1)[0]
+    weights.isa.native.pack_vnni_blocks(out, weight)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        weights.isa.native.pack_vnni_blocks(out[:, : pairs - 1], weight)
+
+
 def test_gate_up_round_trip():
     gate, up = _bf16(64, 30, seed=4), _bf16(64, 30, seed=5)
     packed = weights.pack_gate_up_weight(gate, up)
