@@ -56,6 +56,6 @@ def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
     cold, warm = json.loads(out.read_text())
     assert (cold["start"], warm["start"]) == ("cold", "warm")
     assert "fx graph miss" in cold["startup"] and "fx graph hit" not in cold["startup"]
-    assert "fx graph hit 2" in warm["startup"], warm["startup"]
+    assert "fx graph hit 2" in warm["startup"] and "aot hit 2" in warm["startup"], warm["startup"]
     assert warm["token"] == cold["token"]
     assert cold["recompiles"] == warm["recompiles"] == 0 and cold["graphs"] == warm["graphs"] == 2
