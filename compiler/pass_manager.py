@@ -75,7 +75,7 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
     """
     packed: list[torch.Tensor] = []
     inputs: dict[tuple, torch.fx.Node] = {}  # one input per packed tensor, shared by the ops that ask for it
-    last_input = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    last_input = gm.graph.find_nodes(op="placeholder")[-1]
 
     def real(arg):
         if isinstance(arg, (list, tuple)):
@@ -89,7 +89,7 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
 
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]:
         with torch.no_grad():
-            tensor = node.target(*real(node.args), **real(dict(node.kwargs)))
+            tensor = node.target(*real(node.args), **{name: real(value) for name, value in node.kwargs.items()})
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
         if key not in inputs:
             with gm.graph.inserting_after(last_input):
@@ -118,7 +118,9 @@ class CacheKey(CustomGraphPass):
         return self._uuid
 
 
-class PassManager(CustomGraphPass):
+class PassManager:
+    """Not an Inductor pass itself: the backend runs it before Inductor, and ``CacheKey`` carries its ``uuid()``."""
+
     def __init__(self, options: CompileOptions, report: CompileReport | None = None, passes=None,
                  moe_blocks: dict | None = None):
         self.options = options
