@@ -8,6 +8,9 @@ import json
 import torch
 
 
+WEIGHT_FORMATS = ("auto", "bf16", "int8", "fp8")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
     max_seq_len: int = 2048
@@ -22,6 +25,10 @@ class CompileOptions:
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.
     freezing: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
+    # Weight format of the packed linears: "auto" (what the checkpoint holds: bf16 for a bf16 checkpoint),
+    # "bf16", "int8" (symmetric per output channel) or "fp8" (e4m3, 128 x 128 block scales), quantized as
+    # the weights load. Routers, MoE experts and MLA's absorbed projections stay bf16 (tilefx.explain says why).
+    weights: str = "auto"
     tp_rank: int = 0
     tp_world_size: int = 1
 
@@ -30,6 +37,8 @@ class CompileOptions:
             raise ValueError(f"max_seq_len={self.max_seq_len}: expected at least 2")
         if self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch}: expected at least 1")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights={self.weights!r}: expected one of {', '.join(map(repr, WEIGHT_FORMATS))}")
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
 

@@ -87,10 +87,10 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
             raise RuntimeError(f"{arg.format_node()}: a packing op reads something other than a model parameter")
         return param
 
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]:
-        with torch.no_grad():
-            tensor = node.target(*real(node.args), **{name: real(value) for name, value in node.kwargs.items()})
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+    def as_input(node: torch.fx.Node, tensor: torch.Tensor) -> torch.fx.Node:
+        nonlocal last_input
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+               tensor.dtype)
         if key not in inputs:
             with gm.graph.inserting_after(last_input):
                 last_input = inputs[key] = gm.graph.placeholder(f"tilefx_packed_{len(packed)}")
@@ -99,6 +99,16 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
             packed.append(tensor)
         node.replace_all_uses_with(inputs[key])
         gm.graph.erase_node(node)
+        return inputs[key]
+
+    held: dict[torch.fx.Node, torch.Tensor] = {}  # the inputs made so far -> their tensors
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]:
+        with torch.no_grad():
+            tensor = node.target(*real(node.args), **{name: real(value) for name, value in node.kwargs.items()})
+        held[as_input(node, tensor)] = tensor
+    # A quantized packing's scales (tilefx.packed_scales of a packing op, now of its input) become inputs too.
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is weights.packed_scales]:
+        as_input(node, weights.scales_of(held[node.args[0]]))
     gm.graph.lint()
     gm.recompile()
     return packed, [inputs_node.meta["val"] for inputs_node in inputs.values()]

@@ -25,9 +25,24 @@ class PackSummary:
     """What models.packing.pack_model packed as the weights loaded."""
 
     tensors: int = 0
-    packed_bytes: int = 0
+    packed_bytes: int = 0  # values and scales
     released_bytes: int = 0  # the sources' own memory, handed back
     seconds: float = 0.0
+    formats: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # format -> [tensors, bytes]
+    kept_bf16: dict[str, int] = dataclasses.field(default_factory=dict)  # why a weight stayed bf16 -> how many
+
+    def add(self, format: str, nbytes: int) -> None:
+        self.tensors += 1
+        self.packed_bytes += nbytes
+        counts = self.formats.setdefault(format, [0, 0])
+        counts[0] += 1
+        counts[1] += nbytes
+
+    def formats_line(self) -> str:
+        """Which format the packed weights run in, and why any stayed bf16 when another was asked for."""
+        held = ", ".join(f"{name} {count} ({nbytes / 2**20:.1f} MiB)" for name, (count, nbytes) in self.formats.items())
+        kept = "; ".join(f"{count} {why}" for why, count in self.kept_bf16.items())
+        return f"weight formats: {held or 'none packed'}" + (f"; kept bf16: {kept}" if kept else "")
 
 
 @dataclasses.dataclass

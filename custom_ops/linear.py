@@ -9,6 +9,11 @@ weight (an input embedding tied to the ``lm_head`` is held once, packed).
   SiLU-and-mul in the GEMV/GEMM epilogue.
 - ``linear_per_head(x, pack_mla_absorbed_weight(...), N)``: head ``h``'s weight applied to
   ``x[..., h, :, :]`` (MLA's absorbed ``kv_b_proj``).
+
+``linear``, ``linear_float``, ``linear_silu_mul`` and ``packed_embedding`` read any weight
+format (custom_ops/weights.py): a quantized packing comes with its ``scales``
+(``packed_scales(packed)``), and the result is the fp32 product with the dequantized
+weight ``values * scales``, which the references compute as written.
 """
 
 from __future__ import annotations
@@ -18,34 +23,38 @@ import torch
 from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import (
     BLOCK_N,
+    FP8_GROUP,
+    dequantize,
+    format_of,
     packed_shape,
+    scales_shape,
     unpack_expert_down_weight,
     unpack_gate_up_weight,
     unpack_linear_weight,
 )
 
-def linear_reference(x, packed_weight, bias, out_features):
+def linear_reference(x, packed_weight, bias, out_features, scales=None):
     """The specification: ``x @ W.T + bias`` in fp32, rounded to x's dtype."""
-    _check(x, packed_weight, bias, out_features)
-    weight = unpack_linear_weight(packed_weight, out_features, x.shape[-1])
+    _check(x, packed_weight, bias, out_features, scales)
+    weight = unpack_linear_weight(dequantize(packed_weight, scales), out_features, x.shape[-1])
     out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
 
 
-def linear_float_reference(x, packed_weight, bias, out_features):
+def linear_float_reference(x, packed_weight, bias, out_features, scales=None):
     """The specification: ``x @ W.T + bias`` in fp32, kept in fp32 (HF's fp32 routers over bf16 weights)."""
-    _check(x, packed_weight, bias, out_features)
-    weight = unpack_linear_weight(packed_weight, out_features, x.shape[-1])
+    _check(x, packed_weight, bias, out_features, scales)
+    weight = unpack_linear_weight(dequantize(packed_weight, scales), out_features, x.shape[-1])
     out = x.float() @ weight.float().T
     return out if bias is None else out + bias.float()
 
 
-def linear_silu_mul_reference(x, packed_gate_up, out_features):
+def linear_silu_mul_reference(x, packed_gate_up, out_features, scales=None):
     """The specification: ``silu(x @ gate.T) * (x @ up.T)`` in fp32, rounded to x's dtype."""
-    _check_gate_up(x, packed_gate_up, out_features)
-    gate, up = unpack_gate_up_weight(packed_gate_up, out_features, x.shape[-1])
+    _check_gate_up(x, packed_gate_up, out_features, scales)
+    gate, up = unpack_gate_up_weight(dequantize(packed_gate_up, scales), out_features, x.shape[-1])
     xf = x.float()
     return (torch.nn.functional.silu(xf @ gate.float().T) * (xf @ up.float().T)).to(x.dtype)
 
@@ -66,7 +75,19 @@ def _check_per_head(x, packed_weight, out_features) -> None:
                          f"x {tuple(x.shape)} -> {out_features} features")
 
 
-def _check(x, packed_weight, bias, out_features) -> None:
+def _check_scales(op: str, packed_weight, scales) -> None:
+    format = format_of(packed_weight)
+    if format == "bf16":
+        torch._check(scales is None, lambda: f"tilefx.{op}: a bf16 weight takes no scales")
+        return
+    want = scales_shape(tuple(packed_weight.shape), format)
+    torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == want,
+                 lambda: f"tilefx.{op}: a {format} weight needs its fp32 scales {list(want)} (packed_scales), got "
+                         f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+
+
+def _check(x, packed_weight, bias, out_features, scales=None) -> None:
+    _check_scales("linear", packed_weight, scales)
     torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
                          "use tilefx.custom_ops.weights.pack_linear_weight")
@@ -75,25 +96,26 @@ def _check(x, packed_weight, bias, out_features) -> None:
                          f"x [..., {x.shape[-1]}] -> {out_features} features")
 
 
-def _check_gate_up(x, packed_gate_up, out_features) -> None:
+def _check_gate_up(x, packed_gate_up, out_features, scales=None) -> None:
+    _check_scales("linear_silu_mul", packed_gate_up, scales)
     blocks, pairs, _, _ = packed_shape(out_features, x.shape[-1])
     torch._check(packed_gate_up.dim() == 4 and tuple(packed_gate_up.shape) == (2 * blocks, pairs, BLOCK_N, 2),
                  lambda: f"tilefx.linear_silu_mul: packed weight {tuple(packed_gate_up.shape)} does not fit "
                          f"x [..., {x.shape[-1]}] -> {out_features} features; use pack_gate_up_weight")
 
 
-def _linear_fake(x, packed_weight, bias, out_features):
-    _check(x, packed_weight, bias, out_features)
+def _linear_fake(x, packed_weight, bias, out_features, scales=None):
+    _check(x, packed_weight, bias, out_features, scales)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def _linear_float_fake(x, packed_weight, bias, out_features):
-    _check(x, packed_weight, bias, out_features)
+def _linear_float_fake(x, packed_weight, bias, out_features, scales=None):
+    _check(x, packed_weight, bias, out_features, scales)
     return x.new_empty((*x.shape[:-1], out_features), dtype=torch.float32)
 
 
-def _linear_silu_mul_fake(x, packed_gate_up, out_features):
-    _check_gate_up(x, packed_gate_up, out_features)
+def _linear_silu_mul_fake(x, packed_gate_up, out_features, scales=None):
+    _check_gate_up(x, packed_gate_up, out_features, scales)
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -102,32 +124,43 @@ def _linear_per_head_fake(x, packed_weight, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def packed_embedding_reference(ids, packed_weight, embedding_dim):
-    """The specification: row ``ids[...]`` of the weight held in the ``linear`` layout (``W[ids]``)."""
+def packed_embedding_reference(ids, packed_weight, embedding_dim, scales=None):
+    """The specification: row ``ids[...]`` of the weight held in the ``linear`` layout (``W[ids]``), dequantized
+    to bf16 where the weight is quantized."""
     blocks, pairs, _, _ = packed_weight.shape
-    rows = packed_weight[torch.div(ids, BLOCK_N, rounding_mode="floor"), :, torch.remainder(ids, BLOCK_N), :]
+    block, column = torch.div(ids, BLOCK_N, rounding_mode="floor"), torch.remainder(ids, BLOCK_N)
+    rows = packed_weight[block, :, column, :]
+    if scales is not None:  # only the rows looked up are dequantized
+        if format_of(packed_weight) == "int8":
+            rows = rows.float() * scales[block, column][..., None, None]
+        else:
+            per_pair = scales[block].repeat_interleave(FP8_GROUP // 2, dim=-1)[..., :pairs]
+            rows = rows.float() * per_pair[..., None]
+        rows = rows.to(torch.bfloat16)
     return rows.reshape(*ids.shape, 2 * pairs)[..., :embedding_dim]
 
 
-def _packed_embedding_fake(ids, packed_weight, embedding_dim):
+def _packed_embedding_fake(ids, packed_weight, embedding_dim, scales=None):
     torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2)
                  and 2 * packed_weight.shape[1] >= embedding_dim,
                  lambda: f"tilefx.packed_embedding: weight {tuple(packed_weight.shape)} is not a packed "
                          f"[vocab, {embedding_dim}] weight")
-    return packed_weight.new_empty((*ids.shape, embedding_dim))
+    _check_scales("packed_embedding", packed_weight, scales)
+    return ids.new_empty((*ids.shape, embedding_dim), dtype=torch.bfloat16)
 
 
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
-_LIB.define("packed_embedding(Tensor ids, Tensor packed_weight, int embedding_dim) -> Tensor")
+_LIB.define("packed_embedding(Tensor ids, Tensor packed_weight, int embedding_dim, Tensor? scales=None) -> Tensor")
 _LIB.impl("packed_embedding", packed_embedding_reference, "CPU")
 torch.library.register_fake("tilefx::packed_embedding", _packed_embedding_fake, lib=_LIB)
 
 # linear, linear_silu_mul: native CPU kernels, the references as *_portable ops (isa.define_native_op).
-isa.define_native_op(_LIB, "linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+isa.define_native_op(_LIB, "linear", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, Tensor? scales=None) -> Tensor",
                      linear_reference, _linear_fake)
-isa.define_native_op(_LIB, "linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features) -> Tensor",
+isa.define_native_op(_LIB, "linear_silu_mul", "(Tensor x, Tensor packed_gate_up, int out_features, Tensor? scales=None) -> Tensor",
                      linear_silu_mul_reference, _linear_silu_mul_fake)
-isa.define_native_op(_LIB, "linear_float", "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor",
+isa.define_native_op(_LIB, "linear_float",
+                     "(Tensor x, Tensor packed_weight, Tensor? bias, int out_features, Tensor? scales=None) -> Tensor",
                      linear_float_reference, _linear_float_fake)
 isa.define_native_op(_LIB, "linear_per_head", "(Tensor x, Tensor packed_weight, int out_features) -> Tensor",
                      linear_per_head_reference, _linear_per_head_fake)

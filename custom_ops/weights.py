@@ -15,8 +15,14 @@ padded: blocks of ``BLOCK_N`` output columns, each a VNNI matrix (the values of 
 - ``mla_key`` / ``mla_value``: DeepSeek's ``kv_b_proj`` split per head into ``W_uk^T
   [R, nope]`` or ``W_uv [v, R]``, per head the ``linear`` layout.
 
-A ``PackedWeight`` describes one packed tensor: layout, format (bf16 now; int8 / fp8
-add their scales), the shard it holds, its sources. ``pack()`` makes one (or returns
+A ``PackedWeight`` describes one packed tensor: layout, format, scales, the shard it
+holds, its sources. Formats (``FORMATS``): ``bf16``; ``int8`` (symmetric, one fp32 scale
+per output channel); ``fp8`` (e4m3, one fp32 scale per 128 x 128 block of the source,
+the hub's ``weight_scale_inv``: ``W = q * scale``). A quantized packing holds its 1-byte
+values in the same element order as bf16 (``[blocks, K/2, 32, 2]``) and its scales in
+packed-block order, ``[blocks, 32]`` (int8: per packed column) or ``[blocks, K/128]``
+(fp8: per block and 128 inputs), so kernels never map a block back to its source rows
+and gate/up interleaving or sibling fusion need no scale bookkeeping of their own. ``pack()`` makes one (or returns
 the one that exists for the same sources), ``release()`` hands the sources' memory
 back: each source parameter becomes a view of its part of the packed tensor, so
 memory holds the weight once (its values are then in packed order: only tilefx
@@ -40,7 +46,11 @@ import torch
 from tilefx.custom_ops import isa
 
 BLOCK_N = 32  # output columns per packed block (csrc/kernels.h: one block is 2 x 4 AVX2 registers wide)
-FORMATS = ("bf16",)
+# format -> the packed tensor's dtype (the kernels read the format from it)
+FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+FP8_GROUP = 128  # fp8 scale blocks: 128 output channels x 128 inputs (the hub's weight_block_size)
+FP8_MAX = 448.0  # largest finite e4m3 value
+QUANTIZED_LAYOUTS = ("linear", "gate_up")  # what the quantized kernels read (experts and MLA's per-head: bf16)
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
@@ -50,17 +60,22 @@ def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, in
 # -- can_pack: the one place that says what a packed layout accepts ----------------------------------------
 
 
-def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None) -> str | None:
-    """Why ``weights`` (tensors or example values) cannot be packed in ``layout``, or None when they can.
+def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: str = "bf16") -> str | None:
+    """Why ``weights`` (tensors or example values) cannot be packed in ``layout`` and ``format``, or None when
+    they can.
 
     Passes and the loader ask this instead of checking dtypes and block sizes themselves.
     """
     weights = list(weights)
     if any(w is None for w in weights):
         return "weight value unknown"
+    if format not in FORMATS:
+        raise ValueError(f"unknown weight format {format!r}; expected one of {', '.join(FORMATS)}")
+    if format != "bf16" and layout not in QUANTIZED_LAYOUTS:
+        return f"{format} weights: the {layout} kernels read bf16 only"
     dtypes = {w.dtype for w in weights}
     if dtypes != {torch.bfloat16}:
-        return f"dtype {sorted(map(str, dtypes))}: packed weights are {', '.join(FORMATS)} only"
+        return f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 only"
     if x_dtype is not None and x_dtype != torch.bfloat16:
         return f"activations are {x_dtype}: packed linears take bf16 activations"
     if layout in ("linear", "gate_up", "mla"):
@@ -152,31 +167,52 @@ def _write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
         out.copy_(_linear_order(rows))
 
 
-def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool) -> None:
-    """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time."""
-    rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // BLOCK_N) * BLOCK_N
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None) -> None:
+    """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
+    rows of the packing's scales) where ``out`` holds a quantized format."""
+    step = FP8_GROUP if scales is not None else BLOCK_N  # chunks never split an fp8 scale block
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // step) * step
     for row in range(0, weight.shape[0], rows_per_chunk):
         rows = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
-        _write_blocks(out[block : block + -(-rows.shape[0] // BLOCK_N)], rows, native)
+        blocks = -(-rows.shape[0] // BLOCK_N)
+        if scales is None:
+            _write_blocks(out[block : block + blocks], rows, native)
+        else:
+            values, row_scales = quantize_rows(rows, format_of(out))
+            _write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
+            _write_scales(scales[block : block + blocks], row_scales)
         _drop_file_pages(rows, mapped)
 
 
-def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True) -> torch.Tensor:
+def _write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:
+    """``quantize_rows``' scales of some rows into their blocks' packed-order scales ``out``."""
+    if out.shape[-1] == BLOCK_N and row_scales.dim() == 1:  # int8: one per row (padding rows: 0, their values are 0)
+        padded = torch.zeros(out.shape[0] * BLOCK_N)
+        padded[: row_scales.shape[0]] = row_scales
+        out.copy_(padded.view(-1, BLOCK_N))
+    else:  # fp8: a 128-row scale block covers 4 packed blocks
+        out.copy_(row_scales.repeat_interleave(FP8_GROUP // BLOCK_N, dim=0)[: out.shape[0]])
+
+
+def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True, scales=None) -> torch.Tensor:
     """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time (no copy of a whole
     weight): pages of a source mapped from a file are dropped as soon as they are packed, so packing a
-    lazily loaded weight holds it about once, not twice. ``native=False``: torch copies only (the reference)."""
+    lazily loaded weight holds it about once, not twice. ``native=False``: torch copies only (the reference).
+    ``scales``: a quantized packing's scales, written with its values."""
     mapped = _file_mappings()
     if layout == "linear":
         start = 0
         for weight in weights:
             blocks = -(-weight.shape[0] // BLOCK_N)
-            _fill_linear(out[start : start + blocks], weight, mapped, native)
+            part = None if scales is None else scales[start : start + blocks]
+            _fill_linear(out[start : start + blocks], weight, mapped, native, part)
             start += blocks
     elif layout == "gate_up":
         pairs = out.view(-1, 2, *out.shape[1:])
-        _fill_linear(pairs[:, 0], weights[0], mapped, native)
-        _fill_linear(pairs[:, 1], weights[1], mapped, native)
+        scale_pairs = None if scales is None else scales.view(-1, 2, *scales.shape[1:])
+        for i in (0, 1):
+            _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i])
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
         for expert, source in zip(out.view(out.shape[0], -1, 2, *out.shape[2:]), weights[0]):
             gate, up = source.chunk(2)
@@ -190,6 +226,64 @@ def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = T
     else:
         raise ValueError(f"unknown packed layout {layout!r}")
     return out
+
+
+# -- quantized formats ---------------------------------------------------------------------------------------
+
+
+def format_of(packed: torch.Tensor) -> str:
+    """The format of a packed tensor (its dtype)."""
+    for name, dtype in FORMATS.items():
+        if packed.dtype == dtype:
+            return name
+    raise ValueError(f"{packed.dtype} is not a packed weight format ({', '.join(FORMATS)})")
+
+
+def scales_shape(packed_shape: tuple[int, ...], format: str) -> tuple[int, ...]:
+    """The scales of a packing of ``packed_shape`` (``[..., blocks, pairs, 32, 2]``) in ``format``: int8
+    ``[..., blocks, 32]``, fp8 ``[..., blocks, ceil(K / 128)]``; bf16 has none (``()``)."""
+    *lead, blocks, pairs, _, _ = packed_shape
+    if format == "int8":
+        return (*lead, blocks, BLOCK_N)
+    if format == "fp8":
+        return (*lead, blocks, -(-2 * pairs // FP8_GROUP))
+    return ()
+
+
+def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [n, k]`` quantized: ``(values, scales)`` with ``weight ~ values * scales``.
+
+    int8: symmetric per row, ``scale = max|w| / 127``, values rounded to nearest in [-127, 127], scales ``[n]``.
+    fp8: e4m3 per 128 x 128 block, ``scale = max|w| / 448`` (the hub's ``weight_scale_inv``), values
+    rounded to nearest e4m3, scales ``[ceil(n / 128), ceil(k / 128)]``. All-zero rows or blocks get scale 1.
+    """
+    w = weight.float()
+    n, k = w.shape
+    if format == "int8":
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    if format != "fp8":
+        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8)")
+    rows, cols = -(-n // FP8_GROUP), -(-k // FP8_GROUP)
+    blocks = torch.nn.functional.pad(w, (0, cols * FP8_GROUP - k, 0, rows * FP8_GROUP - n))
+    blocks = blocks.view(rows, FP8_GROUP, cols, FP8_GROUP)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(rows * FP8_GROUP, cols * FP8_GROUP)[:n, :k], scale
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """A packed tensor's values in fp32, same shape and order (the references' first step; bf16: widened)."""
+    if packed.dtype == torch.bfloat16:
+        return packed.float()
+    values = packed.float()
+    if format_of(packed) == "int8":  # scales [..., blocks, 32]: per column of the block
+        return values * scales[..., :, None, :, None]
+    pairs = packed.shape[-3]  # fp8, scales [..., blocks, groups]: pair p lies in group 2p // 128
+    per_pair = scales.repeat_interleave(FP8_GROUP // 2, dim=-1)[..., :pairs]
+    return values * per_pair[..., None, None]
 
 
 def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
@@ -330,11 +424,11 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return None if packed is None else packed.data
 
 
-def _serve(layout: str, weights, args: tuple) -> torch.Tensor | None:
+def _serve(layout: str, weights, args: tuple, format: str) -> torch.Tensor | None:
     """The existing packed tensor for this request, or None where the weights are to be packed (again)."""
     for packed, first in packings_of(weights[0]):
         indices = [next((i for p, i in packings_of(w) if p is packed), None) for w in weights]
-        if None in indices or indices != list(range(first, first + len(weights))):
+        if None in indices or indices != list(range(first, first + len(weights))) or packed.format != format:
             continue
         if packed.layout == layout and packed.args == tuple(args) and len(weights) == len(packed.source_shapes):
             return packed.data
@@ -344,28 +438,48 @@ def _serve(layout: str, weights, args: tuple) -> torch.Tensor | None:
     if held:  # their own data is gone: there is nothing to pack from
         raise ValueError(
             f"weights of shapes {[tuple(w.shape) for w in weights]} were packed as {'; '.join(held)} and released, "
-            f"and cannot also be packed as {layout}{list(args) if args else ''}: a graph must read a packed weight "
-            f"the way it was packed (custom_ops/weights.py). Compile with fuse_linears=False if sibling fusion differs."
+            f"and cannot also be packed as {layout} {format}{list(args) if args else ''}: a graph must read a packed "
+            f"weight the way it was packed (custom_ops/weights.py). Compile with fuse_linears=False if sibling "
+            f"fusion differs."
         )
     return None
 
 
-def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = ()) -> torch.Tensor:
-    """``weights`` packed in ``layout``: the existing packed tensor where one holds them, else packed now,
-    once (into transparent huge pages: streamed every token), and registered."""
+def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = (), format: str = "bf16") -> torch.Tensor:
+    """``weights`` packed in ``layout`` and ``format``: the existing packed tensor where one holds them, else
+    packed now, once (into transparent huge pages: streamed every token), and registered. A quantized
+    packing's scales: ``scales_of`` (or the graph op ``tilefx.packed_scales``)."""
     weights = list(weights)
-    existing = _serve(layout, weights, tuple(args))
+    existing = _serve(layout, weights, tuple(args), format)
     if existing is not None:
         return existing
     _check_sources(layout, weights)
-    data = _fill(layout, weights, tuple(args), isa.huge_page_empty(_layout_shape(layout, weights, args),
-                                                                   weights[0].dtype))
+    if format != "bf16":
+        why = can_pack(layout, weights, format=format)
+        torch._check(why is None, lambda: f"pack ({layout}, {format}): {why}")
+    shape = _layout_shape(layout, weights, args)
+    scales = torch.zeros(scales_shape(shape, format)) if format != "bf16" else None
+    data = _fill(layout, weights, tuple(args), isa.huge_page_empty(shape, FORMATS[format]), scales=scales)
     packed = PackedWeight(layout, data, tuple(tuple(w.shape) for w in weights), tuple(names), tuple(args),
-                          _sources=tuple(weakref.ref(w) for w in weights))
+                          format=format, scales=scales, _sources=tuple(weakref.ref(w) for w in weights))
     _drop_stale()
     for index, weight in enumerate(weights):
         _registry.setdefault(_key(weight), []).append((packed, index))
     return data
+
+
+def scales_of(data: torch.Tensor) -> torch.Tensor:
+    """The scales of a quantized packed tensor ``pack`` returned (or of the slice it returned for some
+    siblings of a fused packing): ``[..., blocks, 32]`` (int8) or ``[..., blocks, K/128]`` (fp8)."""
+    for packed in registered():
+        if packed.scales is None or packed.data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            continue
+        if data.shape == packed.data.shape:
+            return packed.scales
+        block_elems = packed.data[0].numel()
+        first = (data.storage_offset() - packed.data.storage_offset()) // block_elems
+        return packed.scales[first : first + data.shape[0]]
+    raise ValueError(f"no quantized packing holds this tensor ({data.dtype} {tuple(data.shape)})")
 
 
 def _packing_with_data(data: torch.Tensor) -> PackedWeight:
@@ -377,12 +491,15 @@ def _packing_with_data(data: torch.Tensor) -> PackedWeight:
 
 
 def release(packed_data: torch.Tensor) -> int:
-    """The release policy: the sources of ``packed_data`` give their memory back and become views of it.
+    """The release policy: the sources of ``packed_data`` give their memory back.
 
-    Each source's data becomes a view of its own range of the packed tensor (same shape,
-    values in packed order), so memory holds the weight once; packing the same sources
-    again returns the same packed tensor. Pages of a source mapped from a file (safetensors
-    loaded lazily) are dropped from this process too. A source packed in two ways stays.
+    bf16: each source's data becomes a view of its own range of the packed tensor (same
+    shape, values in packed order), so memory holds the weight once. Quantized: the packed
+    tensor holds other values than the source, so each source's data becomes one zero
+    broadcast to its shape (its dtype and shape kept for the graphs that trace it; only
+    packing ops may read it). Either way packing the same sources again returns the same
+    packed tensor. Pages of a source mapped from a file (safetensors loaded lazily) are
+    dropped from this process too. A source packed in two ways stays.
     Returns the bytes released.
     """
     packed = _packing_with_data(packed_data)
@@ -400,7 +517,10 @@ def release(packed_data: torch.Tensor) -> int:
         if old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             released += old.numel() * old.element_size()
             _drop_file_pages(old, mapped)
-        source.data = flat[offset : offset + source.numel()].view(source.shape)
+        if packed.format == "bf16":
+            source.data = flat[offset : offset + source.numel()].view(source.shape)
+        else:
+            source.data = torch.zeros((), dtype=old.dtype).expand(old.shape)
         offset += source.numel()
         _registry[_key(source)] = [(packed, index)]
     packed.released = True
@@ -515,31 +635,54 @@ def _drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> Non
 # -- the packing ops: what the passes insert in graphs (run once at compile time, their results graph inputs) --
 
 
-def _fake(layout: str, weights, args: tuple = ()) -> torch.Tensor:
+def _fake(layout: str, weights, args: tuple = (), format: str = "bf16") -> torch.Tensor:
     weights = list(weights)
     _check_sources(layout, weights)
+    torch._check(format in FORMATS, lambda: f"pack ({layout}): unknown format {format!r}")
     if layout.startswith("mla"):
         _mla_part(weights[0], *args, value=layout == "mla_value")  # its shape check
-    return weights[0].new_empty(_layout_shape(layout, weights, args))
+    return weights[0].new_empty(_layout_shape(layout, weights, args), dtype=FORMATS[format])
 
 
-# Each packing op's schema, and how its arguments become one request (layout, weights, layout args): the op
-# serves it with pack(), its fake with _fake(), its reference (pack_<op>_reference) with pack_reference().
+# Each packing op's schema, and how its arguments become one request (layout, weights, layout args, format): the
+# op serves it with pack(), its fake with _fake(), its reference (pack_<op>_reference, bf16) with pack_reference().
+_FORMAT = 'str format="bf16"'
 _REQUESTS = {
-    "pack_linear_weight": ("(Tensor weight) -> Tensor", lambda w: ("linear", [w], ())),
-    "pack_fused_linear_weight": ("(Tensor[] weights) -> Tensor", lambda ws: ("linear", list(ws), ())),
-    "pack_gate_up_weight": ("(Tensor gate, Tensor up) -> Tensor", lambda g, u: ("gate_up", [g, u], ())),
-    "pack_expert_gate_up_weight": ("(Tensor gate_up_proj) -> Tensor", lambda w: ("expert_gate_up", [w], ())),
-    "pack_expert_down_weight": ("(Tensor down_proj) -> Tensor", lambda w: ("expert_down", [w], ())),
+    "pack_linear_weight": (f"(Tensor weight, {_FORMAT}) -> Tensor",
+                           lambda w, format="bf16": ("linear", [w], (), format)),
+    "pack_fused_linear_weight": (f"(Tensor[] weights, {_FORMAT}) -> Tensor",
+                                 lambda ws, format="bf16": ("linear", list(ws), (), format)),
+    "pack_gate_up_weight": (f"(Tensor gate, Tensor up, {_FORMAT}) -> Tensor",
+                            lambda g, u, format="bf16": ("gate_up", [g, u], (), format)),
+    "pack_expert_gate_up_weight": ("(Tensor gate_up_proj) -> Tensor", lambda w: ("expert_gate_up", [w], (), "bf16")),
+    "pack_expert_down_weight": ("(Tensor down_proj) -> Tensor", lambda w: ("expert_down", [w], (), "bf16")),
     "pack_mla_absorbed_weight": (
         "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
-        lambda w, heads, nope_dim, value: ("mla_value" if value else "mla_key", [w], (heads, nope_dim)),
+        lambda w, heads, nope_dim, value: ("mla_value" if value else "mla_key", [w], (heads, nope_dim), "bf16"),
     ),
 }
 
 
 def _serving(serve, request):
-    return lambda *op_args, **op_kwargs: serve(*request(*op_args, **op_kwargs))
+    def call(*op_args, **op_kwargs):
+        layout, weights, args, format = request(*op_args, **op_kwargs)
+        return serve(layout, weights, args, format=format)
+    return call
+
+
+def _reference(request):
+    def call(*op_args, **op_kwargs):
+        layout, weights, args, format = request(*op_args, **op_kwargs)
+        torch._check(format == "bf16", lambda: "the reference packings are bf16 (quantize_rows is the reference "
+                                               "of the quantized formats)")
+        return pack_reference(layout, weights, args)
+    return call
+
+
+def _packed_scales_fake(packed: torch.Tensor) -> torch.Tensor:
+    format = format_of(packed)
+    torch._check(format != "bf16", lambda: "tilefx.packed_scales: a bf16 packing has no scales")
+    return packed.new_empty(scales_shape(tuple(packed.shape), format), dtype=torch.float32)
 
 
 _LIB = torch.library.Library("tilefx", "FRAGMENT")
@@ -547,13 +690,17 @@ for _name, (_schema, _request) in _REQUESTS.items():
     _LIB.define(_name + _schema)
     _LIB.impl(_name, _serving(pack, _request), "CPU")
     torch.library.register_fake(f"tilefx::{_name}", _serving(_fake, _request), lib=_LIB)
+# The scales of a quantized packing, as a graph reads them: ``packed_scales(pack_linear_weight(W, "int8"))``.
+_LIB.define("packed_scales(Tensor packed) -> Tensor")
+_LIB.impl("packed_scales", scales_of, "CPU")
+torch.library.register_fake("tilefx::packed_scales", _packed_scales_fake, lib=_LIB)
 
-pack_linear_weight_reference = _serving(pack_reference, _REQUESTS["pack_linear_weight"][1])
-pack_fused_linear_weight_reference = _serving(pack_reference, _REQUESTS["pack_fused_linear_weight"][1])
-pack_gate_up_weight_reference = _serving(pack_reference, _REQUESTS["pack_gate_up_weight"][1])
-pack_expert_gate_up_weight_reference = _serving(pack_reference, _REQUESTS["pack_expert_gate_up_weight"][1])
-pack_expert_down_weight_reference = _serving(pack_reference, _REQUESTS["pack_expert_down_weight"][1])
-pack_mla_absorbed_weight_reference = _serving(pack_reference, _REQUESTS["pack_mla_absorbed_weight"][1])
+pack_linear_weight_reference = _reference(_REQUESTS["pack_linear_weight"][1])
+pack_fused_linear_weight_reference = _reference(_REQUESTS["pack_fused_linear_weight"][1])
+pack_gate_up_weight_reference = _reference(_REQUESTS["pack_gate_up_weight"][1])
+pack_expert_gate_up_weight_reference = _reference(_REQUESTS["pack_expert_gate_up_weight"][1])
+pack_expert_down_weight_reference = _reference(_REQUESTS["pack_expert_down_weight"][1])
+pack_mla_absorbed_weight_reference = _reference(_REQUESTS["pack_mla_absorbed_weight"][1])
 
 pack_linear_weight = torch.ops.tilefx.pack_linear_weight.default
 pack_fused_linear_weight = torch.ops.tilefx.pack_fused_linear_weight.default
@@ -561,5 +708,6 @@ pack_gate_up_weight = torch.ops.tilefx.pack_gate_up_weight.default
 pack_expert_gate_up_weight = torch.ops.tilefx.pack_expert_gate_up_weight.default
 pack_expert_down_weight = torch.ops.tilefx.pack_expert_down_weight.default
 pack_mla_absorbed_weight = torch.ops.tilefx.pack_mla_absorbed_weight.default
+packed_scales = torch.ops.tilefx.packed_scales.default
 PACKING_OPS = frozenset({pack_linear_weight, pack_fused_linear_weight, pack_gate_up_weight,
                          pack_expert_gate_up_weight, pack_expert_down_weight, pack_mla_absorbed_weight})

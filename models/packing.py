@@ -11,6 +11,9 @@ every decision about formats and block sizes from ``weights.can_pack``:
 - every other linear and each router weight -> its own ``linear`` packing
   (a tied ``lm_head`` included: the linear pass then reads the input embedding
   from the same packed tensor);
+- in the format ``options.weights`` asks for (quantized as they pack, chunk by chunk:
+  ``weights.quantize_rows``) where ``weights.can_pack`` accepts it; routers stay bf16
+  and so, for now, do MoE experts and MLA's absorbed ``kv_b_proj``;
 - left unpacked: embeddings (read a few rows a token), norms, biases, and, with the
   MLA pass on, DeepSeek's ``kv_b_proj`` (the pass absorbs it per head, two packings
   of one weight; it is small).
@@ -41,6 +44,29 @@ class PackGroup:
     layout: str
     names: tuple[str, ...]  # the parameters' names in the model
     params: tuple[torch.nn.Parameter, ...]
+    format: str = "bf16"
+    kept_bf16: str | None = None  # why the group stays bf16 where another format was asked for
+
+
+# Weights that stay bf16 whatever format is asked for, and why (tilefx.explain lists them).
+_ROUTER_BF16 = "router weights (which experts run turns on small logit differences)"
+_EXPERTS_BF16 = "MoE experts (fused_moe reads bf16 experts only, for now)"
+
+
+def requested_format(options) -> str:
+    """The weight format ``options.weights`` asks for: ``auto`` is the checkpoint's own (bf16 checkpoints)."""
+    return "bf16" if options.weights == "auto" else options.weights
+
+
+def _formatted(group: PackGroup, format: str) -> PackGroup:
+    """``group`` in ``format`` where its layout takes it, else bf16 and why."""
+    if format != "bf16":
+        why = weights.can_pack(group.layout, group.params, format=format)
+        if why is None:
+            group.format = format
+        else:
+            group.kept_bf16 = why
+    return group
 
 
 def _linear_children(module: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -58,6 +84,7 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
 
     adapter = adapter_for(model.config)
     gated = options.fuse_linears and getattr(model.config, "hidden_act", "silu") == "silu"
+    format = requested_format(options)
     taken: set[int] = set()
     parts: dict[str, list[PackGroup]] = {}
 
@@ -70,13 +97,16 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
             if weights.can_pack("experts", experts_pair) is None:
                 for layout, param in zip(("expert_gate_up", "expert_down"), experts_pair):
                     taken.add(id(param))
-                    parts.setdefault(part, []).append(PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,)))
+                    parts.setdefault(part, []).append(PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,),
+                                                                kept_bf16=_EXPERTS_BF16 if format != "bf16" else None))
             continue
         if not options.linear:
             continue
         if adapter.moe is not None and cls == adapter.moe.router_class and isinstance(
                 getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 2:
-            _add_single(parts, taken, part, f"{name}.weight", module.weight)
+            _add_single(parts, taken, part, f"{name}.weight", module.weight, "bf16")
+            if format != "bf16" and parts.get(part) and parts[part][-1].params[0] is module.weight:
+                parts[part][-1].kept_bf16 = _ROUTER_BF16
             continue
         linears = _linear_children(module)
         if options.fuse_linears:
@@ -88,28 +118,30 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
                 params = [group[i].weight for i in order]
                 if weights.can_pack("linear", params) is None and not any(id(p) in taken for p in params):
                     taken.update(id(p) for p in params)
-                    parts.setdefault(part, []).append(
-                        PackGroup("linear", tuple(f"{name}.{siblings[i]}.weight" for i in order), tuple(params)))
+                    parts.setdefault(part, []).append(_formatted(
+                        PackGroup("linear", tuple(f"{name}.{siblings[i]}.weight" for i in order), tuple(params)), format))
                 break
         gate, up = (linears.get(n) for n in adapter.gated_linears)
         if gated and gate is not None and up is not None and gate.bias is None and up.bias is None:
             params = [gate.weight, up.weight]
             if weights.can_pack("gate_up", params) is None and not any(id(p) in taken for p in params):
                 taken.update(id(p) for p in params)
-                parts.setdefault(part, []).append(
-                    PackGroup("gate_up", tuple(f"{name}.{n}.weight" for n in adapter.gated_linears), tuple(params)))
+                parts.setdefault(part, []).append(_formatted(
+                    PackGroup("gate_up", tuple(f"{name}.{n}.weight" for n in adapter.gated_linears), tuple(params)),
+                    format))
         for child, linear in linears.items():
             if adapter.mla and options.mla and child == _ATTENTION_LATENT:
                 continue
-            _add_single(parts, taken, part, f"{name}.{child}.weight" if name else f"{child}.weight", linear.weight)
+            _add_single(parts, taken, part, f"{name}.{child}.weight" if name else f"{child}.weight", linear.weight,
+                        format)
     rest = parts.pop("model", [])  # the root's linears (lm_head) come first in module order
     return [*parts.items(), *([("model", rest)] if rest else [])]
 
 
-def _add_single(parts, taken: set[int], part: str, name: str, param) -> None:
+def _add_single(parts, taken: set[int], part: str, name: str, param, format: str) -> None:
     if id(param) not in taken and param.dim() == 2 and weights.can_pack("linear", [param]) is None:
         taken.add(id(param))
-        parts.setdefault(part, []).append(PackGroup("linear", (name,), (param,)))
+        parts.setdefault(part, []).append(_formatted(PackGroup("linear", (name,), (param,)), format))
 
 
 def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> PackSummary:
@@ -121,9 +153,11 @@ def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> Pac
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
                               leave=False):
             for group in groups:
-                packed = weights.pack(group.layout, list(group.params), names=group.names)
-                summary.tensors += 1
-                summary.packed_bytes += packed.nbytes
+                packed = weights.pack(group.layout, list(group.params), names=group.names, format=group.format)
+                scales = weights.scales_of(packed) if group.format != "bf16" else None
+                summary.add(group.format, packed.nbytes + (0 if scales is None else scales.nbytes))
+                if group.kept_bf16:
+                    summary.kept_bf16[group.kept_bf16] = summary.kept_bf16.get(group.kept_bf16, 0) + 1
                 summary.released_bytes += weights.release(packed)
         # What loading read but no weight keeps (per-expert tensors transformers fused) leaves the process.
         weights.drop_unused_file_pages([*model.parameters(), *model.buffers()])

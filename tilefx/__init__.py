@@ -113,6 +113,7 @@ def explain(model) -> str:
         f"weights: {report.packing.tensors} packed as they loaded ({report.packing.packed_bytes / 2**20:.1f} MiB, "
         f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
+        report.packing.formats_line(),
         report.startup_line(),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),

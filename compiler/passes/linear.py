@@ -22,7 +22,9 @@ products from the packed bf16 weight, result in fp32.
 
 Weights the loader packed already (models/packing.py) are grouped as they were
 packed: the pass asks custom_ops/weights.py how each is held (``packings_of``) and
-reads it that way, so a graph never asks for a packing that memory does not hold.
+reads it that way, in its format, so a graph never asks for a packing that memory
+does not hold. A quantized packing's scales come from ``tilefx.packed_scales`` of the
+packing op and go to the linear op as its ``scales``.
 Other weights are grouped here and packed when the graph is compiled. An input
 embedding whose weight was packed (tied to the ``lm_head``) becomes
 ``tilefx.packed_embedding`` over that packed tensor: memory holds it once.
@@ -122,9 +124,9 @@ class LinearPass(TilefxPass):
         if example_value(w16).dim() != 2:
             return None
         with graph.inserting_before(node):
-            packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (w16,))
+            packed, scales = _packing(graph, packed_weights.pack_linear_weight, (w16,), [w16])
             fused = graph.call_function(torch.ops.tilefx.linear_float.default,
-                                        (x16, packed, None, int(example_value(w16).shape[0])))
+                                        (x16, packed, None, int(example_value(w16).shape[0]), *scales))
         replace(graph, node, fused)
         for cast in (x, weight):
             if not cast.users:
@@ -154,19 +156,19 @@ class LinearPass(TilefxPass):
     def _single(graph, node) -> None:
         x, weight, bias = linear_args(node)
         with graph.inserting_before(node):
-            packed = graph.call_function(torch.ops.tilefx.pack_linear_weight.default, (weight,))
+            packed, scales = _packing(graph, packed_weights.pack_linear_weight, (weight,), [weight])
             fused = graph.call_function(torch.ops.tilefx.linear.default,
-                                        (x, packed, bias, int(example_value(weight).shape[0])))
+                                        (x, packed, bias, int(example_value(weight).shape[0]), *scales))
         replace(graph, node, fused)
 
     @staticmethod
     def _gate_up(graph, x, gate, up) -> None:
         mul = _only_user(up)
         width = int(example_value(gate).shape[-1])
+        pair = [linear_args(gate)[1], linear_args(up)[1]]
         with graph.inserting_before(mul):
-            packed = graph.call_function(torch.ops.tilefx.pack_gate_up_weight.default,
-                                         (linear_args(gate)[1], linear_args(up)[1]))
-            fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width))
+            packed, scales = _packing(graph, packed_weights.pack_gate_up_weight, tuple(pair), pair)
+            fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width, *scales))
         silu = _only_user(gate)
         replace(graph, mul, fused)
         graph.erase_node(silu)
@@ -181,8 +183,8 @@ class LinearPass(TilefxPass):
         width = int(example_value(gate).shape[0])
         first = min(group, key={node: i for i, node in enumerate(graph.nodes)}.__getitem__)
         with graph.inserting_before(first):
-            packed = graph.call_function(packed_weights.pack_gate_up_weight, (gate, up))
-            both = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, None, 2 * width))
+            packed, scales = _packing(graph, packed_weights.pack_gate_up_weight, (gate, up), [gate, up])
+            both = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, None, 2 * width, *scales))
             blocks = graph.call_method("unflatten", (both, -1, (width // BLOCK_N, 2, BLOCK_N)))
             for node in group:
                 part = graph.call_method("flatten", (graph.call_method("select", (blocks, -2, _packed_index(node))),
@@ -203,9 +205,9 @@ class LinearPass(TilefxPass):
                 result.skip(node.name, "embedding over a packed weight in a form packed_embedding does not cover")
                 continue
             with graph.inserting_before(node):
-                packed = graph.call_function(packed_weights.pack_linear_weight, (weight,))
+                packed, scales = _packing(graph, packed_weights.pack_linear_weight, (weight,), [weight])
                 lookup = graph.call_function(torch.ops.tilefx.packed_embedding.default,
-                                             (ids, packed, int(example_value(weight).shape[1])))
+                                             (ids, packed, int(example_value(weight).shape[1]), *scales))
             replace(graph, node, lookup)
             result.rewritten += 1
 
@@ -220,14 +222,25 @@ class LinearPass(TilefxPass):
             if const is not None and order[const] > order[first]:
                 first.prepend(const)
         with graph.inserting_before(first):
-            packed = graph.call_function(torch.ops.tilefx.pack_fused_linear_weight.default, (weights,))
+            packed, scales = _packing(graph, packed_weights.pack_fused_linear_weight, (weights,), weights)
             bias = None if biases[0] is None else graph.call_function(torch.cat, (biases,))
-            fused = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, bias, sum(widths)))
+            fused = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, bias, sum(widths), *scales))
             fused.meta["example_value"] = example_value(x).new_empty((*example_value(x).shape[:-1], sum(widths)))
             offsets = [sum(widths[:i]) for i in range(len(widths))]
             parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
         for node, part in zip(group, parts):
             replace(graph, node, part)
+
+
+def _packing(graph, op, args: tuple, weight_nodes) -> tuple[torch.fx.Node, tuple]:
+    """The packing op's node, in the format the loader packed these weights (bf16 where it did not), and
+    ``(scales node,)`` for a quantized format (else ``()``): what the linear op's ``scales`` argument takes."""
+    hits = packed_weights.packings_of(model_parameter(weight_nodes[0]))
+    format = hits[0][0].format if hits else "bf16"
+    if format == "bf16":
+        return graph.call_function(op, args), ()
+    packed = graph.call_function(op, (*args, format))
+    return packed, (graph.call_function(packed_weights.packed_scales, (packed,)),)
 
 
 def _packed_index(node: torch.fx.Node) -> int:

@@ -34,8 +34,12 @@ Path path() { return static_cast<Path>(current_path.load(std::memory_order_relax
 
 bool cpu_has(const std::string& feature) {
   __builtin_cpu_init();
-  if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (feature == "avx512_bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                      __builtin_cpu_supports("f16c");
+  if (feature == "avx512_bf16") {  // with VBMI (its byte tables decode quantized weights): Zen 4+, Ice Lake+
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
+  }
   if (feature == "amx") return amx_available();
   TORCH_CHECK(false, "unknown CPU feature '", feature, "'");
 }

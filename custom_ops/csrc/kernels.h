@@ -17,6 +17,16 @@ namespace tilefx {
 // AVX2 one 32-byte load yields 8 columns x 2 k as two fp32 vectors (shift / mask).
 constexpr int64_t kBlockN = 32;
 
+// Weight formats. A quantized weight keeps the packed layout above with 1-byte values
+// (bytes per K pair of a block: 2 * kBlockN) and fp32 scales in packed-block order:
+//   int8: symmetric, scales[block][kBlockN], one per packed column;
+//   fp8:  e4m3, scales[block][k_groups], one per block and kFp8GroupPairs K pairs (128 inputs:
+//         the hub's 128 x 128 weight_scale_inv, repeated for the 4 blocks of a 128-row group).
+// The decode GEMVs widen the values in registers and apply the scales to fp32 partial
+// sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
+enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2 };
+constexpr int64_t kFp8GroupPairs = 64;
+
 struct LinearProblem {
   const float* x;         // [M, ldx] fp32 activations; columns [K, ldx) are zero
   const uint16_t* w;      // packed weight (bf16 bits)
@@ -33,10 +43,23 @@ struct LinearProblem {
   // x as bf16 pairs for the AVX512-BF16 unit instead of `x`: [M, ldx / 2], x[2p] in the
   // low half of element p, x[2p + 1] in the high half (what `vdpbf16ps` broadcasts).
   const uint32_t* x_pairs = nullptr;
+  // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and
+  // their scales; the activations as for bf16 (x or x_pairs, per unit).
+  WeightFormat format = WeightFormat::bf16;
+  const uint8_t* wq = nullptr;
+  const float* scales = nullptr;
+  int64_t k_groups = 0;  // fp8: scales per block
 };
 
+// Scratch floats a linear_blocks_* call needs: two fp32 result tiles, and for a quantized
+// GEMM one dequantized bf16 block.
+inline int64_t linear_scratch_floats(const LinearProblem& p) {
+  const int64_t rows = p.M > 2 ? p.M : 2;
+  return 2 * rows * kBlockN + (p.format != WeightFormat::bf16 && p.M > 2 ? p.K_pairs * kBlockN : 0);
+}
+
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
-// 2 * max(M, 2) * kBlockN floats.
+// linear_scratch_floats(p) floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
 // The same over `x_pairs`, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports

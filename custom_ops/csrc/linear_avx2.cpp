@@ -17,7 +17,7 @@
 
 // This unit (and only this unit) is compiled for AVX2 + FMA; the ops (dispatch.h) call
 // it only where CPUID reports both.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include "vec_avx2.h"
 #include "linear_walk.h"
 
@@ -201,8 +201,109 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   }
 }
 
+// -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
+
+constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
+constexpr int64_t kQPrefetchBytes = 1024;
+constexpr float kFp8Unscale = 256.0f;  // see load_quantized16
+
+// 16 values (8 columns x one K pair, in packed order) of a quantized block as two fp32
+// vectors (4 columns x 2 each). e4m3 goes through fp16 as in linear_avx512.cpp: exact,
+// subnormals included, the value times 2^-8.
+template <WeightFormat F>
+static inline void load_quantized16(const uint8_t* p, __m256& lo, __m256& hi) {
+  if constexpr (F == WeightFormat::int8) {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                                          _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+  }
+}
+
+template <WeightFormat F>
+static inline __m256 group_scale(const LinearProblem& p, int64_t block, int64_t pair) {
+  if constexpr (F == WeightFormat::fp8) {
+    return _mm256_set1_ps(kFp8Unscale * p.scales[block * p.k_groups + pair / kFp8GroupPairs]);
+  } else {
+    return _mm256_set1_ps(1.0f);
+  }
+}
+
+// One row of x against one quantized block (8 accumulators of 4 columns x 2: one stream
+// per thread, two would spill), scales applied, into c[0, kBlockN).
+template <WeightFormat F>
+static void quantized_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
+    const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
+    const __m256 scale = group_scale<F>(p, block, g0);
+    for (int64_t q = g0; q < g1; ++q) {
+      const uint8_t* row = w + q * kQPairBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+      double pair;
+      __builtin_memcpy(&pair, x + 2 * q, sizeof pair);
+      __m256 xs = _mm256_castpd_ps(_mm256_set1_pd(pair));  // x[2q], x[2q + 1] repeated
+      if (F == WeightFormat::fp8) xs = _mm256_mul_ps(xs, scale);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m256 lo, hi;
+        load_quantized16<F>(row + 16 * j, lo, hi);
+        acc[2 * j] = _mm256_fmadd_ps(lo, xs, acc[2 * j]);
+        acc[2 * j + 1] = _mm256_fmadd_ps(hi, xs, acc[2 * j + 1]);
+      }
+    }
+  }
+  // acc[i] lanes (2t, 2t + 1) are column 4i + t's halves: hadd pairs them, the permute restores column order.
+  for (int i = 0; i < 8; i += 2) {
+    __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i], acc[i + 1])), 0xD8));
+    if constexpr (F == WeightFormat::int8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(p.scales + block * kBlockN + 4 * i));
+    _mm256_storeu_ps(c + 4 * i, sum);
+  }
+}
+
+template <WeightFormat F>
+static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  for (int64_t q = 0; q < p.K_pairs; ++q) {
+    const __m256 scale = group_scale<F>(p, block, q);
+    for (int j = 0; j < 4; ++j) {
+      __m256 lo, hi;
+      load_quantized16<F>(w + q * kQPairBytes + 16 * j, lo, hi);
+      if (F == WeightFormat::fp8) {
+        lo = _mm256_mul_ps(lo, scale);
+        hi = _mm256_mul_ps(hi, scale);
+      }
+      store_bf16x8(out + q * kPairStride + 16 * j, lo);
+      store_bf16x8(out + q * kPairStride + 16 * j + 8, hi);
+    }
+  }
+}
+
 // The AVX2 micro-kernels as linear_walk.h calls them (over LinearProblem::x).
 struct Avx2Unit {
+  static constexpr bool kTwoStreams = false;
+  template <int Rows, int Blocks>
+  static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+    static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
+    for (int r = 0; r < Rows; ++r) {
+      if (p.format == WeightFormat::int8) {
+        quantized_gemv_row<WeightFormat::int8>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
+      } else {
+        quantized_gemv_row<WeightFormat::fp8>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
+      }
+    }
+  }
+  static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
+    if (p.format == WeightFormat::int8) return dequantize_block<WeightFormat::int8>(p, block, out);
+    dequantize_block<WeightFormat::fp8>(p, block, out);
+  }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x, a, b, p.K_pairs, c_a, c_b);
   }
@@ -220,7 +321,7 @@ struct Avx2Unit {
 }  // namespace
 
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  walk_blocks<Avx2Unit>(p, block_begin, block_end, scratch);
+  walk<Avx2Unit>(p, block_begin, block_end, scratch);
 }
 
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n) {

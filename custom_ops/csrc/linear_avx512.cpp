@@ -23,7 +23,7 @@
 #include <simde/x86/avx512.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512_emulated
 #else
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,fma,f16c")
 #include <immintrin.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512
 #endif
@@ -246,8 +246,191 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
   }
 }
 
+// -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
+
+constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
+constexpr int64_t kQPrefetchBytes = 1024;     // GEMV prefetch distance of one stream, as for bf16
+
+// 16 values (8 columns x one K pair, in packed order) of a quantized block as fp32 (the
+// GEMM's dequantization of a block; the GEMVs read them as bf16, load_quantized_pairs).
+// e4m3 goes through fp16: the byte sign-extended to 16 bits and shifted left by 7 puts its
+// exponent and mantissa in fp16's (bias 15 instead of 7) and a copy of the sign in fp16's
+// top exponent bit, which the mask clears; vcvtph2ps is exact, subnormals included, so the
+// result is the e4m3 value times 2^-8 exactly (kFp8Unscale goes into the scales). The two
+// NaN codes would read as +-480: packing refuses them (custom_ops/weights.py).
+constexpr float kFp8Unscale = 256.0f;
+
+static inline __m512i widen_int8x16(__m128i v) {
+#ifdef TILEFX_AVX512_EMULATED  // SIMDe has no _mm512_cvtepi8_epi32
+  return _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(v));
+#else
+  return _mm512_cvtepi8_epi32(v);
+#endif
+}
+
+template <WeightFormat F>
+static inline __m512 load_quantized16(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (F == WeightFormat::int8) {
+    return _mm512_cvtepi32_ps(widen_int8x16(raw));
+  } else {
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
+                                          _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    return _mm512_cvtph_ps(half);
+  }
+}
+
+// The scale of block `block`'s K pairs from `pair` on, as a vector (fp8: per 128 inputs, times kFp8Unscale).
+template <WeightFormat F>
+static inline __m512 group_scale(const LinearProblem& p, int64_t block, int64_t pair) {
+  if constexpr (F == WeightFormat::fp8) {
+    return _mm512_set1_ps(kFp8Unscale * p.scales[block * p.k_groups + pair / kFp8GroupPairs]);
+  } else {
+    return _mm512_set1_ps(1.0f);
+  }
+}
+
+// Decode reads 1-byte values straight into `vdpbf16ps`: every e4m3 value and every int8
+// magnitude is exact in bf16, so a 128-entry table maps a byte's low 7 bits to its bf16
+// magnitude (`vpermi2b` per result byte, AVX512-VBMI) and the sign comes from the byte's
+// top bit (int8 looks its absolute value up). A K pair row of a block (64 bytes) becomes
+// two vectors of bf16 pairs in 4 instructions plus 2 `vdpbf16ps`, against 20 for widening
+// to fp32 (load_quantized16), which left fp8 decode compute-bound at ~1.5x the memory floor.
+struct ByteTables {
+  uint8_t lo[128], hi[128];  // low and high byte of the bf16 value of each 7-bit magnitude code
+};
+
+// The bf16 bits of mantissa * 2^exponent (mantissa < 256: always exact).
+constexpr uint16_t bf16_of(int mantissa, int exponent) {
+  if (mantissa == 0) return 0;
+  int top = 7;
+  while (!(mantissa >> top)) --top;
+  return static_cast<uint16_t>(((top + exponent + 127) << 7) | ((mantissa << (7 - top)) & 0x7F));
+}
+
+template <WeightFormat F>
+constexpr ByteTables magnitude_tables() {
+  ByteTables t{};
+  for (int code = 0; code < 128; ++code) {
+    const int e = code >> 3, m = code & 7;  // e4m3: (1 + m/8) 2^(e-7), subnormal m 2^-9; int8: the code itself
+    const uint16_t v = F == WeightFormat::int8 ? bf16_of(code, 0) : e ? bf16_of(8 + m, e - 10) : bf16_of(m, -9);
+    t.lo[code] = static_cast<uint8_t>(v & 0xFF);
+    t.hi[code] = static_cast<uint8_t>(v >> 8);
+  }
+  return t;
+}
+
+alignas(64) constexpr ByteTables kInt8Tables = magnitude_tables<WeightFormat::int8>();
+alignas(64) constexpr ByteTables kFp8Tables = magnitude_tables<WeightFormat::fp8>();
+
+struct Tables {
+  __m512i lo0, lo1, hi0, hi1;
+};
+
+template <WeightFormat F>
+static inline Tables load_tables() {
+  const ByteTables& t = F == WeightFormat::int8 ? kInt8Tables : kFp8Tables;
+  return {_mm512_loadu_si512(t.lo), _mm512_loadu_si512(t.lo + 64), _mm512_loadu_si512(t.hi),
+          _mm512_loadu_si512(t.hi + 64)};
+}
+
+// One K pair row of a quantized block (64 bytes) as bf16 pairs: `a` holds columns 8L..8L+3
+// and `b` columns 8L+4..8L+7 of each 128-bit lane L (the unpack order; kColumnOrder undoes it).
+template <WeightFormat F>
+static inline void load_quantized_pairs(const uint8_t* p, const Tables& t, __m512i& a, __m512i& b) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  const __m512i index = F == WeightFormat::int8 ? _mm512_abs_epi8(raw) : raw;  // vpermi2b reads 7 bits
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, index, t.lo1);
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, index, t.hi1), raw,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // | sign
+  a = _mm512_unpacklo_epi8(lo, hi);
+  b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// Lanes of (a, b) in column order: columns 0-15, then 16-31 (indices into a's lanes, then b's as 16-31).
+alignas(64) constexpr int32_t kColumnOrder[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                                                     {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+
+// `Rows` rows of x (bf16 pairs) against `Blocks` quantized blocks, every K pair; c[b] (rows of
+// kBlockN) gets block b's result with its scales applied: fp8's per 128 inputs to partial sums
+// at the end of each group, int8's per column to the total.
+template <WeightFormat F, int Rows, int Blocks>
+static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+  const Tables tables = load_tables<F>();
+  const uint8_t* w[Blocks];
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
+  const int64_t ldp = p.ldx / 2;
+  __m512 total[Rows * Blocks][2];
+  for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
+  const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
+    const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
+    __m512 acc[Rows * Blocks][2];
+    for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
+    for (int64_t q = g0; q < g1; ++q) {
+      for (int b = 0; b < Blocks; ++b) {
+        const uint8_t* row = w[b] + q * kQPairBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+        __m512i lo, hi;
+        load_quantized_pairs<F>(row, tables, lo, hi);
+        for (int r = 0; r < Rows; ++r) {
+          const __m512bh xp = broadcast_pair(p.x_pairs[r * ldp + q]);
+          acc[r * Blocks + b][0] = _mm512_dpbf16_ps(acc[r * Blocks + b][0], as_pairs(lo), xp);
+          acc[r * Blocks + b][1] = _mm512_dpbf16_ps(acc[r * Blocks + b][1], as_pairs(hi), xp);
+        }
+      }
+    }
+    for (int i = 0; i < Rows * Blocks; ++i) {
+      if constexpr (F == WeightFormat::fp8) {
+        const __m512 scale = _mm512_set1_ps(p.scales[blocks[i % Blocks] * p.k_groups + g0 / kFp8GroupPairs]);
+        total[i][0] = _mm512_fmadd_ps(acc[i][0], scale, total[i][0]);
+        total[i][1] = _mm512_fmadd_ps(acc[i][1], scale, total[i][1]);
+      } else {
+        total[i][0] = acc[i][0];
+        total[i][1] = acc[i][1];
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) {
+      const __m512* t = total[r * Blocks + b];
+      float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
+      for (int h = 0; h < 2; ++h) {
+        __m512 sum = _mm512_permutex2var_ps(t[0], _mm512_loadu_si512(kColumnOrder[h]), t[1]);
+        if constexpr (F == WeightFormat::int8) {
+          sum = _mm512_mul_ps(sum, _mm512_loadu_ps(p.scales + blocks[b] * kBlockN + 16 * h));
+        }
+        _mm512_storeu_ps(out + 16 * h, sum);
+      }
+    }
+  }
+}
+
+// Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM.
+template <WeightFormat F>
+static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  for (int64_t q = 0; q < p.K_pairs; ++q) {
+    const __m512 scale = group_scale<F>(p, block, q);
+    for (int j = 0; j < 4; ++j) {
+      const __m512 v = load_quantized16<F>(w + q * kQPairBytes + 16 * j);
+      store_bf16x16(out + q * kPairStride + 16 * j, F == WeightFormat::fp8 ? _mm512_mul_ps(v, scale) : v);
+    }
+  }
+}
+
 // The AVX512-BF16 micro-kernels as linear_walk.h calls them (over LinearProblem::x_pairs).
 struct Avx512Unit {
+  static constexpr bool kTwoStreams = true;
+  template <int Rows, int Blocks>
+  static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+    if (p.format == WeightFormat::int8) return quantized_gemv<WeightFormat::int8, Rows, Blocks>(p, blocks, c);
+    quantized_gemv<WeightFormat::fp8, Rows, Blocks>(p, blocks, c);
+  }
+  static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
+    if (p.format == WeightFormat::int8) return dequantize_block<WeightFormat::int8>(p, block, out);
+    dequantize_block<WeightFormat::fp8>(p, block, out);
+  }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x_pairs, a, b, p.K_pairs, c_a, c_b);
   }
@@ -266,7 +449,7 @@ struct Avx512Unit {
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
                                         float* scratch) {
-  walk_blocks<Avx512Unit>(p, block_begin, block_end, scratch);
+  walk<Avx512Unit>(p, block_begin, block_end, scratch);
 }
 
 }  // namespace tilefx

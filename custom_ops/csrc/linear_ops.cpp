@@ -50,6 +50,35 @@ void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int
   }
 }
 
+WeightFormat weight_format(const at::Tensor& packed) {
+  switch (packed.scalar_type()) {
+    case at::kBFloat16: return WeightFormat::bf16;
+    case at::kChar: return WeightFormat::int8;
+    case at::kFloat8_e4m3fn: return WeightFormat::fp8;
+    default: TORCH_CHECK(false, "tilefx: packed weights are bf16, int8 or float8_e4m3fn, got ", packed.scalar_type());
+  }
+}
+
+void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::optional<at::Tensor>& scales) {
+  p.format = weight_format(packed);
+  if (p.format == WeightFormat::bf16) {
+    TORCH_CHECK(!scales, "tilefx: a bf16 weight takes no scales");
+    p.w = bf16_bits(packed);
+    return;
+  }
+  // [..., blocks, pairs, 32, 2] -> scales [..., blocks, 32] (int8) or [..., blocks, ceil(2 * pairs / 128)] (fp8)
+  const int64_t pairs = packed.size(-3);
+  const int64_t per_block = p.format == WeightFormat::int8 ? kBlockN : (pairs + kFp8GroupPairs - 1) / kFp8GroupPairs;
+  TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
+                  scales->dim() == packed.dim() - 2 && scales->size(-1) == per_block &&
+                  scales->numel() == packed.numel() / (pairs * kBlockN * 2) * per_block,
+              "tilefx: a ", packed.scalar_type(), " weight ", packed.sizes(), " needs contiguous fp32 scales [..., ",
+              packed.size(-4), ", ", per_block, "] (weights.packed_scales)");
+  p.wq = static_cast<const uint8_t*>(packed.data_ptr());
+  p.scales = scales->data_ptr<float>();
+  p.k_groups = p.format == WeightFormat::fp8 ? per_block : 0;
+}
+
 namespace {
 
 // The rows a linear computes: every dimension of x but the features.
@@ -58,9 +87,8 @@ int64_t rows_of(const at::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / 
 void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tilefx linear: x must be bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kBlockN &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "tilefx linear: weight must be packed by pack_linear_weight (bf16 [N/", kBlockN, ", K/2, ", kBlockN,
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2 && packed.is_contiguous(),
+              "tilefx linear: weight must be packed by pack_linear_weight ([N/", kBlockN, ", K/2, ", kBlockN,
               ", 2]), got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(x.size(-1) <= 2 * packed.size(1) && x.size(-1) > 2 * packed.size(1) - 2,
               "tilefx linear: x has ", x.size(-1), " features, the packed weight ", 2 * packed.size(1));
@@ -101,7 +129,8 @@ void prepare_activations(const at::Tensor& x2, int64_t rows, LinearUnit unit, Li
 // here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
 // thread-local buffer, not an ATen temporary.
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit) {
+                         int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit,
+                         const c10::optional<at::Tensor>& scales) {
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
   // No dispatcher round trips before the weight stream starts: a decode call spends
@@ -115,13 +144,14 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
                                        c10::nullopt);
   if (rows == 0) return y;
 
-  LinearProblem p{/*x=*/nullptr, bf16_bits(packed), bias ? bf16_bits(*bias) : nullptr,
+  LinearProblem p{/*x=*/nullptr, /*w=*/nullptr, bias ? bf16_bits(*bias) : nullptr,
                   float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
+  attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
-  const size_t scratch_floats = 2 * std::max<int64_t>(rows, 2) * kBlockN;
+  const size_t scratch_floats = linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
@@ -183,44 +213,47 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
 // values without an fp32 weight copy). AMX serves only the bf16 result of more than
 // kGemvRows rows (linear_amx writes bf16); the column-block unit serves the rest.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features, bool float_out) {
+                         int64_t out_features, bool float_out, const c10::optional<at::Tensor>& scales) {
   const KernelUnits units = current_units();
-  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
+  if (x.scalar_type() == at::kBFloat16 && units.native) {
     check_packed(x, packed, bias, out_features);
-    if (!float_out && use_amx(units, rows_of(x))) return linear_amx(x, packed, bias, out_features);
-    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, units.linear);
+    const bool bf16 = weight_format(packed) == WeightFormat::bf16;
+    if (bf16 && !float_out && use_amx(units, rows_of(x))) return linear_amx(x, packed, bias, out_features);
+    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, units.linear, scales);
   }
-  using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+  using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t,
+                              const c10::optional<at::Tensor>&);
   static const auto bf16_out =
       c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_portable", "").typed<Portable>();
   static const auto fp32_out =
       c10::Dispatcher::singleton().findSchemaOrThrow("tilefx::linear_float_portable", "").typed<Portable>();
-  return (float_out ? fp32_out : bf16_out).call(x, packed, bias, out_features);
+  return (float_out ? fp32_out : bf16_out).call(x, packed, bias, out_features, scales);
 }
 
 }  // namespace
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t out_features) {
-  return packed_linear(x, packed, bias, out_features, /*float_out=*/false);
+                      int64_t out_features, const c10::optional<at::Tensor>& scales) {
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/false, scales);
 }
 
 at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t out_features) {
-  return packed_linear(x, packed, bias, out_features, /*float_out=*/true);
+                            int64_t out_features, const c10::optional<at::Tensor>& scales) {
+  return packed_linear(x, packed, bias, out_features, /*float_out=*/true, scales);
 }
 
-at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                               const c10::optional<at::Tensor>& scales) {
   const KernelUnits units = current_units();
-  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
+  if (x.scalar_type() == at::kBFloat16 && units.native) {
     const int64_t blocks = (out_features + kBlockN - 1) / kBlockN;
     TORCH_CHECK(packed.dim() == 4 && packed.size(0) == 2 * blocks,
                 "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", 2 * blocks,
                 " blocks for ", out_features, " features), got ", packed.sizes());
     check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
-    if (!use_amx(units, rows_of(x))) {
+    if (weight_format(packed) != WeightFormat::bf16 || !use_amx(units, rows_of(x))) {
       return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false,
-                           units.linear);
+                           units.linear, scales);
     }
     // AMX, prefill: one GEMM over the interleaved blocks, then the epilogue in ATen.
     const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
@@ -229,8 +262,9 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::linear_silu_mul_portable", "")
-                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return portable.call(x, packed, out_features);
+                                   .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                                     const c10::optional<at::Tensor>&)>();
+  return portable.call(x, packed, out_features, scales);
 }
 
 at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {

@@ -51,5 +51,71 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
   }
 }
 
+// Quantized weights (p.format int8 / fp8). `Unit` also supplies:
+//   q_blocks<Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2: two
+//                                          streams, Rows = 1 only), scales applied; c[i] gets block i's result
+//   dequantize(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
+// Decode widens the 1-byte values in registers (q_blocks); a GEMM dequantizes each block
+// into scratch once and runs one_block over it, then applies int8's column scales.
+template <class Unit>
+void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  const int64_t rows = p.M > 2 ? p.M : 2;
+  float* first = scratch;
+  float* second = scratch + rows * kBlockN;
+  uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
+  auto one = [&](int64_t block, float* c) {
+    if (p.M <= 2) {
+      float* out[1] = {c};
+      const int64_t which[1] = {block};
+      return p.M == 1 ? Unit::template q_blocks<1, 1>(p, which, out) : Unit::template q_blocks<2, 1>(p, which, out);
+    }
+    Unit::dequantize(p, block, panel);
+    Unit::one_block(p, panel, c);
+    if (p.format == WeightFormat::int8) {
+      const float* s = p.scales + block * kBlockN;
+      for (int64_t m = 0; m < p.M; ++m)
+        for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
+    }
+  };
+  auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
+    if constexpr (Unit::kTwoStreams) {
+      if (p.M == 1) {
+        float* out[2] = {c_a, c_b};
+        const int64_t which[2] = {a, b};
+        return Unit::template q_blocks<1, 2>(p, which, out);
+      }
+    }
+    one(a, c_a);
+    one(b, c_b);
+  };
+  if (p.silu_mul) {
+    for (int64_t j = block_begin; j < block_end; ++j) {
+      two(2 * j, 2 * j + 1, first, second);
+      Unit::store_silu_mul(p, j * kBlockN, first, second);
+    }
+    return;
+  }
+  if (p.M == 1) {
+    const int64_t half = (block_end - block_begin) / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t a = block_begin + i, b = block_begin + half + i;
+      two(a, b, first, second);
+      Unit::store(p, a * kBlockN, first);
+      Unit::store(p, b * kBlockN, second);
+    }
+    block_begin += 2 * half;
+  }
+  for (int64_t nb = block_begin; nb < block_end; ++nb) {
+    one(nb, first);
+    Unit::store(p, nb * kBlockN, first);
+  }
+}
+
+template <class Unit>
+void walk(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
+  if (p.format == WeightFormat::bf16) return walk_blocks<Unit>(p, block_begin, block_end, scratch);
+  walk_quantized<Unit>(p, block_begin, block_end, scratch);
+}
+
 }  // namespace
 }  // namespace tilefx

@@ -26,6 +26,10 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
 void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row);
 // Points `p` (p.ldx set) at rows [row, ...) of such activations: p.x or p.x_pairs.
 void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row);
+// The format of a packed weight (its dtype), and `p` pointed at it: p.w (bf16) or p.wq and
+// its `scales` (checked against the packed shape).
+WeightFormat weight_format(const at::Tensor& packed);
+void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::optional<at::Tensor>& scales);
 
 // linear_amx.cpp (oneDNN brgemm; only where AMX exists).
 bool amx_available();
@@ -38,12 +42,13 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
 
 // The CPU kernels of the tilefx ops. Each runs the current path's unit (dispatch.h),
 // or the op's *_portable reference.
-// linear_ops.cpp
+// linear_ops.cpp (scales: those of a quantized weight)
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t out_features);
+                      int64_t out_features, const c10::optional<at::Tensor>& scales);
 at::Tensor linear_float_cpu(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                            int64_t out_features);
-at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
+                            int64_t out_features, const c10::optional<at::Tensor>& scales);
+at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                               const c10::optional<at::Tensor>& scales);
 at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 // moe_ops.cpp
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,

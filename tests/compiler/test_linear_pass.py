@@ -68,7 +68,7 @@ def test_leaves_fp32_linears_alone():
         want = model(input_ids=ids, use_cache=False).logits
     result = backend.results[0]
     assert result.rewritten == 0 and len(result.fallbacks) == linears_per_model(model.config)
-    assert all("packed weights are bf16 only" in why for why in result.fallbacks), result.fallbacks[:2]
+    assert all("packed from bf16 only" in why for why in result.fallbacks), result.fallbacks[:2]
     assert count(backend.after[0], is_linear) == linears_per_model(model.config)
     torch.testing.assert_close(got, want)
 
@@ -109,4 +109,39 @@ def test_fp32_router_of_bf16_values_becomes_linear_float():
     assert count(after, is_linear) == 0 and not result.fallbacks
     routers = {id(layer.mlp.gate.weight) for layer in model.model.layers}
     assert routers <= result.packed_exclusively
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("format", ["int8", "fp8"])
+def test_reads_quantized_packings_with_their_scales(format):
+    """Weights the loader quantized are read in their format: each packing op asks for it and its scales
+    reach the linear op; the logits equal eager over the same dequantized weights."""
+    from tilefx.compiler import CompileOptions
+    from tilefx.custom_ops import weights
+    from tilefx.models.packing import pack_model
+
+    from quantized import dequantize_like_packing
+
+    torch._dynamo.reset()
+    model, reference = build_model("tiny-llama", seed=5), build_model("tiny-llama", seed=5)
+    dequantize_like_packing(reference, format)
+    summary = pack_model(model, CompileOptions(weights=format), progress=False)
+    assert summary.formats == {format: [summary.tensors, summary.packed_bytes]}
+    ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(input_ids=ids, use_cache=False).logits
+
+    backend = PassTestBackend(AttentionPass(), LinearPass())
+    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=32)
+    cache.start(1)
+    got = run(model, cache, ids, backend)
+
+    after, layers = backend.after[0], model.config.num_hidden_layers
+    packings = [n for n in after.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]
+    assert len(packings) == 4 * layers + 1 and all(format in n.args for n in packings)  # qkv, o, gate_up, down
+    assert count(after, is_op("packed_scales")) == len(packings)
+    readers = [n for n in after.nodes if n.op == "call_function" and n.target in (
+        torch.ops.tilefx.linear.default, torch.ops.tilefx.linear_silu_mul.default)]
+    assert len(readers) == 4 * layers + 1 and all(n.args[-1].target is torch.ops.tilefx.packed_scales.default
+                                                  for n in readers)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())

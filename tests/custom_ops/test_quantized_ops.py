@@ -1,0 +1,205 @@
+"""Quantized weights (int8, fp8): packing and scales, and every linear kernel path against a reference that
+dequantizes the weight then multiplies in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights
+
+from quantized import dequantized
+
+FORMATS = ["int8", "fp8"]
+
+
+def _relative_error(got, want):
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def _weight(out_features, in_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
+
+
+SHAPES = [
+    # rows (leading dims of x), out_features N, in_features K
+    ((1,), 64, 64),  # decode, whole blocks
+    ((1,), 33, 7),  # N not a multiple of the block, odd K
+    ((1,), 96, 300),  # K over two fp8 scale groups, not a multiple of 128
+    ((2,), 200, 96),  # batch-2 decode
+    ((3,), 96, 129),  # smallest GEMM, odd K just past a scale group
+    ((2, 37), 70, 300),  # prefill
+    ((1,), 4096 + 32, 256),  # many blocks, odd block count (two streams + one left)
+    ((1,), 160, 1000),  # N spanning two 128-row scale groups, K over 8
+]
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("rows,out_features,in_features", SHAPES)
+def test_quantized_linear_matches_dequantized_matmul(kernel_path, format, rows, out_features, in_features, bias):
+    weight = _weight(out_features, in_features, seed=out_features + in_features)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*rows, in_features, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    packed = weights.pack_linear_weight(weight, format)
+    scales = weights.packed_scales(packed)
+    want = x.float() @ dequantized(weight, format).T + (b.float() if bias else 0.0)
+    got = linear_ops.linear(x, packed, b, out_features, scales)
+    assert got.shape == (*rows, out_features) and got.dtype == torch.bfloat16
+    assert _relative_error(got, want) < 1e-2
+    fp32 = linear_ops.linear_float(x, packed, b, out_features, scales)
+    assert fp32.dtype == torch.float32 and _relative_error(fp32, want) < 1e-2
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("rows", [(1,), (2,), (3, 5)], ids=["decode", "batch2", "prefill"])
+def test_quantized_linear_silu_mul(kernel_path, format, rows):
+    gate, up = _weight(96, 200, seed=3), _weight(96, 200, seed=4)
+    x = torch.randn(*rows, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    packed = weights.pack_gate_up_weight(gate, up, format)
+    xf = x.float()
+    want = torch.nn.functional.silu(xf @ dequantized(gate, format).T) * (xf @ dequantized(up, format).T)
+    got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
+    assert _relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("rows", [(2,), (3, 5)], ids=["batch2", "prefill"])
+def test_quantized_strided_activations(kernel_path, format, rows):
+    wide = torch.randn(*rows, 2 * 130, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x = wide[..., 5:135]
+    weight = _weight(96, 130, seed=6)
+    packed = weights.pack_linear_weight(weight, format)
+    got = linear_ops.linear(x, packed, None, 96, weights.packed_scales(packed))
+    assert _relative_error(got, x.float() @ dequantized(weight, format).T) < 1e-2
+
+
+def _every_finite_e4m3() -> torch.Tensor:
+    """[256, 128]: row r holds one e4m3 code in every column, each 128-row scale group holding 448 (so both
+    group scales are exactly 1); the 254 finite codes, and 448 again where a NaN code would be."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[0x7F] = codes[0xFF] = 0x7E
+    values = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return values[:, None].expand(256, 128).to(torch.bfloat16), values
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3], ids=["gemv", "two-row gemv", "gemm"])
+def test_every_e4m3_code_decodes_exactly(kernel_path, rows):
+    """Subnormals, both zeros, the largest normal: each finite code's value comes out exact (x one-hot)."""
+    weight, values = _every_finite_e4m3()
+    packed = weights.pack_linear_weight(weight, "fp8")
+    scales = weights.packed_scales(packed)
+    assert torch.equal(scales, torch.ones_like(scales))
+    codes = weights.unpack_linear_weight(packed, 256, 128).view(torch.uint8)[:, 0]
+    assert torch.equal(codes, values.to(torch.float8_e4m3fn).view(torch.uint8))  # every code stored as is, -0 too
+    x = torch.zeros(rows, 128, dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    got = linear_ops.linear_float(x, packed, None, 256, scales)
+    assert torch.equal(got, values.expand(rows, 256))
+
+
+def test_quantize_rows():
+    weight = _weight(200, 300, seed=7)
+    values, scales = weights.quantize_rows(weight, "int8")
+    assert values.dtype == torch.int8 and scales.shape == (200,) and int(values.abs().max()) == 127
+    assert torch.allclose(values.float() * scales[:, None], weight.float(), atol=float(scales.max()) / 2 + 1e-6)
+    values, scales = weights.quantize_rows(weight, "fp8")
+    assert values.dtype == torch.float8_e4m3fn and values.shape == (200, 300) and scales.shape == (2, 3)
+    assert float(values.float().abs().amax()) == weights.FP8_MAX  # each block's largest value maps to 448
+    assert not values.float().isnan().any()
+    zero = torch.zeros(40, 50, dtype=torch.bfloat16)
+    for format in FORMATS:
+        _, scales = weights.quantize_rows(zero, format)
+        assert torch.equal(scales, torch.ones_like(scales))  # no division by zero
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_packing_layout_and_scales(format):
+    """Values in the bf16 layout's element order; scales in packed-block order (each sibling's own)."""
+    q, k = _weight(160, 72, seed=8), _weight(40, 72, seed=9)
+    fused = weights.pack("linear", [q, k], format=format)
+    assert fused.dtype == weights.FORMATS[format] and fused.shape == weights.packed_shape(200, 72)
+    scales = weights.scales_of(fused)
+    assert tuple(scales.shape) == weights.scales_shape(tuple(fused.shape), format)
+    for source, first, blocks in ((q, 0, 5), (k, 5, 2)):
+        values, row_scales = weights.quantize_rows(source, format)
+        unpacked = weights.unpack_linear_weight(fused[first : first + blocks], source.shape[0], 72)
+        assert torch.equal(unpacked.view(torch.uint8), values.view(torch.uint8))
+        if format == "int8":
+            assert torch.equal(scales[first : first + blocks].flatten()[: source.shape[0]], row_scales)
+        else:
+            assert torch.equal(scales[first : first + blocks], row_scales.repeat_interleave(4, 0)[:blocks])
+    k_alone = weights.pack_linear_weight(k, format)  # a sibling read alone: its slice, with its scales
+    assert k_alone.data_ptr() == fused[5].data_ptr()
+    assert torch.equal(weights.packed_scales(k_alone), scales[5:7])
+
+
+def test_quantized_release_keeps_shape_and_serves_the_packing():
+    weight = torch.nn.Parameter(_weight(64, 96, seed=10), requires_grad=False)
+    packed = weights.pack("linear", [weight], format="int8")
+    assert weights.release(packed) == 64 * 96 * 2
+    assert weight.shape == (64, 96) and weight.dtype == torch.bfloat16 and weight.stride() == (0, 0)
+    assert weights.is_released(weight)
+    assert weights.pack_linear_weight(weight, "int8") is packed
+    with pytest.raises(ValueError, match="cannot also be packed as linear bf16"):
+        weights.pack_linear_weight(weight)
+
+
+def test_can_pack_says_which_layouts_take_quantized_formats():
+    gate_up, down = _bf16_experts()
+    assert "bf16 only" in weights.can_pack("experts", [gate_up, down], format="int8")
+    assert weights.can_pack("linear", [_weight(32, 64, seed=1)], format="fp8") is None
+    with pytest.raises(ValueError, match="unknown weight format"):
+        weights.can_pack("linear", [_weight(32, 64, seed=1)], format="int4")
+
+
+def _bf16_experts():
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(4, 64, 48, generator=g).to(torch.bfloat16),
+            torch.randn(4, 48, 32, generator=g).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_packed_embedding(format):
+    weight = _weight(100, 70, seed=11)
+    packed = weights.pack_linear_weight(weight, format)
+    ids = torch.tensor([[0, 5, 99], [31, 32, 64]])
+    got = linear_ops.packed_embedding(ids, packed, 70, weights.packed_scales(packed))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, dequantized(weight, format).to(torch.bfloat16)[ids])
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_opcheck_quantized(kernel_path, format):
+    weight, gate, up = _weight(40, 72, seed=12), _weight(32, 72, seed=13), _weight(32, 72, seed=14)
+    x = torch.randn(3, 72, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    packed = weights.pack_linear_weight(weight, format)
+    scales = weights.packed_scales(packed)
+    torch.library.opcheck(weights.pack_linear_weight, (weight, format))
+    # packed_scales looks a registered packing up (opcheck's copies are none): check its fake's shape instead;
+    # like the packing ops it runs once when a graph compiles, never inside one.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = weights.packed_scales(mode.from_tensor(packed))
+    assert fake.shape == scales.shape and fake.dtype == torch.float32
+    # test_schema compares the inputs before and after with arithmetic torch lacks for float8 on the CPU.
+    checks = dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+                  if format == "fp8" else torch.library._OPCHECK_DEFAULT_UTILS)
+    torch.library.opcheck(linear_ops.linear, (x, packed, None, 40, scales), **checks)
+    torch.library.opcheck(linear_ops.linear_float, (x[:1], packed, None, 40, scales), **checks)
+    gate_up = weights.pack_gate_up_weight(gate, up, format)
+    torch.library.opcheck(linear_ops.linear_silu_mul, (x, gate_up, 32, weights.packed_scales(gate_up)), **checks)
+    torch.library.opcheck(linear_ops.packed_embedding, (torch.tensor([1, 39]), packed, 72, scales), **checks)
+
+
+def test_quantized_weight_needs_its_scales(kernel_path):
+    weight = _weight(40, 72, seed=15)
+    packed = weights.pack_linear_weight(weight, "int8")
+    x = torch.randn(1, 72).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="scales"):
+        linear_ops.linear(x, packed, None, 40)
+    with pytest.raises(RuntimeError, match="scales"):
+        linear_ops.linear(x, packed, None, 40, torch.ones(3, 7))

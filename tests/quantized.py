@@ -1,0 +1,31 @@
+"""Reference models for quantized weights: HF eager over the values the quantized kernels multiply by."""
+
+from __future__ import annotations
+
+import torch
+
+from tilefx.custom_ops import weights
+
+
+def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
+    """``weight`` as the quantized kernels see it: ``values * scales`` in fp32 (``weights.quantize_rows``)."""
+    values, scales = weights.quantize_rows(weight, format)
+    if format == "int8":
+        return values.float() * scales[:, None]
+    n, k = weight.shape
+    group = weights.FP8_GROUP
+    return values.float() * scales.repeat_interleave(group, 0).repeat_interleave(group, 1)[:n, :k]
+
+
+def dequantize_like_packing(model: torch.nn.Module, format: str) -> None:
+    """Replace, in place, each weight that ``compile_model(..., weights=format)`` would quantize by its
+    dequantized values (rounded to its dtype): an eager model that computes what the compiled one does."""
+    from tilefx.compiler import CompileOptions
+    from tilefx.models.packing import plan
+
+    with torch.no_grad():
+        for _, groups in plan(model, CompileOptions(weights=format)):
+            for group in groups:
+                if group.format != "bf16":
+                    for param in group.params:
+                        param.copy_(dequantized(param, format).to(param.dtype))
