@@ -3,6 +3,7 @@
 
     python scripts/bench_kernels.py                        # every dense preset
     python scripts/bench_kernels.py --presets llama-3.2-1b --json kernels.json
+    python scripts/bench_kernels.py --weights int8,fp8     # quantized linears next to bf16 (default)
 
 For each op: relative error against the reference implementation (fresh random
 bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
@@ -170,6 +171,44 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
     return rows
 
 
+def bench_quantized_linears(presets, formats, repeats: int, prefill_rows: int, stream_mib: int) -> list[dict]:
+    """The linears decode runs, in each quantized format: error against the reference (dequantize, then
+    an fp32 matmul), GB/s of the bytes read (values and scales), prefill GFLOP/s."""
+    rows, seen = [], set()
+    probe = isa.stream_probe(stream_mib)
+    for preset in presets:
+        for case in (c for c in linear_cases(preset) if c.in_decode):
+            if (case.N, case.K, case.gate_up) in seen:
+                continue
+            seen.add((case.N, case.K, case.gate_up))
+            n, k = case.N, case.K
+            sources = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
+            x, xp = torch.randn(1, k).to(torch.bfloat16), torch.randn(prefill_rows, k).to(torch.bfloat16)
+            for format in formats:
+                if case.gate_up:
+                    packed = packed_weights.pack_gate_up_weight(*sources, format)
+                    scales = packed_weights.packed_scales(packed)
+                    op = lambda x, w: linear_ops.linear_silu_mul(x, w, n, scales)  # noqa: E731
+                    reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n, scales)  # noqa: E731
+                else:
+                    packed = packed_weights.pack_linear_weight(sources[0], format)
+                    scales = packed_weights.packed_scales(packed)
+                    op = lambda x, w: linear_ops.linear(x, w, None, n, scales)  # noqa: E731
+                    reference = lambda x, w: linear_ops.linear_reference(x, w, None, n, scales)  # noqa: E731
+                nbytes = packed.nbytes + scales.nbytes
+                err = relative_error(op(x, packed), reference(x, packed))
+                kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
+                                             repeats)
+                t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
+                best, gbps = max(kernel), max(stream)
+                rows.append({"preset": preset, "linear": case.name, "format": format, "N": packed.shape[0] * 32,
+                             "K": k, "rel_err": err, "bytes": nbytes, "tilefx_gbps": best, "stream_gbps": gbps,
+                             "fraction_of_stream": best / gbps, "tilefx_us": nbytes / best / 1e3,
+                             "prefill_tilefx_gflops": 2 * prefill_rows * packed.shape[0] * 32 * k / t_prefill / 1e9})
+                print(f"  {format} {case.name} {n}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
+    return rows
+
+
 def attention_inputs(batch, q_heads, kv_heads, head_dim, seq, context, max_len):
     bf = dict(dtype=torch.bfloat16)
     q = torch.randn(batch, q_heads, seq, head_dim).to(**bf)
@@ -240,6 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows", type=int, default=128)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--stream-mib", type=int, default=1024, help="buffer of the streaming-read probe")
+    parser.add_argument("--weights", default="int8,fp8",
+                        help="quantized formats to time next to bf16 (comma-separated; empty: none)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
@@ -264,6 +305,20 @@ def main(argv=None) -> int:
           f"{worst['fraction_of_stream_median']:.0%} median over median), each kernel pass paired with a probe pass. "
           "N x K is the whole packed weight (gate and up together); '(unfused)' rows run only with fuse_linears=False.")
 
+    formats = [f for f in args.weights.split(",") if f]
+    quantized = bench_quantized_linears(presets, formats, args.repeats, args.prefill_rows, args.stream_mib)
+    if quantized:
+        bf16_us = {(r["preset"], r["linear"]): r["tilefx_us"] for r in linears}
+        print(f"\n## quantized weights, M=1 (decode) and M={args.prefill_rows} (prefill)\n")
+        print("| shape N x K | used as | format | rel err | MB read | tilefx GB/s | of stream (best) | us "
+              "| speedup vs bf16 | prefill GFLOP/s |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in quantized:
+            print(f"| {r['N']} x {r['K']} | {r['preset']} {r['linear']} | {r['format']} | {r['rel_err']:.1e} "
+                  f"| {r['bytes'] / 1e6:.1f} | {r['tilefx_gbps']:.1f} | {r['fraction_of_stream']:.0%} "
+                  f"| {r['tilefx_us']:.0f} | {bf16_us[(r['preset'], r['linear'])] / r['tilefx_us']:.2f}x "
+                  f"| {r['prefill_tilefx_gflops']:.0f} |")
+
     attention = bench_attention(presets[0], contexts, args.repeats, args.stream_mib)
     print(f"\n## attention ({presets[0]} heads), tilefx kernel vs PyTorch SDPA over the valid prefix\n")
     print("| op | new tokens | context | rel err | tilefx us | SDPA us | KV read GB/s |")
@@ -281,7 +336,8 @@ def main(argv=None) -> int:
         print(f"  {us:7.1f} us  {name}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": isa.current(), "linear": linears, "attention": attention, "glue": glue}, f, indent=2)
+            json.dump({"path": isa.current(), "linear": linears, "quantized_linear": quantized, "attention": attention,
+                       "glue": glue}, f, indent=2)
     return 0
 
 

@@ -4,12 +4,15 @@
     python scripts/bench_tpot.py                       # Llama-3.2-1B preset, prompt 128, 32 new tokens
     python scripts/bench_tpot.py --preset qwen3-1.7b --layers 8 --json out.json --plot out.png
     python scripts/bench_tpot.py --path ./my-checkpoint
+    python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
 timestamps every token. Modes are interleaved, runs repeated, medians reported. The
 memory floor is the bytes one decode step must read (weights, with the embedding
 table only when lm_head is tied to it, plus the KV cache) over the streaming-read
-bandwidth measured in this run.
+bandwidth measured in this run; for a tilefx row, the bytes its packed weights hold
+in their format (quantized values and their scales), so each format is held to its
+own floor.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import torch
 
 import tilefx
-from tilefx.custom_ops import isa
+from tilefx.custom_ops import isa, weights
 from tilefx.models.adapters import adapter_for
 from tilefx.models.load import load_model
 from tilefx.models.presets import build_model
@@ -65,6 +68,29 @@ def decode_bytes(model, context: int) -> int:
     per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
     kv = per_token * context * embed.element_size()
     return total + kv
+
+
+def packed_decode_bytes(model, context: int) -> int:
+    """``decode_bytes`` of a tilefx-compiled model, from what it holds: each packed weight in its format
+    (values and scales; routed experts' share as above), the parameters left unpacked (the input
+    embedding only when tied, as packed), plus the KV cache."""
+    packings, unpacked = {}, 0
+    embed = model.get_input_embeddings().weight
+    for param in model.parameters():
+        hits = weights.packings_of(param)
+        for packed, _ in hits:
+            packings[id(packed)] = packed
+        if not hits and param is not embed:
+            unpacked += param.nbytes
+    adapter = adapter_for(model.config)
+    moe = adapter.moe_dims(model.config) if adapter.moe is not None else None
+    total = unpacked
+    for packed in packings.values():
+        share = (moe["top_k"], moe["num_experts"]) if moe and packed.layout.startswith("expert") else (1, 1)
+        total += packed.nbytes * share[0] // share[1]
+    dims = adapter.cache_dims(model.config)
+    per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
+    return total + per_token * context * embed.element_size()
 
 
 def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
@@ -107,14 +133,22 @@ def main(argv=None) -> int:
     parser.add_argument("--long-context", type=int, default=0, metavar="N",
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    parser.add_argument("--weights", default="bf16",
+                        help="comma-separated weight formats for tilefx (bf16, int8, fp8): one tilefx row each")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    formats = [f for f in args.weights.split(",") if f]
+    if unknown := set(formats) - set(weights.FORMATS):
+        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {tuple(weights.FORMATS)}")
+    if "tilefx" in modes:  # one tilefx row per format: "tilefx" (bf16), "tilefx int8", ...
+        at = modes.index("tilefx")
+        modes[at : at + 1] = ["tilefx" if f == "bf16" else f"tilefx {f}" for f in formats]
     if args.long_context and "tilefx" not in modes:
-        parser.error("--long-context times tilefx: include tilefx in --modes")
+        parser.error("--long-context times tilefx in bf16: include tilefx in --modes and bf16 in --weights")
     max_seq_len = max(args.prompt_len, args.long_context) + args.new_tokens
 
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
@@ -132,8 +166,9 @@ def main(argv=None) -> int:
         gen_kwargs[mode] = {}
         if mode == "torch.compile":
             gen_kwargs[mode] = stock_compile(model, args.prompt_len + args.new_tokens)  # its own need only
-        elif mode == "tilefx":
-            model = tilefx.compile_model(model, max_seq_len=max_seq_len, max_batch=1)
+        elif mode.startswith("tilefx"):
+            format = mode.split()[1] if " " in mode else "bf16"
+            model = tilefx.compile_model(model, max_seq_len=max_seq_len, max_batch=1, weights=format)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -161,18 +196,24 @@ def main(argv=None) -> int:
     for mode in modes:
         ttft = statistics.median(s[0] for s in samples[mode]) * 1e3
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
-        rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "tpot_over_floor": tpot / floor_ms})
+        own_bytes = packed_decode_bytes(models[mode], context) if mode.startswith("tilefx") else step_bytes
+        own_floor = own_bytes / (gbps * 1e9) * 1e3
+        rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "decode_gb": own_bytes / 1e9,
+                     "floor_ms": own_floor, "tpot_over_floor": tpot / own_floor})
     eager_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "eager"), None)
     stock_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "torch.compile"), None)
     print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {step_bytes / 1e9:.2f} GB "
           f"-> memory floor {floor_ms:.1f} ms/token\n")
-    print("| mode | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager | vs torch.compile |")
-    print("|---|---:|---:|---:|---:|---:|")
+    bf16_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "tilefx"), None)
+    print("| mode | decode reads GB | floor ms | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager "
+          "| vs torch.compile | vs tilefx bf16 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         speedup = f"{eager_tpot / row['tpot_ms']:.2f}x" if eager_tpot else "-"
         vs_stock = f"{stock_tpot / row['tpot_ms']:.2f}x" if stock_tpot else "-"
-        print(f"| {row['mode']} | {row['ttft_ms']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} "
-              f"| {speedup} | {vs_stock} |")
+        vs_bf16 = f"{bf16_tpot / row['tpot_ms']:.2f}x" if bf16_tpot else "-"
+        print(f"| {row['mode']} | {row['decode_gb']:.2f} | {row['floor_ms']:.1f} | {row['ttft_ms']:.1f} "
+              f"| {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} | {speedup} | {vs_stock} | {vs_bf16} |")
     if long_context:
         long_ttft = statistics.median(s[0] for s in long_samples) * 1e3
         long_tpot = statistics.median(s[1] for s in long_samples) * 1e3
@@ -188,8 +229,8 @@ def main(argv=None) -> int:
               f"| {growth:.3f} |")
         rows.append({"mode": f"tilefx, prompt {args.long_context}", "ttft_ms": long_ttft, "tpot_ms": long_tpot,
                      "tpot_over_floor": long_tpot / long_floor, "tpot_over_short_context": growth})
-    if "tilefx" in models:
-        print("\n" + tilefx.explain(models["tilefx"]))
+    for mode in (m for m in modes if m.startswith("tilefx")):
+        print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
     result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs,
               "threads": torch.get_num_threads(), "stream_gbps": gbps, "floor_ms": floor_ms, "rows": rows}
     if args.json:
@@ -202,7 +243,7 @@ def main(argv=None) -> int:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([r["mode"] for r in rows], [r["tpot_ms"] for r in rows], color=["#999", "#69c", "#e73", "#f9a"][: len(rows)])
+        ax.bar([r["mode"] for r in rows], [r["tpot_ms"] for r in rows], color=["#999", "#69c", "#e73", "#f9a", "#c51", "#fc6", "#7b4"][: len(rows)])
         ax.axhline(floor_ms, color="k", linestyle="--", label=f"memory floor {floor_ms:.1f} ms")
         ax.set_ylabel("TPOT (ms, median)")
         ax.set_title(f"{name}, prompt {args.prompt_len}")

@@ -21,6 +21,8 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
                                     "--prefill-rows", "8", "--stream-mib", "64", "--json", str(out)])
     result = json.loads(out.read_text())
     assert len(result["linear"]) >= 5 and all(r["rel_err"] < 1e-2 for r in result["linear"])
+    quantized = result["quantized_linear"]  # the decode linears in int8 and fp8
+    assert {r["format"] for r in quantized} == {"int8", "fp8"} and all(r["rel_err"] < 1e-2 for r in quantized)
     assert all(r["tilefx_gbps"] > 0 and r["fraction_of_stream"] > 0 for r in result["linear"])
     assert [r["op"] for r in result["attention"]] == ["decode_attention"] * 2 + ["extend_attention"]
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])
@@ -59,3 +61,13 @@ def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
     assert "fx graph hit 2" in warm["startup"] and "aot hit 2" in warm["startup"], warm["startup"]
     assert warm["token"] == cold["token"]
     assert cold["recompiles"] == warm["recompiles"] == 0 and cold["graphs"] == warm["graphs"] == 2
+
+
+def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
+    out = tmp_path / "tpot.json"
+    run_script("bench_tpot.py", ["--preset", "tiny-llama", "--modes", "tilefx", "--weights", "bf16,int8",
+                                 "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out)])
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"tilefx", "tilefx int8"}
+    assert rows["tilefx int8"]["decode_gb"] < 0.75 * rows["tilefx"]["decode_gb"]  # 1-byte values, fp32 scales
+    assert all(r["tpot_ms"] > 0 and r["floor_ms"] > 0 for r in rows.values())
