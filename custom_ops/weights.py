@@ -187,7 +187,7 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
 
 def _write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:
     """``quantize_rows``' scales of some rows into their blocks' packed-order scales ``out``."""
-    if out.shape[-1] == BLOCK_N and row_scales.dim() == 1:  # int8: one per row (padding rows: 0, their values are 0)
+    if row_scales.dim() == 1:  # int8: one per row (padding rows: 0, their values are 0)
         padded = torch.zeros(out.shape[0] * BLOCK_N)
         padded[: row_scales.shape[0]] = row_scales
         out.copy_(padded.view(-1, BLOCK_N))

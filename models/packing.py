@@ -104,9 +104,8 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
             continue
         if adapter.moe is not None and cls == adapter.moe.router_class and isinstance(
                 getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 2:
-            _add_single(parts, taken, part, f"{name}.weight", module.weight, "bf16")
-            if format != "bf16" and parts.get(part) and parts[part][-1].params[0] is module.weight:
-                parts[part][-1].kept_bf16 = _ROUTER_BF16
+            _add_single(parts, taken, part, f"{name}.weight", module.weight, "bf16",
+                        kept_bf16=_ROUTER_BF16 if format != "bf16" else None)
             continue
         linears = _linear_children(module)
         if options.fuse_linears:
@@ -138,10 +137,12 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
     return [*parts.items(), *([("model", rest)] if rest else [])]
 
 
-def _add_single(parts, taken: set[int], part: str, name: str, param, format: str) -> None:
+def _add_single(parts, taken: set[int], part: str, name: str, param, format: str,
+                kept_bf16: str | None = None) -> None:
     if id(param) not in taken and param.dim() == 2 and weights.can_pack("linear", [param]) is None:
         taken.add(id(param))
-        parts.setdefault(part, []).append(_formatted(PackGroup("linear", (name,), (param,)), format))
+        group = PackGroup("linear", (name,), (param,), kept_bf16=kept_bf16)
+        parts.setdefault(part, []).append(_formatted(group, format))
 
 
 def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> PackSummary:
@@ -154,8 +155,7 @@ def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> Pac
                               leave=False):
             for group in groups:
                 packed = weights.pack(group.layout, list(group.params), names=group.names, format=group.format)
-                scales = weights.scales_of(packed) if group.format != "bf16" else None
-                summary.add(group.format, packed.nbytes + (0 if scales is None else scales.nbytes))
+                summary.add(group.format, weights.packing_of(group.params[0]).nbytes)  # values and scales
                 if group.kept_bf16:
                     summary.kept_bf16[group.kept_bf16] = summary.kept_bf16.get(group.kept_bf16, 0) + 1
                 summary.released_bytes += weights.release(packed)

@@ -97,6 +97,17 @@ def linear_cases(preset_name: str) -> list[LinearCase]:
     ]
 
 
+def distinct_cases(presets, decode_only: bool = False):
+    """``(preset, case)`` for each linear shape the presets run, each shape once."""
+    seen = set()
+    for preset in presets:
+        for case in linear_cases(preset):
+            if (decode_only and not case.in_decode) or (case.N, case.K, case.gate_up) in seen:
+                continue
+            seen.add((case.N, case.K, case.gate_up))
+            yield preset, case
+
+
 def onednn_linear(weight):
     """oneDNN's packed bf16 linear (what Inductor's freezing uses where it supports bf16), or None."""
     try:
@@ -127,85 +138,77 @@ def paired_gbps(fn, copies, nbytes: int, probe, rounds: int) -> tuple[list[float
 
 
 def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> list[dict]:
-    rows, seen = [], set()
+    rows = []
     probe = isa.stream_probe(stream_mib)
-    for preset in presets:
-        for case in linear_cases(preset):
-            n, k = case.N, case.K
-            if (n, k, case.gate_up) in seen:
-                continue
-            seen.add((n, k, case.gate_up))
-            weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
-            weight = torch.cat(weights)  # what PyTorch would read: one [N or 2N, K] linear
-            if case.gate_up:
-                packed = packed_weights.pack_gate_up_weight_reference(*weights)
-                op = lambda x, w: linear_ops.linear_silu_mul(x, w, n)  # noqa: E731
-                reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n)  # noqa: E731
-            else:
-                packed = packed_weights.pack_linear_weight_reference(weight)
-                op = lambda x, w: linear_ops.linear(x, w, None, n)  # noqa: E731
-                reference = lambda x, w: linear_ops.linear_reference(x, w, None, n)  # noqa: E731
-            x = torch.randn(1, k).to(torch.bfloat16)
-            err = relative_error(op(x, packed), reference(x, packed))
-            tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True),
-                                                   case.weight_bytes, probe, repeats)
-            t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
-            onednn = onednn_linear(weight)
-            t_onednn = median_seconds(lambda: onednn(x), repeats) if onednn else None
-            xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
-            t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
-            t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))
-            flops = 2 * prefill_rows * weight.shape[0] * k
-            best, gbps = max(tilefx_gbps), max(stream_gbps)
-            rows.append({
-                "preset": preset, "linear": case.name, "N": weight.shape[0], "K": k, "in_decode": case.in_decode,
-                "rel_err": err, "stream_gbps": gbps, "tilefx_gbps": best, "fraction_of_stream": best / gbps,
-                "tilefx_us": case.weight_bytes / best / 1e3,
-                "fraction_of_stream_median": statistics.median(tilefx_gbps) / statistics.median(stream_gbps),
-                "torch_gbps": weight.nbytes / t_torch / 1e9,
-                "onednn_gbps": weight.nbytes / t_onednn / 1e9 if t_onednn else None,
-                "prefill_tilefx_gflops": flops / t_prefill / 1e9,
-                "prefill_torch_gflops": flops / t_prefill_torch / 1e9,
-            })
-            print(f"  {case.name} {weight.shape[0]}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
+    for preset, case in distinct_cases(presets):
+        n, k = case.N, case.K
+        weights = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
+        weight = torch.cat(weights)  # what PyTorch would read: one [N or 2N, K] linear
+        if case.gate_up:
+            packed = packed_weights.pack_gate_up_weight_reference(*weights)
+            op = lambda x, w: linear_ops.linear_silu_mul(x, w, n)  # noqa: E731
+            reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n)  # noqa: E731
+        else:
+            packed = packed_weights.pack_linear_weight_reference(weight)
+            op = lambda x, w: linear_ops.linear(x, w, None, n)  # noqa: E731
+            reference = lambda x, w: linear_ops.linear_reference(x, w, None, n)  # noqa: E731
+        x = torch.randn(1, k).to(torch.bfloat16)
+        err = relative_error(op(x, packed), reference(x, packed))
+        tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True),
+                                               case.weight_bytes, probe, repeats)
+        t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
+        onednn = onednn_linear(weight)
+        t_onednn = median_seconds(lambda: onednn(x), repeats) if onednn else None
+        xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
+        t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
+        t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))
+        flops = 2 * prefill_rows * weight.shape[0] * k
+        best, gbps = max(tilefx_gbps), max(stream_gbps)
+        rows.append({
+            "preset": preset, "linear": case.name, "N": weight.shape[0], "K": k, "in_decode": case.in_decode,
+            "rel_err": err, "stream_gbps": gbps, "tilefx_gbps": best, "fraction_of_stream": best / gbps,
+            "tilefx_us": case.weight_bytes / best / 1e3,
+            "fraction_of_stream_median": statistics.median(tilefx_gbps) / statistics.median(stream_gbps),
+            "torch_gbps": weight.nbytes / t_torch / 1e9,
+            "onednn_gbps": weight.nbytes / t_onednn / 1e9 if t_onednn else None,
+            "prefill_tilefx_gflops": flops / t_prefill / 1e9,
+            "prefill_torch_gflops": flops / t_prefill_torch / 1e9,
+        })
+        print(f"  {case.name} {weight.shape[0]}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
     return rows
 
 
 def bench_quantized_linears(presets, formats, repeats: int, prefill_rows: int, stream_mib: int) -> list[dict]:
     """The linears decode runs, in each quantized format: error against the reference (dequantize, then
     an fp32 matmul), GB/s of the bytes read (values and scales), prefill GFLOP/s."""
-    rows, seen = [], set()
+    rows = []
     probe = isa.stream_probe(stream_mib)
-    for preset in presets:
-        for case in (c for c in linear_cases(preset) if c.in_decode):
-            if (case.N, case.K, case.gate_up) in seen:
-                continue
-            seen.add((case.N, case.K, case.gate_up))
-            n, k = case.N, case.K
-            sources = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
-            x, xp = torch.randn(1, k).to(torch.bfloat16), torch.randn(prefill_rows, k).to(torch.bfloat16)
-            for format in formats:
-                if case.gate_up:
-                    packed = packed_weights.pack_gate_up_weight(*sources, format)
-                    scales = packed_weights.packed_scales(packed)
-                    op = lambda x, w: linear_ops.linear_silu_mul(x, w, n, scales)  # noqa: E731
-                    reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n, scales)  # noqa: E731
-                else:
-                    packed = packed_weights.pack_linear_weight(sources[0], format)
-                    scales = packed_weights.packed_scales(packed)
-                    op = lambda x, w: linear_ops.linear(x, w, None, n, scales)  # noqa: E731
-                    reference = lambda x, w: linear_ops.linear_reference(x, w, None, n, scales)  # noqa: E731
-                nbytes = packed.nbytes + scales.nbytes
-                err = relative_error(op(x, packed), reference(x, packed))
-                kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
-                                             repeats)
-                t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
-                best, gbps = max(kernel), max(stream)
-                rows.append({"preset": preset, "linear": case.name, "format": format, "N": packed.shape[0] * 32,
-                             "K": k, "rel_err": err, "bytes": nbytes, "tilefx_gbps": best, "stream_gbps": gbps,
-                             "fraction_of_stream": best / gbps, "tilefx_us": nbytes / best / 1e3,
-                             "prefill_tilefx_gflops": 2 * prefill_rows * packed.shape[0] * 32 * k / t_prefill / 1e9})
-                print(f"  {format} {case.name} {n}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
+    for preset, case in distinct_cases(presets, decode_only=True):
+        n, k = case.N, case.K
+        sources = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
+        x, xp = torch.randn(1, k).to(torch.bfloat16), torch.randn(prefill_rows, k).to(torch.bfloat16)
+        for format in formats:
+            if case.gate_up:
+                packed = packed_weights.pack_gate_up_weight(*sources, format)
+                scales = packed_weights.packed_scales(packed)
+                op = lambda x, w: linear_ops.linear_silu_mul(x, w, n, scales)  # noqa: E731
+                reference = lambda x, w: linear_ops.linear_silu_mul_reference(x, w, n, scales)  # noqa: E731
+            else:
+                packed = packed_weights.pack_linear_weight(sources[0], format)
+                scales = packed_weights.packed_scales(packed)
+                op = lambda x, w: linear_ops.linear(x, w, None, n, scales)  # noqa: E731
+                reference = lambda x, w: linear_ops.linear_reference(x, w, None, n, scales)  # noqa: E731
+            nbytes = packed.nbytes + scales.nbytes
+            err = relative_error(op(x, packed), reference(x, packed))
+            kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
+                                         repeats)
+            t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
+            best, gbps = max(kernel), max(stream)
+            rows.append({"preset": preset, "linear": case.name, "format": format, "N": packed.shape[0] * 32,
+                         "K": k, "rel_err": err, "bytes": nbytes, "tilefx_gbps": best, "stream_gbps": gbps,
+                         "fraction_of_stream": best / gbps, "tilefx_us": nbytes / best / 1e3,
+                         "prefill_tilefx_gflops": 2 * prefill_rows * packed.shape[0] * 32 * k / t_prefill / 1e9})
+            print(f"  {format} {case.name} {n}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
     return rows
 
 

@@ -64,10 +64,14 @@ def decode_bytes(model, context: int) -> int:
         moe = adapter.moe_dims(model.config)
         experts = sum(p.nbytes for name, p in model.named_parameters() if ".experts." in name)
         total -= experts * (moe["num_experts"] - moe["top_k"]) // moe["num_experts"]
-    dims = adapter.cache_dims(model.config)
+    return total + kv_cache_bytes(model, context)
+
+
+def kv_cache_bytes(model, context: int) -> int:
+    """The KV cache one decode step reads at ``context`` tokens."""
+    dims = adapter_for(model.config).cache_dims(model.config)
     per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
-    kv = per_token * context * embed.element_size()
-    return total + kv
+    return per_token * context * model.get_input_embeddings().weight.element_size()
 
 
 def packed_decode_bytes(model, context: int) -> int:
@@ -88,9 +92,7 @@ def packed_decode_bytes(model, context: int) -> int:
     for packed in packings.values():
         share = (moe["top_k"], moe["num_experts"]) if moe and packed.layout.startswith("expert") else (1, 1)
         total += packed.nbytes * share[0] // share[1]
-    dims = adapter.cache_dims(model.config)
-    per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
-    return total + per_token * context * embed.element_size()
+    return total + kv_cache_bytes(model, context)
 
 
 def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:

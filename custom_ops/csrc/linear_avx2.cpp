@@ -289,20 +289,14 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX2 micro-kernels as linear_walk.h calls them (over LinearProblem::x).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
-  template <int Rows, int Blocks>
+  template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
-    for (int r = 0; r < Rows; ++r) {
-      if (p.format == WeightFormat::int8) {
-        quantized_gemv_row<WeightFormat::int8>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
-      } else {
-        quantized_gemv_row<WeightFormat::fp8>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
-      }
-    }
+    for (int r = 0; r < Rows; ++r) quantized_gemv_row<F>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
   }
+  template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
-    if (p.format == WeightFormat::int8) return dequantize_block<WeightFormat::int8>(p, block, out);
-    dequantize_block<WeightFormat::fp8>(p, block, out);
+    dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x, a, b, p.K_pairs, c_a, c_b);

@@ -422,14 +422,13 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX512-BF16 micro-kernels as linear_walk.h calls them (over LinearProblem::x_pairs).
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
-  template <int Rows, int Blocks>
+  template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
-    if (p.format == WeightFormat::int8) return quantized_gemv<WeightFormat::int8, Rows, Blocks>(p, blocks, c);
-    quantized_gemv<WeightFormat::fp8, Rows, Blocks>(p, blocks, c);
+    quantized_gemv<F, Rows, Blocks>(p, blocks, c);
   }
+  template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
-    if (p.format == WeightFormat::int8) return dequantize_block<WeightFormat::int8>(p, block, out);
-    dequantize_block<WeightFormat::fp8>(p, block, out);
+    dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x_pairs, a, b, p.K_pairs, c_a, c_b);

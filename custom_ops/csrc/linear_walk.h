@@ -51,13 +51,13 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
   }
 }
 
-// Quantized weights (p.format int8 / fp8). `Unit` also supplies:
-//   q_blocks<Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2: two
-//                                          streams, Rows = 1 only), scales applied; c[i] gets block i's result
-//   dequantize(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
+// Quantized weights in format F (p.format int8 / fp8). `Unit` also supplies:
+//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2:
+//                                             two streams, Rows = 1 only), scales applied; c[i] gets block i's
+//   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
 // Decode widens the 1-byte values in registers (q_blocks); a GEMM dequantizes each block
 // into scratch once and runs one_block over it, then applies int8's column scales.
-template <class Unit>
+template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const int64_t rows = p.M > 2 ? p.M : 2;
   float* first = scratch;
@@ -67,11 +67,12 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
     if (p.M <= 2) {
       float* out[1] = {c};
       const int64_t which[1] = {block};
-      return p.M == 1 ? Unit::template q_blocks<1, 1>(p, which, out) : Unit::template q_blocks<2, 1>(p, which, out);
+      return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
+                      : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }
-    Unit::dequantize(p, block, panel);
+    Unit::template dequantize<F>(p, block, panel);
     Unit::one_block(p, panel, c);
-    if (p.format == WeightFormat::int8) {
+    if constexpr (F == WeightFormat::int8) {
       const float* s = p.scales + block * kBlockN;
       for (int64_t m = 0; m < p.M; ++m)
         for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
@@ -82,7 +83,7 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
       if (p.M == 1) {
         float* out[2] = {c_a, c_b};
         const int64_t which[2] = {a, b};
-        return Unit::template q_blocks<1, 2>(p, which, out);
+        return Unit::template q_blocks<F, 1, 2>(p, which, out);
       }
     }
     one(a, c_a);
@@ -113,8 +114,11 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
 
 template <class Unit>
 void walk(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  if (p.format == WeightFormat::bf16) return walk_blocks<Unit>(p, block_begin, block_end, scratch);
-  walk_quantized<Unit>(p, block_begin, block_end, scratch);
+  switch (p.format) {
+    case WeightFormat::bf16: return walk_blocks<Unit>(p, block_begin, block_end, scratch);
+    case WeightFormat::int8: return walk_quantized<Unit, WeightFormat::int8>(p, block_begin, block_end, scratch);
+    case WeightFormat::fp8: return walk_quantized<Unit, WeightFormat::fp8>(p, block_begin, block_end, scratch);
+  }
 }
 
 }  // namespace
