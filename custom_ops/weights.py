@@ -50,6 +50,7 @@ BLOCK_N = 32  # output columns per packed block (csrc/kernels.h: one block is 2 
 FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 FP8_GROUP = 128  # fp8 scale blocks: 128 output channels x 128 inputs (the hub's weight_block_size)
 FP8_MAX = 448.0  # largest finite e4m3 value
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 QUANTIZED_LAYOUTS = ("linear", "gate_up")  # what the quantized kernels read (experts and MLA's per-head: bf16)
 
 
@@ -74,8 +75,11 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: s
     if format != "bf16" and layout not in QUANTIZED_LAYOUTS:
         return f"{format} weights: the {layout} kernels read bf16 only"
     dtypes = {w.dtype for w in weights}
-    if dtypes != {torch.bfloat16}:
-        return f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 only"
+    if any(w.dtype != torch.bfloat16 and checkpoint_scales(w) is None for w in weights):
+        return (f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 or from an fp8 checkpoint's "
+                f"weights (with their scales)")
+    if len(dtypes) > 1 and layout != "experts":  # experts: gate_up and down are packed apart
+        return f"siblings of different dtypes {sorted(map(str, dtypes))}"
     if x_dtype is not None and x_dtype != torch.bfloat16:
         return f"activations are {x_dtype}: packed linears take bf16 activations"
     if layout in ("linear", "gate_up", "mla"):
@@ -154,7 +158,7 @@ def _layout_shape(layout: str, weights, args: tuple) -> tuple[int, ...]:
     raise ValueError(f"unknown packed layout {layout!r}")
 
 
-CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
+CHUNK_BYTES = 61 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
 
 
 def _write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
@@ -167,22 +171,38 @@ def _write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
         out.copy_(_linear_order(rows))
 
 
-def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None) -> None:
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
+                 source_scales=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
-    rows of the packing's scales) where ``out`` holds a quantized format."""
-    step = FP8_GROUP if scales is not None else BLOCK_N  # chunks never split an fp8 scale block
-    rows_per_chunk = max(1, CHUNK_BYTES // max(1, weight[0].nbytes) // step) * step
+    rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is an fp8
+    checkpoint's, with these 128 x 128 block scales: copied as they are into an fp8 packing, else dequantized a
+    chunk at a time."""
+    fp8_source = source_scales is not None
+    if fp8_source:
+        _check_checkpoint_scales(weight, source_scales)
+    step = FP8_GROUP if scales is not None or fp8_source else BLOCK_N  # chunks never split an fp8 scale block
+    row_bytes = weight[0].numel() * (4 if fp8_source else weight.element_size())  # fp8: dequantized in fp32
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes) // step) * step
     for row in range(0, weight.shape[0], rows_per_chunk):
-        rows = weight[row : row + rows_per_chunk]
+        source = rows = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
         blocks = -(-rows.shape[0] // BLOCK_N)
+        if fp8_source:
+            _refuse_nan_codes(rows)
+            groups = source_scales[row // FP8_GROUP : -(-(row + rows.shape[0]) // FP8_GROUP)]
+            if format_of(out) == "fp8":  # the checkpoint's own values and scales
+                _write_blocks(out[block : block + blocks].view(torch.uint8), rows.view(torch.uint8), native=False)
+                _write_scales(scales[block : block + blocks], groups)
+                _drop_file_pages(source, mapped)
+                continue
+            rows = dequantize_blocks(rows, groups)
         if scales is None:
             _write_blocks(out[block : block + blocks], rows, native)
         else:
             values, row_scales = quantize_rows(rows, format_of(out))
             _write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
             _write_scales(scales[block : block + blocks], row_scales)
-        _drop_file_pages(rows, mapped)
+        _drop_file_pages(source, mapped)
 
 
 def _write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:
@@ -206,26 +226,108 @@ def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = T
         for weight in weights:
             blocks = -(-weight.shape[0] // BLOCK_N)
             part = None if scales is None else scales[start : start + blocks]
-            _fill_linear(out[start : start + blocks], weight, mapped, native, part)
+            _fill_linear(out[start : start + blocks], weight, mapped, native, part, checkpoint_scales(weight))
             start += blocks
     elif layout == "gate_up":
         pairs = out.view(-1, 2, *out.shape[1:])
         scale_pairs = None if scales is None else scales.view(-1, 2, *scales.shape[1:])
         for i in (0, 1):
-            _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i])
+            _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i],
+                         checkpoint_scales(weights[i]))
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
-        for expert, source in zip(out.view(out.shape[0], -1, 2, *out.shape[2:]), weights[0]):
-            gate, up = source.chunk(2)
-            _fill_linear(expert[:, 0], gate, mapped, native)
-            _fill_linear(expert[:, 1], up, mapped, native)
+        source_scales = _per_expert_scales(weights[0])
+        for expert, source, groups in zip(out.view(out.shape[0], -1, 2, *out.shape[2:]), weights[0], source_scales):
+            for i, (half, half_groups) in enumerate(zip(source.chunk(2), _halves(groups))):
+                _fill_linear(expert[:, i], half, mapped, native, source_scales=half_groups)
     elif layout == "expert_down":
-        for expert, source in zip(out, weights[0]):
-            _fill_linear(expert, source, mapped, native)
+        for expert, source, groups in zip(out, weights[0], _per_expert_scales(weights[0])):
+            _fill_linear(expert, source, mapped, native, source_scales=groups)
     elif layout in ("mla_key", "mla_value"):
         out.copy_(_linear_order(_mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
         raise ValueError(f"unknown packed layout {layout!r}")
     return out
+
+
+def _per_expert_scales(weight: torch.Tensor) -> list:
+    scales = checkpoint_scales(weight)
+    return [None] * weight.shape[0] if scales is None else list(scales)
+
+
+def _halves(groups):
+    return (None, None) if groups is None else groups.chunk(2)
+
+
+# -- fp8 checkpoints: weights that arrive quantized ----------------------------------------------------------
+
+_CHECKPOINT_SCALES = "_tilefx_weight_scale_inv"  # the attribute holding an fp8 checkpoint weight's scales
+
+
+def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """Mark ``weight`` (e4m3 values as an fp8 checkpoint holds them) with its ``weight_scale_inv``: one fp32 per
+    128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``; 3-D experts ``[E, ...]`` per expert, and a fused
+    gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of its own rows). ``pack`` then reads it as is
+    (fp8) or dequantizes it a chunk at a time (other formats), so no bf16 copy of it ever exists whole."""
+    if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
+        raise ValueError(f"an fp8 checkpoint weight is float8_e4m3fn with float32 scales, got {weight.dtype} "
+                         f"with {scale_inv.dtype}")
+    if scale_inv.dim() != weight.dim() or scale_inv.shape[:-2] != weight.shape[:-2] or \
+            scale_inv.shape[-1] != -(-weight.shape[-1] // FP8_GROUP):
+        raise ValueError(f"weight_scale_inv {tuple(scale_inv.shape)} does not hold 128 x 128 blocks of a weight "
+                         f"{tuple(weight.shape)}")
+    setattr(weight, _CHECKPOINT_SCALES, scale_inv)
+
+
+def checkpoint_scales(weight: torch.Tensor) -> torch.Tensor | None:
+    """The block scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight)."""
+    return getattr(weight, _CHECKPOINT_SCALES, None)
+
+
+def _check_checkpoint_scales(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    expected = (-(-weight.shape[0] // FP8_GROUP), -(-weight.shape[1] // FP8_GROUP))
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"fp8 weight {tuple(weight.shape)}: weight_scale_inv is {tuple(scales.shape)}, expected "
+                         f"{expected} (one per 128 x 128 block)")
+
+
+def _refuse_nan_codes(values: torch.Tensor) -> None:
+    """e4m3 has two NaN codes (0x7F, 0xFF): no quantizer writes them, a corrupt checkpoint might. The kernels
+    decode every other code, so a checkpoint weight holding one is refused rather than poisoning outputs.
+    Checked 1 MiB at a time: temporaries the size of a whole chunk would stay in malloc's heap once freed."""
+    flat = values.reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), 1 << 20):
+        if ((flat[start : start + (1 << 20)] & 0x7F) == 0x7F).any():
+            raise ValueError("an fp8 checkpoint weight holds NaN e4m3 codes (0x7F / 0xFF): the checkpoint is "
+                             "corrupt or not e4m3")
+
+
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """``values [n, k]`` (e4m3) times their 128 x 128 block ``scales``, in ``dtype``: ``q * scale_inv`` in fp32,
+    rounded once, as transformers dequantizes an fp8 checkpoint."""
+    n, k = values.shape
+    per_row = scales.repeat_interleave(FP8_GROUP, dim=0)[:n].repeat_interleave(FP8_GROUP, dim=1)[:, :k]
+    return (values.float() * per_row).to(dtype)
+
+
+def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> int:
+    """Turn an fp8 checkpoint weight that no packing reads into ``dtype`` in place (one 2-D slice at a time
+    alongside the result). Returns the bytes it grew by."""
+    scales = checkpoint_scales(weight)
+    if scales is None:
+        return 0
+    values = weight.data
+    out = torch.empty(values.shape, dtype=dtype)
+    flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
+    halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // FP8_GROUP) else 1
+    for v, s, o in zip(flat_values, flat_scales, flat_out):
+        for part_v, part_s, part_o in zip(v.chunk(halves), s.chunk(halves), o.chunk(halves)):
+            _check_checkpoint_scales(part_v, part_s)
+            _refuse_nan_codes(part_v)
+            part_o.copy_(dequantize_blocks(part_v, part_s, dtype))
+    weight.data = out
+    delattr(weight, _CHECKPOINT_SCALES)
+    _drop_file_pages(values, _file_mappings())
+    return out.nbytes - values.nbytes
 
 
 # -- quantized formats ---------------------------------------------------------------------------------------
@@ -519,8 +621,11 @@ def release(packed_data: torch.Tensor) -> int:
             _drop_file_pages(old, mapped)
         if packed.format == "bf16":
             source.data = flat[offset : offset + source.numel()].view(source.shape)
-        else:
-            source.data = torch.zeros((), dtype=old.dtype).expand(old.shape)
+        else:  # an fp8 checkpoint's source: the bf16 it stands for in the graphs that trace it
+            source.data = torch.zeros((), dtype=torch.bfloat16 if old.dtype in QUANTIZED_DTYPES else old.dtype
+                                      ).expand(old.shape)
+        if checkpoint_scales(source) is not None:
+            delattr(source, _CHECKPOINT_SCALES)
         offset += source.numel()
         _registry[_key(source)] = [(packed, index)]
     packed.released = True

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from tilefx.custom_ops import weights
 from tilefx.models.presets import build_model
 
 _CORPUS = [
@@ -16,6 +21,13 @@ _CORPUS = [
     "Once upon a time there was a small model that generated text one token at a time.",
     "0123456789 +-*/=()[]{}<>,.;:!?'\" \n\t",
 ]
+
+CHECKPOINT_FORMATS = ("bf16", "fp8")
+# What DeepSeek-V3 / Qwen3-FP8 ship: every linear of the decoder layers (attention and MLP projections, shared
+# and routed experts; Mixtral's experts are w1 / w2 / w3) in e4m3 with a fp32 `weight_scale_inv` per 128 x 128
+# block; embeddings, norms, routers and the lm_head in bf16.
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                           "activation_scheme": "dynamic"}
 
 
 def build_tokenizer(vocab_size: int, *, bos: str = "<s>", eos: str = "</s>", pad: str = "<pad>"):
@@ -33,7 +45,11 @@ def build_tokenizer(vocab_size: int, *, bos: str = "<s>", eos: str = "</s>", pad
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad)
 
 
-def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None = None, seed: int = 0) -> pathlib.Path:
+def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None = None, seed: int = 0,
+                     weights: str = "bf16") -> pathlib.Path:
+    """Write ``preset`` (random weights) to ``out``; ``weights="fp8"``: in the hub's FP8 layout."""
+    if weights not in CHECKPOINT_FORMATS:
+        raise ValueError(f"weights={weights!r}: a checkpoint is written in one of {', '.join(CHECKPOINT_FORMATS)}")
     out = pathlib.Path(out)
     model = build_model(preset, layers=layers, seed=seed)
     tokenizer = build_tokenizer(model.config.vocab_size)
@@ -41,7 +57,45 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
     for config in (model.config, model.generation_config):
         for token in ("pad", "bos", "eos"):
             setattr(config, f"{token}_token_id", getattr(tokenizer, f"{token}_token_id"))
+    bf16_linears = []
+    if weights == "fp8":
+        bf16_linears = sorted(name for name, module in model.named_modules()
+                              if type(module) is torch.nn.Linear and not is_fp8_linear(name))
+        model.config.quantization_config = dict(FP8_QUANTIZATION_CONFIG, modules_to_not_convert=bf16_linears)
     # Shards of at most 2 GB, as the hub ships large models: saving copies one shard at a time.
     model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
+    del model
+    if weights == "fp8":
+        _quantize_shards(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether the hub's FP8 checkpoints quantize the linear (module or weight name) ``name``."""
+    name = name.removesuffix(".weight")
+    last = name.rsplit(".", 1)[-1]
+    return ".layers." in f".{name}" and (last.endswith(("_proj", "_proj_with_mqa")) or last in ("w1", "w2", "w3"))
+
+
+def _quantize_shards(out: pathlib.Path) -> None:
+    """Rewrite each shard of ``out`` with its FP8 linears as e4m3 ``weight`` + fp32 ``weight_scale_inv``, one
+    shard in memory at a time, and the index's weight map to match."""
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = {}
+        with safe_open(shard, "pt") as source:
+            metadata = source.metadata()
+            for key in source.keys():
+                tensor = source.get_tensor(key)
+                if key.endswith(".weight") and tensor.dim() == 2 and is_fp8_linear(key):
+                    tensor, tensors[f"{key}_scale_inv"] = weights.quantize_rows(tensor, "fp8")
+                    tensor = tensor.contiguous()
+                    if index is not None:
+                        index["weight_map"][f"{key}_scale_inv"] = shard.name
+                tensors[key] = tensor
+        save_file(tensors, shard, metadata=metadata)
+        del tensors
+    if index is not None:
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

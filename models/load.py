@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 
@@ -9,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tilefx.custom_ops import weights
+from tilefx.models import fp8
 from tilefx.models.adapters import adapter_for
 
 
@@ -24,15 +26,23 @@ def load_model(
     revision: str | None = None,
     local_files_only: bool = False,
 ) -> PreTrainedModel:
-    """Load ``source`` for inference in ``dtype``, safetensors only; fail early for unsupported families."""
+    """Load ``source`` for inference in ``dtype``, safetensors only; fail early for unsupported families and
+    quantizations. An FP8 checkpoint stays FP8 (models/fp8.py): its linears and experts hold the checkpoint's
+    e4m3 values, marked with their scales, until packing reads them."""
     if isinstance(source, PreTrainedModel):
-        adapter_for(source.config)
+        adapter = adapter_for(source.config)
+        fp8.checkpoint_format(source.config)  # refuses quantizations it cannot run
         if any(parameter.is_inference() for parameter in source.parameters()):
             raise ValueError(
                 "this model's weights are inference tensors (it was built or loaded under torch.inference_mode): "
                 "tilefx packs them in place, which inference tensors refuse. Build or load it outside "
                 "inference_mode, or pass its hub id or directory (compile_model itself may be called inside it)."
             )
+        if fp8.adopt_fp8_modules(source, adapter.moe and adapter.moe.experts_class):
+            for tensor in [*source.parameters(), *source.buffers()]:  # .to(dtype) would cast the e4m3 values too
+                if tensor.is_floating_point() and weights.checkpoint_scales(tensor) is None:
+                    tensor.data = tensor.data.to(dtype)
+            return source.eval()
         return source.to(dtype).eval()
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"expected a hub id, a local directory or a PreTrainedModel, got {type(source).__name__}")
@@ -51,8 +61,13 @@ def load_model(
             f"could not be reached ({type(error).__name__}). Download it on a machine with access "
             f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
         ) from error
-    adapter_for(config)
-    with weights.checkpoint_pages_bounded():  # the packing that follows reads the rest once, chunk by chunk
-        return AutoModelForCausalLM.from_pretrained(
+    adapter = adapter_for(config)
+    quantized = fp8.checkpoint_format(config) == "fp8"
+    with weights.checkpoint_pages_bounded(), fp8.loading_quantized() if quantized else contextlib.nullcontext():
+        # the packing that follows reads the rest once, chunk by chunk
+        model = AutoModelForCausalLM.from_pretrained(
             name, config=config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa", **kwargs
         ).eval()
+    if quantized:
+        fp8.adopt_fp8_modules(model, adapter.moe and adapter.moe.experts_class)
+    return model

@@ -12,8 +12,11 @@ every decision about formats and block sizes from ``weights.can_pack``:
   (a tied ``lm_head`` included: the linear pass then reads the input embedding
   from the same packed tensor);
 - in the format ``options.weights`` asks for (quantized as they pack, chunk by chunk:
-  ``weights.quantize_rows``) where ``weights.can_pack`` accepts it; routers stay bf16
-  and so, for now, do MoE experts and MLA's absorbed ``kv_b_proj``;
+  ``weights.quantize_rows``) where ``weights.can_pack`` accepts it; ``auto``: what the
+  checkpoint holds (an FP8 checkpoint's e4m3 values and scales are copied as they are,
+  models/fp8.py; other formats dequantize them a chunk at a time); routers stay bf16
+  and so, for now, do MoE experts and MLA's absorbed ``kv_b_proj`` (an FP8
+  checkpoint's are dequantized as they pack, or in place when nothing packs them);
 - left unpacked: embeddings (read a few rows a token), norms, biases, and, with the
   MLA pass on, DeepSeek's ``kv_b_proj`` (the pass absorbs it per head, two packings
   of one weight; it is small).
@@ -53,13 +56,18 @@ _ROUTER_BF16 = "router weights (which experts run turns on small logit differenc
 _EXPERTS_BF16 = "MoE experts (fused_moe reads bf16 experts only, for now)"
 
 
-def requested_format(options) -> str:
-    """The weight format ``options.weights`` asks for: ``auto`` is the checkpoint's own (bf16 checkpoints)."""
-    return "bf16" if options.weights == "auto" else options.weights
+_DEQUANTIZED = "weights read unpacked (MLA's absorbed kv_b_proj): dequantized from the checkpoint's fp8"
+
+
+def _own_format(params) -> str:
+    """What the checkpoint holds: fp8 where every source arrived as fp8 (models/fp8.py), else bf16."""
+    return "fp8" if all(weights.checkpoint_scales(p) is not None for p in params) else "bf16"
 
 
 def _formatted(group: PackGroup, format: str) -> PackGroup:
-    """``group`` in ``format`` where its layout takes it, else bf16 and why."""
+    """``group`` in ``format`` (``auto``: the checkpoint's) where its layout takes it, else bf16 and why."""
+    if format == "auto":
+        format = _own_format(group.params)
     if format != "bf16":
         why = weights.can_pack(group.layout, group.params, format=format)
         if why is None:
@@ -84,7 +92,7 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
 
     adapter = adapter_for(model.config)
     gated = options.fuse_linears and getattr(model.config, "hidden_act", "silu") == "silu"
-    format = requested_format(options)
+    format = options.weights  # auto: each group's own (_formatted)
     taken: set[int] = set()
     parts: dict[str, list[PackGroup]] = {}
 
@@ -97,15 +105,17 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
             if weights.can_pack("experts", experts_pair) is None:
                 for layout, param in zip(("expert_gate_up", "expert_down"), experts_pair):
                     taken.add(id(param))
+                    asked = _own_format([param]) if format == "auto" else format
                     parts.setdefault(part, []).append(PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,),
-                                                                kept_bf16=_EXPERTS_BF16 if format != "bf16" else None))
+                                                                kept_bf16=_EXPERTS_BF16 if asked != "bf16" else None))
             continue
         if not options.linear:
             continue
         if adapter.moe is not None and cls == adapter.moe.router_class and isinstance(
                 getattr(module, "weight", None), torch.nn.Parameter) and module.weight.dim() == 2:
+            asked = _own_format([module.weight]) if format == "auto" else format
             _add_single(parts, taken, part, f"{name}.weight", module.weight, "bf16",
-                        kept_bf16=_ROUTER_BF16 if format != "bf16" else None)
+                        kept_bf16=_ROUTER_BF16 if asked != "bf16" else None)
             continue
         linears = _linear_children(module)
         if options.fuse_linears:
@@ -154,11 +164,23 @@ def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> Pac
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
                               leave=False):
             for group in groups:
-                packed = weights.pack(group.layout, list(group.params), names=group.names, format=group.format)
+                try:
+                    packed = weights.pack(group.layout, list(group.params), names=group.names, format=group.format)
+                except ValueError as error:
+                    raise ValueError(f"packing {', '.join(group.names)}: {error}") from error
                 summary.add(group.format, weights.packing_of(group.params[0]).nbytes)  # values and scales
                 if group.kept_bf16:
                     summary.kept_bf16[group.kept_bf16] = summary.kept_bf16.get(group.kept_bf16, 0) + 1
                 summary.released_bytes += weights.release(packed)
+        # An fp8 checkpoint's weights no packing took (MLA's kv_b_proj, absorbed per head when the graph
+        # compiles; every linear with linear=False) run as bf16 in the graphs.
+        for name, param in model.named_parameters():
+            if weights.checkpoint_scales(param) is not None:
+                try:
+                    weights.dequantize_checkpoint_weight(param)
+                except ValueError as error:
+                    raise ValueError(f"dequantizing {name}: {error}") from error
+                summary.kept_bf16[_DEQUANTIZED] = summary.kept_bf16.get(_DEQUANTIZED, 0) + 1
         # What loading read but no weight keeps (per-expert tensors transformers fused) leaves the process.
         weights.drop_unused_file_pages([*model.parameters(), *model.buffers()])
     summary.seconds = time.perf_counter() - start

@@ -4,6 +4,10 @@
     python scripts/make_checkpoint.py --preset llama-3.2-1b ./ckpt
     python scripts/peak_rss.py ./ckpt            # one JSON line: peak RSS, checkpoint bytes, ratios
 
+``--hf``: the same figures for transformers' own ``from_pretrained`` of the checkpoint
+(bf16; an FP8 checkpoint is dequantized on a machine without a GPU) and one generate(),
+to set tilefx's memory beside it.
+
 Run it in a fresh process per measurement: the peak (``ru_maxrss``) only grows.
 ``import_rss`` is the process's RSS after importing torch, transformers and tilefx;
 ``baseline`` its RSS after it also compiled a tiny model of the same kind (``--stack``),
@@ -43,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--options", default="{}", help="compile_model options as JSON, e.g. '{\"fuse_linears\": false}'")
+    parser.add_argument("--hf", action="store_true", help="measure transformers' own load instead of tilefx")
     parser.add_argument("--stack", default="tiny-llama",
                         help="a preset compiled before the baseline is taken ('none': baseline right after imports)")
     args = parser.parse_args(argv)
@@ -62,16 +67,22 @@ def main(argv=None) -> int:
         del tiny
     baseline = _rss()
     start = time.perf_counter()
-    model = tilefx.compile_model(str(args.model), max_seq_len=args.max_seq_len, **json.loads(args.options))
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=torch.bfloat16).eval()
+    else:
+        model = tilefx.compile_model(str(args.model), max_seq_len=args.max_seq_len, **json.loads(args.options))
     compiled_at = time.perf_counter()
     peak_compile = _peak()
     ids = torch.randint(3, min(model.config.vocab_size, 1000), (1, 16))
     with torch.no_grad():
         model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     peak = _peak()
-    ckpt, cache = checkpoint_bytes(args.model), model.tilefx.cache.nbytes
+    ckpt, cache = checkpoint_bytes(args.model), 0 if args.hf else model.tilefx.cache.nbytes
     print(json.dumps({
         "model": str(args.model),
+        "loader": "transformers" if args.hf else "tilefx",
         "checkpoint_bytes": ckpt,
         "kv_cache_bytes": cache,
         "import_rss": import_rss,

@@ -203,3 +203,75 @@ def test_quantized_weight_needs_its_scales(kernel_path):
         linear_ops.linear(x, packed, None, 40)
     with pytest.raises(RuntimeError, match="scales"):
         linear_ops.linear(x, packed, None, 40, torch.ones(3, 7))
+
+
+# -- fp8 checkpoint weights (models/fp8.py): values and block scales as the hub ships them ----------------------
+
+
+def _checkpoint_weight(out_features, in_features, seed):
+    """An fp8 checkpoint's weight: e4m3 values marked with their 128 x 128 ``weight_scale_inv``."""
+    values, scale_inv = weights.quantize_rows(_weight(out_features, in_features, seed).float() * 3, "fp8")
+    weight = torch.nn.Parameter(values.contiguous(), requires_grad=False)
+    weights.attach_checkpoint_scales(weight, scale_inv * 0.5)  # scales of their own, not quantize_rows' choice
+    return weight
+
+
+@pytest.mark.parametrize("format", ["fp8", "bf16", "int8"])
+def test_checkpoint_fp8_packs_in_each_format(kernel_path, format):
+    """fp8: the checkpoint's bytes and scales as they are; bf16 / int8: dequantized (then quantized) by chunks."""
+    q, k, v = (_checkpoint_weight(n, 300, seed=n) for n in (160, 64, 33))  # N across a 128-row scale block
+    want = torch.cat([weights.dequantize_blocks(w, weights.checkpoint_scales(w), torch.float32) for w in (q, k, v)])
+    packed = weights.pack_fused_linear_weight([q, k, v], format)
+    assert packed.dtype == weights.FORMATS[format]
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    if format == "fp8":
+        unpacked = weights.unpack_linear_weight(weights.dequantize(packed, scales), 257, 300)
+        assert torch.equal(unpacked, want)  # exact: the same e4m3 values times the same scales
+    x = torch.randn(2, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    got = linear_ops.linear(x, packed, None, 257, scales)
+    assert _relative_error(got, x.float() @ want.T) < 1e-2
+
+
+def test_checkpoint_fp8_gate_up_and_experts():
+    gate, up = _checkpoint_weight(96, 200, seed=1), _checkpoint_weight(96, 200, seed=2)
+    packed = weights.pack_gate_up_weight(gate, up, "fp8")
+    deq = weights.unpack_gate_up_weight(weights.dequantize(packed, weights.packed_scales(packed)), 96, 200)
+    for got, source in zip(deq, (gate, up)):
+        assert torch.equal(got, weights.dequantize_blocks(source, weights.checkpoint_scales(source), torch.float32))
+    # Experts as transformers stacks them: gate_up [E, 2I, H] whose scales hold gate's blocks, then up's
+    # (I = 32: one 128-row block each), dequantized to bf16 as they pack.
+    halves = [[_checkpoint_weight(32, 64, seed=10 * e + h) for h in (0, 1)] for e in range(3)]
+    gate_up = torch.stack([torch.cat([g.data, u.data]) for g, u in halves])
+    scales = torch.stack([torch.cat([weights.checkpoint_scales(g), weights.checkpoint_scales(u)]) for g, u in halves])
+    expected = torch.stack([torch.cat([weights.dequantize_blocks(w, weights.checkpoint_scales(w)) for w in pair])
+                            for pair in halves])
+    experts = torch.nn.Parameter(gate_up, requires_grad=False)
+    weights.attach_checkpoint_scales(experts, scales)
+    assert weights.can_pack("experts", [experts, torch.zeros(3, 64, 32, dtype=torch.bfloat16)]) is None
+    packed = weights.pack_expert_gate_up_weight(experts)
+    assert torch.equal(weights.unpack_expert_gate_up_weight(packed, 64), expected)
+    # read unpacked (nothing packs it): dequantized in place, the same values
+    experts_again = torch.nn.Parameter(gate_up.clone(), requires_grad=False)
+    weights.attach_checkpoint_scales(experts_again, scales)
+    weights.dequantize_checkpoint_weight(experts_again)
+    assert experts_again.dtype == torch.bfloat16 and torch.equal(experts_again.data, expected)
+    assert weights.checkpoint_scales(experts_again) is None
+
+
+def test_checkpoint_fp8_release_and_checks():
+    weight = _checkpoint_weight(64, 64, seed=3)
+    packed = weights.pack_linear_weight(weight, "fp8")
+    weights.release(packed)
+    assert weight.dtype == torch.bfloat16 and weight.shape == (64, 64)  # what the graphs trace: bf16
+    assert weights.checkpoint_scales(weight) is None
+    assert weights.pack_linear_weight(weight, "fp8") is packed
+    with pytest.raises(ValueError, match="128 x 128 blocks"):
+        weights.attach_checkpoint_scales(torch.zeros(64, 300, dtype=torch.float8_e4m3fn), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="float8_e4m3fn with float32"):
+        weights.attach_checkpoint_scales(torch.zeros(64, 64), torch.ones(1, 1))
+    unmarked = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
+    assert "packed from bf16 or from an fp8 checkpoint" in weights.can_pack("linear", [unmarked])
+    nan = _checkpoint_weight(64, 64, seed=4)
+    nan.data.view(torch.uint8)[1, 2] = 0x7F
+    with pytest.raises(ValueError, match="NaN e4m3 codes"):
+        weights.pack_linear_weight(nan, "bf16")

@@ -1,0 +1,159 @@
+"""FP8 checkpoints in the hub's layout (make_checkpoint --weights fp8): loaded without dequantizing, packed as
+they are, generating what transformers' own (dequantizing) load of the same files generates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import tilefx
+from tilefx.custom_ops import weights
+from tilefx.models.checkpoint import write_checkpoint
+from tilefx.models.fp8 import UnsupportedCheckpointError
+
+from helpers import assert_greedy_matches, padded_batch, run_script
+
+FAMILIES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _hf_load(path):
+    """transformers' own load: on a machine without a GPU it dequantizes every fp8 weight to bf16."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    paths = {}
+    for family in FAMILIES:
+        paths[family] = root / family
+        write_checkpoint(family, paths[family], seed=5, weights="fp8")
+    return paths
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def loaded(request, checkpoints):
+    path = checkpoints[request.param]
+    return path, _hf_load(path), tilefx.compile_model(path, max_seq_len=48, max_batch=2, progress=False)
+
+
+def test_checkpoint_is_in_the_hub_layout(checkpoints):
+    path = checkpoints["tiny-deepseek-v3"]
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert {k: config[k] for k in ("quant_method", "fmt", "weight_block_size", "activation_scheme")} == {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    with safe_open(next(path.glob("*.safetensors")), "pt") as f:
+        keys = set(f.keys())
+        for key in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
+                    "model.layers.1.mlp.shared_experts.down_proj.weight"):
+            assert f.get_tensor(key).dtype == torch.float8_e4m3fn
+            assert f.get_tensor(f"{key}_scale_inv").dtype == torch.float32
+        for key in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.1.mlp.gate.weight",
+                    "model.norm.weight"):
+            assert f.get_tensor(key).dtype == torch.bfloat16 and f"{key}_scale_inv" not in keys
+
+
+def test_greedy_matches_transformers_own_load(loaded):
+    _, reference, compiled = loaded
+    for length in (1, 13):
+        ids, mask = padded_batch([_prompt(length, length)])
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        assert assert_greedy_matches(reference, ids, mask, out) >= 8
+    ids, mask = padded_batch([_prompt(7, 1), _prompt(3, 2)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+    assert compiled.tilefx.report.recompiles == 0
+
+
+def test_linears_keep_the_checkpoints_bytes(loaded):
+    """weights="auto" packs an fp8 checkpoint's linears in fp8 from its own values and scales, untouched."""
+    path, _, compiled = loaded
+    formats = compiled.tilefx.report.packing.formats
+    assert set(formats) == {"fp8", "bf16"} and "fp8" in tilefx.explain(compiled)
+    name = "model.layers.0.self_attn.o_proj.weight"
+    packed = next(p for p in weights.registered() if name in p.names)
+    assert packed.format == "fp8"
+    with safe_open(next(path.glob("*.safetensors")), "pt") as f:
+        values, scale_inv = f.get_tensor(name), f.get_tensor(f"{name}_scale_inv")
+    own = weights.unpack_linear_weight(packed.data.view(torch.uint8), *values.shape)
+    assert torch.equal(own, values.view(torch.uint8))
+    assert torch.equal(packed.scales[0], scale_inv[0])
+    text = tilefx.explain(compiled)
+    if compiled.config.model_type == "deepseek_v3":  # read unpacked by the MLA pass: dequantized as it loaded
+        assert "kv_b_proj): dequantized from the checkpoint's fp8" in text
+    if compiled.config.model_type != "llama":
+        assert "MoE experts" in text
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_other_formats_dequantize_the_checkpoint(checkpoints, format):
+    path = checkpoints["tiny-llama"]
+    reference = _hf_load(path)
+    compiled = tilefx.compile_model(path, max_seq_len=32, weights=format, progress=False)
+    assert set(compiled.tilefx.report.packing.formats) == {format}
+    if format == "bf16":  # exactly transformers' dequantized weights
+        name = "model.layers.1.mlp.down_proj.weight"
+        packed = next(p for p in weights.registered() if name in p.names)
+        expected = reference.get_parameter(name).data
+        assert torch.equal(weights.unpack_linear_weight(packed.data, *expected.shape), expected)
+    ids, mask = padded_batch([_prompt(9, 3)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert assert_greedy_matches(reference, ids, mask, out) >= 6
+
+
+def test_make_checkpoint_writes_fp8(tmp_path):
+    run_script("make_checkpoint.py", ["--preset", "tiny-qwen3-moe", "--layers", "1", "--weights", "fp8",
+                                   str(tmp_path / "ckpt")])
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    with safe_open(next((tmp_path / "ckpt").glob("*.safetensors")), "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.0.gate_proj.weight").dtype == torch.float8_e4m3fn
+
+
+def _copy_with(source, target, config_edit=None, tensor_edit=None):
+    target.mkdir()
+    for file in source.iterdir():
+        if file.suffix == ".safetensors" and tensor_edit is not None:
+            with safe_open(file, "pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensor_edit(tensors)
+            save_file(tensors, target / file.name, metadata={"format": "pt"})
+        elif file.name == "config.json" and config_edit is not None:
+            config = json.loads(file.read_text())
+            config_edit(config["quantization_config"])
+            (target / file.name).write_text(json.dumps(config))
+        else:
+            (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda q: q.update(quant_method="gptq", bits=4), "quant_method='gptq'"),
+    (lambda q: q.update(weight_block_size=[64, 64]), "weight_block_size=[64, 64]"),
+    (lambda q: q.update(activation_scheme="static"), "activation_scheme='static'"),
+])
+def test_refuses_quantizations_it_cannot_run(checkpoints, tmp_path, edit, named):
+    path = _copy_with(checkpoints["tiny-llama"], tmp_path / "ckpt", config_edit=edit)
+    with pytest.raises(UnsupportedCheckpointError, match="quantized \\(.*" + named.replace("[", "\\[")) as error:
+        tilefx.compile_model(path, progress=False)
+    assert "weight_block_size [128, 128]" in str(error.value)  # names what it supports
+
+
+def test_refuses_nan_codes(checkpoints, tmp_path):
+    name = "model.layers.1.self_attn.q_proj.weight"
+
+    def poison(tensors):
+        tensors[name].view(torch.uint8)[3, 5] = 0xFF
+
+    path = _copy_with(checkpoints["tiny-llama"], tmp_path / "ckpt", tensor_edit=poison)
+    with pytest.raises(ValueError, match=f"{name}.*NaN e4m3 codes"):
+        tilefx.compile_model(path, progress=False)
