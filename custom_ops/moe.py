@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tilefx.custom_ops import isa
+from tilefx.custom_ops import weights as packed_weights
 from tilefx.custom_ops.weights import BLOCK_N, unpack_expert_down_weight, unpack_expert_gate_up_weight
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -47,7 +48,8 @@ _GROUPED_TOPK_SCHEMA = (
     "(Tensor router_logits, Tensor? correction_bias, int top_k, int num_expert_group, int topk_group, "
     "str scoring_func, bool renormalize, float routed_scaling_factor) -> (Tensor, Tensor)"
 )
-_FUSED_MOE_SCHEMA = "(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids) -> Tensor"
+_FUSED_MOE_SCHEMA = ("(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+                     "Tensor? w13_scales=None, Tensor? w2_scales=None) -> Tensor")
 
 
 # -- routers ---------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def _check_routing(hidden_states, topk_weights, topk_ids) -> None:
                  lambda: f"tilefx.fused_moe: topk_weights dtype {topk_weights.dtype}, expected a float dtype")
 
 
-def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=None, w2_scales=None) -> None:
     torch._check(hidden_states.dim() == 2,
                  lambda: f"tilefx.fused_moe: hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
     hidden = hidden_states.shape[1]
@@ -184,9 +186,19 @@ def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     torch._check(w2.dim() == 5 and w2.shape == (experts, -(-hidden // BLOCK_N), -(-intermediate // 2), BLOCK_N, 2),
                  lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
                          f"hidden {hidden}, intermediate {intermediate}; use pack_expert_down_weight")
-    torch._check(w13.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype,
-                 lambda: f"tilefx.fused_moe: weights {w13.dtype}/{w2.dtype} and hidden_states "
-                         f"{hidden_states.dtype} must share one dtype")
+    for name, packed, scales in (("w13", w13, w13_scales), ("w2", w2, w2_scales)):
+        if packed.dtype == hidden_states.dtype:
+            torch._check(scales is None, lambda: f"tilefx.fused_moe: {name} is {packed.dtype}: it takes no scales")
+            continue
+        format = packed_weights.format_of(packed)
+        torch._check(format != "bf16" and hidden_states.dtype == torch.bfloat16,
+                     lambda: f"tilefx.fused_moe: weights {w13.dtype}/{w2.dtype} and hidden_states "
+                             f"{hidden_states.dtype}: weights share the activations' dtype or are int8 / fp8")
+        expected = packed_weights.scales_shape(tuple(packed.shape), format)
+        torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == expected,
+                     lambda: f"tilefx.fused_moe: {format} {name} needs fp32 scales {list(expected)} "
+                             f"(weights.packed_scales), got "
+                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
     _check_routing(hidden_states, topk_weights, topk_ids)
 
 
@@ -199,6 +211,10 @@ def experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk
     """The specification, on HF's expert parameters: each token through its k experts, SiLU-gated,
     weighted sum in fp32."""
     _check_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    return _run_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
+def _run_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids):
     tokens, top_k = topk_ids.shape
     experts, intermediate = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     if tokens and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < experts):
@@ -214,17 +230,19 @@ def experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk
     return per_slot.sum(dim=1).to(hidden_states.dtype)
 
 
-def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids):
-    """``experts_reference`` on the unpacked experts."""
-    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids)
+def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=None, w2_scales=None):
+    """``experts_reference`` on the unpacked experts (quantized: dequantized to fp32 first)."""
+    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales)
     hidden, intermediate = hidden_states.shape[1], w13.shape[1] // 2 * BLOCK_N
+    if w13.dtype != hidden_states.dtype:
+        w13, w2 = packed_weights.dequantize(w13, w13_scales), packed_weights.dequantize(w2, w2_scales)
     gate_up_proj = unpack_expert_gate_up_weight(w13, hidden)
     down_proj = unpack_expert_down_weight(w2, hidden, intermediate)
-    return experts_reference(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+    return _run_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
-def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids):
-    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids)
+def _fused_moe_fake(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=None, w2_scales=None):
+    _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales)
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 

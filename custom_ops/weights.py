@@ -51,7 +51,8 @@ FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3f
 FP8_GROUP = 128  # fp8 scale blocks: 128 output channels x 128 inputs (the hub's weight_block_size)
 FP8_MAX = 448.0  # largest finite e4m3 value
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-QUANTIZED_LAYOUTS = ("linear", "gate_up")  # what the quantized kernels read (experts and MLA's per-head: bf16)
+# what the quantized kernels read (MLA's per-head halves: bf16); "experts" is can_pack's name for the pair
+QUANTIZED_LAYOUTS = ("linear", "gate_up", "experts", "expert_gate_up", "expert_down")
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
@@ -84,6 +85,8 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: s
         return f"activations are {x_dtype}: packed linears take bf16 activations"
     if layout in ("linear", "gate_up", "mla"):
         return _siblings_problem(layout, weights)
+    if layout in ("expert_gate_up", "expert_down"):  # one of the pair, as pack() checks it
+        return None if weights[0].dim() == 3 else f"{layout}: a 3-D [E, N, K] weight, got {tuple(weights[0].shape)}"
     if layout == "experts":
         if len(weights) != 2 or any(w.dim() != 3 for w in weights):
             return "experts are gate_up_proj [E, 2I, H] and down_proj [E, H, I]"
@@ -236,12 +239,16 @@ def _fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = T
                          checkpoint_scales(weights[i]))
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
         source_scales = _per_expert_scales(weights[0])
-        for expert, source, groups in zip(out.view(out.shape[0], -1, 2, *out.shape[2:]), weights[0], source_scales):
+        halves = out.view(out.shape[0], -1, 2, *out.shape[2:])
+        scale_halves = [None] * out.shape[0] if scales is None else scales.view(scales.shape[0], -1, 2, scales.shape[-1])
+        for expert, source, groups, expert_scales in zip(halves, weights[0], source_scales, scale_halves):
             for i, (half, half_groups) in enumerate(zip(source.chunk(2), _halves(groups))):
-                _fill_linear(expert[:, i], half, mapped, native, source_scales=half_groups)
+                _fill_linear(expert[:, i], half, mapped, native, None if expert_scales is None else expert_scales[:, i],
+                             half_groups)
     elif layout == "expert_down":
-        for expert, source, groups in zip(out, weights[0], _per_expert_scales(weights[0])):
-            _fill_linear(expert, source, mapped, native, source_scales=groups)
+        expert_scales = [None] * out.shape[0] if scales is None else scales
+        for expert, source, groups, part in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales):
+            _fill_linear(expert, source, mapped, native, part, groups)
     elif layout in ("mla_key", "mla_value"):
         out.copy_(_linear_order(_mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -597,9 +604,9 @@ def release(packed_data: torch.Tensor) -> int:
 
     bf16: each source's data becomes a view of its own range of the packed tensor (same
     shape, values in packed order), so memory holds the weight once. Quantized: the packed
-    tensor holds other values than the source, so each source's data becomes one zero
-    broadcast to its shape (its dtype and shape kept for the graphs that trace it; only
-    packing ops may read it). Either way packing the same sources again returns the same
+    tensor holds other values than the source, so each source's data becomes
+    ``untouched_zeros`` of its shape (bf16 for an fp8 checkpoint's; shape and strides kept
+    for the graphs that trace it; only packing ops may read it). Either way packing the same sources again returns the same
     packed tensor. Pages of a source mapped from a file (safetensors loaded lazily) are
     dropped from this process too. A source packed in two ways stays.
     Returns the bytes released.
@@ -622,14 +629,26 @@ def release(packed_data: torch.Tensor) -> int:
         if packed.format == "bf16":
             source.data = flat[offset : offset + source.numel()].view(source.shape)
         else:  # an fp8 checkpoint's source: the bf16 it stands for in the graphs that trace it
-            source.data = torch.zeros((), dtype=torch.bfloat16 if old.dtype in QUANTIZED_DTYPES else old.dtype
-                                      ).expand(old.shape)
+            source.data = untouched_zeros(old.shape, torch.bfloat16 if old.dtype in QUANTIZED_DTYPES else old.dtype)
         if checkpoint_scales(source) is not None:
             delattr(source, _CHECKPOINT_SCALES)
         offset += source.numel()
         _registry[_key(source)] = [(packed, index)]
     packed.released = True
     return released
+
+
+def untouched_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``shape`` with contiguous strides in memory never touched: an anonymous private mapping, whose
+    pages cost nothing until written (reads see the kernel's zero page). What a released quantized source
+    holds: graphs trace its shape and strides (HF's grouped_mm checks them), only packing ops use its data."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
 
 
 def release_sources(ids: set[int]) -> tuple[int, int]:
@@ -759,8 +778,10 @@ _REQUESTS = {
                                  lambda ws, format="bf16": ("linear", list(ws), (), format)),
     "pack_gate_up_weight": (f"(Tensor gate, Tensor up, {_FORMAT}) -> Tensor",
                             lambda g, u, format="bf16": ("gate_up", [g, u], (), format)),
-    "pack_expert_gate_up_weight": ("(Tensor gate_up_proj) -> Tensor", lambda w: ("expert_gate_up", [w], (), "bf16")),
-    "pack_expert_down_weight": ("(Tensor down_proj) -> Tensor", lambda w: ("expert_down", [w], (), "bf16")),
+    "pack_expert_gate_up_weight": (f"(Tensor gate_up_proj, {_FORMAT}) -> Tensor",
+                                   lambda w, format="bf16": ("expert_gate_up", [w], (), format)),
+    "pack_expert_down_weight": (f"(Tensor down_proj, {_FORMAT}) -> Tensor",
+                                lambda w, format="bf16": ("expert_down", [w], (), format)),
     "pack_mla_absorbed_weight": (
         "(Tensor kv_b_weight, int heads, int nope_dim, bool value) -> Tensor",
         lambda w, heads, nope_dim, value: ("mla_value" if value else "mla_key", [w], (heads, nope_dim), "bf16"),

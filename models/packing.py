@@ -53,7 +53,6 @@ class PackGroup:
 
 # Weights that stay bf16 whatever format is asked for, and why (tilefx.explain lists them).
 _ROUTER_BF16 = "router weights (which experts run turns on small logit differences)"
-_EXPERTS_BF16 = "MoE experts (fused_moe reads bf16 experts only, for now)"
 
 
 _DEQUANTIZED = "weights read unpacked (MLA's absorbed kv_b_proj): dequantized from the checkpoint's fp8"
@@ -105,9 +104,8 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
             if weights.can_pack("experts", experts_pair) is None:
                 for layout, param in zip(("expert_gate_up", "expert_down"), experts_pair):
                     taken.add(id(param))
-                    asked = _own_format([param]) if format == "auto" else format
-                    parts.setdefault(part, []).append(PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,),
-                                                                kept_bf16=_EXPERTS_BF16 if asked != "bf16" else None))
+                    parts.setdefault(part, []).append(_formatted(
+                        PackGroup(layout, (f"{name}.{layout[7:]}_proj",), (param,)), format))
             continue
         if not options.linear:
             continue

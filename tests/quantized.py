@@ -28,4 +28,12 @@ def dequantize_like_packing(model: torch.nn.Module, format: str) -> None:
             for group in groups:
                 if group.format != "bf16":
                     for param in group.params:
-                        param.copy_(dequantized(param, format).to(param.dtype))
+                        param.copy_(_dequantized_like(param, group.layout, format).to(param.dtype))
+
+
+def _dequantized_like(param: torch.Tensor, layout: str, format: str) -> torch.Tensor:
+    """2-D weights as they are; experts one by one, a fused gate_up as its gate and up halves."""
+    if param.dim() == 2:
+        return dequantized(param, format)
+    halves = 2 if layout == "expert_gate_up" else 1
+    return torch.stack([torch.cat([dequantized(h, format) for h in expert.chunk(halves)]) for expert in param])

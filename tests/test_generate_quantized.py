@@ -47,8 +47,10 @@ def test_explain_names_the_formats(quantized_pair):
     assert format in summary.formats
     text = tilefx.explain(compiled)
     assert f"weight formats: {format}" in text
-    if compiled.config.model_type != "llama":  # routers and experts stay bf16, and explain says why
-        assert "router weights" in text and "MoE experts" in text
+    if compiled.config.model_type != "llama":  # routers stay bf16, and explain says why; experts are quantized
+        assert "router weights" in text and "MoE experts" not in text
+        fused = [g for g in compiled.tilefx.report.graphs if g.tilefx_ops.get("tilefx.fused_moe")]
+        assert fused and all(g.tilefx_ops.get("tilefx.packed_scales", 0) >= 2 for g in fused)
 
 
 def test_quantized_on_the_avx512_unit_matches_eager(quantized_pair):

@@ -188,3 +188,16 @@ def descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
                 found.add(user)
                 todo.append(user)
     return found
+
+
+def packing_node(graph: torch.fx.Graph, op, args: tuple, weight_node: torch.fx.Node) -> tuple[torch.fx.Node, tuple]:
+    """The packing op's node, in the format the loader packed ``weight_node``'s parameter (bf16 where it did not),
+    and ``(scales node,)`` for a quantized format (else ``()``): what the linear and MoE ops' scales take."""
+    from tilefx.custom_ops import weights
+
+    hits = weights.packings_of(model_parameter(weight_node))
+    format = hits[0][0].format if hits else "bf16"
+    if format == "bf16":
+        return graph.call_function(op, args), ()
+    packed = graph.call_function(op, (*args, format))
+    return packed, (graph.call_function(weights.packed_scales, (packed,)),)

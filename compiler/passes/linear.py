@@ -41,7 +41,9 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import LINEAR, example_value, is_parameter, linear_args, model_parameter, replace
+from tilefx.compiler.passes.graph_utils import (
+    LINEAR, example_value, is_parameter, linear_args, model_parameter, packing_node, replace,
+)
 from tilefx.custom_ops import weights as packed_weights
 from tilefx.custom_ops.weights import BLOCK_N
 
@@ -124,7 +126,7 @@ class LinearPass(TilefxPass):
         if example_value(w16).dim() != 2:
             return None
         with graph.inserting_before(node):
-            packed, scales = _packing(graph, packed_weights.pack_linear_weight, (w16,), [w16])
+            packed, scales = packing_node(graph, packed_weights.pack_linear_weight, (w16,), w16)
             fused = graph.call_function(torch.ops.tilefx.linear_float.default,
                                         (x16, packed, None, int(example_value(w16).shape[0]), *scales))
         replace(graph, node, fused)
@@ -156,7 +158,7 @@ class LinearPass(TilefxPass):
     def _single(graph, node) -> None:
         x, weight, bias = linear_args(node)
         with graph.inserting_before(node):
-            packed, scales = _packing(graph, packed_weights.pack_linear_weight, (weight,), [weight])
+            packed, scales = packing_node(graph, packed_weights.pack_linear_weight, (weight,), weight)
             fused = graph.call_function(torch.ops.tilefx.linear.default,
                                         (x, packed, bias, int(example_value(weight).shape[0]), *scales))
         replace(graph, node, fused)
@@ -167,7 +169,7 @@ class LinearPass(TilefxPass):
         width = int(example_value(gate).shape[-1])
         pair = [linear_args(gate)[1], linear_args(up)[1]]
         with graph.inserting_before(mul):
-            packed, scales = _packing(graph, packed_weights.pack_gate_up_weight, tuple(pair), pair)
+            packed, scales = packing_node(graph, packed_weights.pack_gate_up_weight, tuple(pair), pair[0])
             fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width, *scales))
         silu = _only_user(gate)
         replace(graph, mul, fused)
@@ -183,7 +185,7 @@ class LinearPass(TilefxPass):
         width = int(example_value(gate).shape[0])
         first = min(group, key={node: i for i, node in enumerate(graph.nodes)}.__getitem__)
         with graph.inserting_before(first):
-            packed, scales = _packing(graph, packed_weights.pack_gate_up_weight, (gate, up), [gate, up])
+            packed, scales = packing_node(graph, packed_weights.pack_gate_up_weight, (gate, up), gate)
             both = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, None, 2 * width, *scales))
             blocks = graph.call_method("unflatten", (both, -1, (width // BLOCK_N, 2, BLOCK_N)))
             for node in group:
@@ -205,7 +207,7 @@ class LinearPass(TilefxPass):
                 result.skip(node.name, "embedding over a packed weight in a form packed_embedding does not cover")
                 continue
             with graph.inserting_before(node):
-                packed, scales = _packing(graph, packed_weights.pack_linear_weight, (weight,), [weight])
+                packed, scales = packing_node(graph, packed_weights.pack_linear_weight, (weight,), weight)
                 lookup = graph.call_function(torch.ops.tilefx.packed_embedding.default,
                                              (ids, packed, int(example_value(weight).shape[1]), *scales))
             replace(graph, node, lookup)
@@ -222,7 +224,7 @@ class LinearPass(TilefxPass):
             if const is not None and order[const] > order[first]:
                 first.prepend(const)
         with graph.inserting_before(first):
-            packed, scales = _packing(graph, packed_weights.pack_fused_linear_weight, (weights,), weights)
+            packed, scales = packing_node(graph, packed_weights.pack_fused_linear_weight, (weights,), weights[0])
             bias = None if biases[0] is None else graph.call_function(torch.cat, (biases,))
             fused = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, bias, sum(widths), *scales))
             fused.meta["example_value"] = example_value(x).new_empty((*example_value(x).shape[:-1], sum(widths)))
@@ -230,17 +232,6 @@ class LinearPass(TilefxPass):
             parts = [graph.call_function(torch.narrow, (fused, -1, o, w)) for o, w in zip(offsets, widths)]
         for node, part in zip(group, parts):
             replace(graph, node, part)
-
-
-def _packing(graph, op, args: tuple, weight_nodes) -> tuple[torch.fx.Node, tuple]:
-    """The packing op's node, in the format the loader packed these weights (bf16 where it did not), and
-    ``(scales node,)`` for a quantized format (else ``()``): what the linear op's ``scales`` argument takes."""
-    hits = packed_weights.packings_of(model_parameter(weight_nodes[0]))
-    format = hits[0][0].format if hits else "bf16"
-    if format == "bf16":
-        return graph.call_function(op, args), ()
-    packed = graph.call_function(op, (*args, format))
-    return packed, (graph.call_function(packed_weights.packed_scales, (packed,)),)
 
 
 def _packed_index(node: torch.fx.Node) -> int:

@@ -38,6 +38,7 @@ from tilefx.compiler.passes.graph_utils import (
     inside,
     model_parameter,
     module_path,
+    packing_node,
     region_inputs,
 )
 from tilefx.custom_ops import weights as packed_weights
@@ -157,10 +158,12 @@ class MoePass(TilefxPass):
             if param.op == "get_attr" and order[param] > order[output]:
                 output.prepend(param)
         with graph.inserting_before(output):
-            w13_packed = graph.call_function(torch.ops.tilefx.pack_expert_gate_up_weight.default, (gate_up,))
-            w2_packed = graph.call_function(torch.ops.tilefx.pack_expert_down_weight.default, (down,))
+            w13_packed, w13_scales = packing_node(graph, packed_weights.pack_expert_gate_up_weight, (gate_up,),
+                                                  gate_up)
+            w2_packed, w2_scales = packing_node(graph, packed_weights.pack_expert_down_weight, (down,), down)
+            scales = {name: nodes[0] for name, nodes in (("w13_scales", w13_scales), ("w2_scales", w2_scales)) if nodes}
             fused = graph.call_function(torch.ops.tilefx.fused_moe.default,
-                                        (x, w13_packed, w2_packed, new_weights, routed_ids))
+                                        (x, w13_packed, w2_packed, new_weights, routed_ids), scales)
         fused.meta.update(output.meta)
         output.replace_all_uses_with(fused)
         for param, packed in ((gate_up, w13_packed), (down, w2_packed)):

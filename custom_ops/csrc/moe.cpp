@@ -38,7 +38,11 @@ template <typename MakeProblem>
 void for_expert_blocks(LinearUnit isa, const std::vector<ExpertRows>& experts, int64_t blocks_per_expert,
                        int64_t max_rows, MakeProblem make_problem) {
   const int64_t units = static_cast<int64_t>(experts.size()) * blocks_per_expert;
-  const size_t scratch_floats = 2 * std::max<int64_t>(max_rows, 2) * kBlockN;
+  // the problem of the expert with the most rows needs the most (a quantized GEMM adds its panel)
+  const ExpertRows& largest = *std::max_element(experts.begin(), experts.end(), [](const auto& a, const auto& b) {
+    return a.count < b.count;
+  });
+  const size_t scratch_floats = linear_scratch_floats(make_problem(largest));
   parallel_chunks(units, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
@@ -51,12 +55,40 @@ void for_expert_blocks(LinearUnit isa, const std::vector<ExpertRows>& experts, i
   });
 }
 
+// One packed [E, ...] expert tensor (and its scales, for int8 / fp8 experts), checked once per call;
+// `attach` points a problem at expert `e`'s part.
+struct ExpertWeights {
+  LinearProblem whole{};
+  int64_t values_per_expert = 0, scales_per_expert = 0;
+
+  ExpertWeights(const at::Tensor& packed, const c10::optional<at::Tensor>& scales)
+      : values_per_expert(packed[0].numel()),
+        scales_per_expert(scales ? scales->numel() / packed.size(0) : 0) {
+    attach_weight(whole, packed, scales);
+  }
+
+  void attach(LinearProblem& p, int64_t e) const {
+    p.format = whole.format;
+    p.k_groups = whole.k_groups;
+    if (whole.format == WeightFormat::bf16) {
+      p.w = whole.w + e * values_per_expert;
+    } else {
+      p.wq = whole.wq + e * values_per_expert;
+      p.scales = whole.scales + e * scales_per_expert;
+    }
+  }
+};
+
 }  // namespace
 
 // Arguments checked by the caller (moe_ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
 // (pack_gate_up_weight per expert); w2 [E, H/32 (padded), I/2 (padded), 32, 2]; topk_ids [T, k] in [0, E).
+// The experts may be int8 / fp8 (both in one format) with their scales (attach_weight checks them): each
+// expert's problem then runs the quantized walk of its unit (linear_walk.h), as a quantized linear does.
 at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit) {
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales,
+                            LinearUnit unit) {
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
   const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2 * kBlockN;
   const int64_t h_pairs = w13.size(2), i_pairs = w2.size(2);
@@ -105,11 +137,11 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
-  const uint16_t* w13_bits = reinterpret_cast<const uint16_t*>(w13.data_ptr<at::BFloat16>());
-  const int64_t w13_expert = w13[0].numel();
+  const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
   for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
-    LinearProblem p{nullptr, w13_bits + r.expert * w13_expert, nullptr, nullptr, r.count, inter, h_pairs, ldx,
+    LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
+    w13_experts.attach(p, r.expert);
     attach_activations(p, unit, xs, r.begin);
     return p;
   });
@@ -118,11 +150,10 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
   float* out = out_tensor.data_ptr<float>();
-  const uint16_t* w2_bits = reinterpret_cast<const uint16_t*>(w2.data_ptr<at::BFloat16>());
-  const int64_t w2_expert = w2[0].numel();
   for_expert_blocks(unit, active, w2.size(1), max_rows, [&](const ExpertRows& r) {
-    LinearProblem p{nullptr, w2_bits + r.expert * w2_expert, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
+    LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
                     out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
+    w2_experts.attach(p, r.expert);
     attach_activations(p, unit, act_rows.data_ptr(), r.begin);
     return p;
   });

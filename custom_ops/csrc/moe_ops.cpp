@@ -13,15 +13,15 @@ void check_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor
                const at::Tensor& topk_ids) {
   TORCH_CHECK(hidden.dim() == 2, "tilefx fused_moe: hidden must be [tokens, hidden_size], got ", hidden.sizes());
   const int64_t hidden_size = hidden.size(1);
-  TORCH_CHECK(w13.scalar_type() == at::kBFloat16 && w13.dim() == 5 && w13.is_contiguous() && w13.size(1) % 2 == 0 &&
+  TORCH_CHECK(w13.dim() == 5 && w13.is_contiguous() && w13.size(1) % 2 == 0 &&
                   w13.size(3) == kBlockN && w13.size(4) == 2 && w13.size(2) == (hidden_size + 1) / 2,
-              "tilefx fused_moe: w13 must be pack_expert_gate_up_weight's bf16 [E, 2 * I/", kBlockN, ", ",
+              "tilefx fused_moe: w13 must be pack_expert_gate_up_weight's [E, 2 * I/", kBlockN, ", ",
               (hidden_size + 1) / 2, ", ", kBlockN, ", 2], got ", w13.scalar_type(), " ", w13.sizes());
   const int64_t inter = w13.size(1) / 2 * kBlockN;
-  TORCH_CHECK(w2.scalar_type() == at::kBFloat16 && w2.dim() == 5 && w2.is_contiguous() && w2.size(0) == w13.size(0) &&
+  TORCH_CHECK(w2.scalar_type() == w13.scalar_type() && w2.dim() == 5 && w2.is_contiguous() && w2.size(0) == w13.size(0) &&
                   w2.size(1) == (hidden_size + kBlockN - 1) / kBlockN && w2.size(2) == (inter + 1) / 2 &&
                   w2.size(3) == kBlockN && w2.size(4) == 2,
-              "tilefx fused_moe: w2 must be pack_expert_down_weight's bf16 [", w13.size(0), ", ",
+              "tilefx fused_moe: w2 must be pack_expert_down_weight's [", w13.size(0), ", ",
               (hidden_size + kBlockN - 1) / kBlockN, ", ", (inter + 1) / 2, ", ", kBlockN, ", 2], got ",
               w2.scalar_type(), " ", w2.sizes());
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == hidden.size(0) && topk_ids.scalar_type() == at::kInt,
@@ -35,17 +35,19 @@ void check_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor
 }  // namespace
 
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids) {
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales) {
   const KernelUnits units = current_units();
   if (hidden.scalar_type() == at::kBFloat16 && units.native) {
     check_moe(hidden, w13, w2, topk_weights, topk_ids);
-    return fused_moe_native(hidden, w13, w2, topk_weights, topk_ids, units.moe);
+    return fused_moe_native(hidden, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales, units.moe);
   }
+  using Scales = const c10::optional<at::Tensor>&;
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::fused_moe_portable", "")
                                    .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                     const at::Tensor&, const at::Tensor&)>();
-  return portable.call(hidden, w13, w2, topk_weights, topk_ids);
+                                                     const at::Tensor&, const at::Tensor&, Scales, Scales)>();
+  return portable.call(hidden, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales);
 }
 
 }  // namespace tilefx

@@ -37,8 +37,11 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
                       int64_t out_features);
 
 // moe.cpp.
+// w13_scales / w2_scales: those of int8 / fp8 experts (weights.packed_scales), else empty.
 at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                            const at::Tensor& topk_weights, const at::Tensor& topk_ids, LinearUnit unit);
+                            const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                            const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales,
+                            LinearUnit unit);
 
 // The CPU kernels of the tilefx ops. Each runs the current path's unit (dispatch.h),
 // or the op's *_portable reference.
@@ -52,7 +55,8 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
 at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features);
 // moe_ops.cpp
 at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids);
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                         const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales);
 // routing_ops.cpp
 std::tuple<at::Tensor, at::Tensor> topk_softmax_cpu(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
 std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_logits,
