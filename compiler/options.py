@@ -25,9 +25,9 @@ class CompileOptions:
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.
     freezing: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
-    # Weight format of the packed linears: "auto" (what the checkpoint holds: bf16 for a bf16 checkpoint),
-    # "bf16", "int8" (symmetric per output channel) or "fp8" (e4m3, 128 x 128 block scales), quantized as
-    # the weights load. Routers, MoE experts and MLA's absorbed projections stay bf16 (tilefx.explain says why).
+    # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, or fp8 for an
+    # FP8 checkpoint), "bf16", "int8" (symmetric per output channel) or "fp8" (e4m3, 128 x 128 block scales),
+    # quantized as the weights load. Routers and MLA's absorbed projections stay bf16 (tilefx.explain says why).
     weights: str = "auto"
     tp_rank: int = 0
     tp_world_size: int = 1

@@ -11,7 +11,8 @@ padded: blocks of ``BLOCK_N`` output columns, each a VNNI matrix (the values of 
 - ``gate_up``: gate and up ``[I, K]`` interleaved block by block (gate 0, up 0, gate 1,
   ...) for ``tilefx.linear_silu_mul``'s SiLU-and-mul epilogue.
 - ``expert_gate_up`` / ``expert_down``: HF's fused 3-D experts, per expert the
-  ``gate_up`` / ``linear`` layout.
+  ``gate_up`` / ``linear`` layout (quantized too: scales ``[E, ...]``, gate and up
+  quantized as separate weights).
 - ``mla_key`` / ``mla_value``: DeepSeek's ``kv_b_proj`` split per head into ``W_uk^T
   [R, nope]`` or ``W_uv [v, R]``, per head the ``linear`` layout.
 

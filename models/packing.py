@@ -15,8 +15,8 @@ every decision about formats and block sizes from ``weights.can_pack``:
   ``weights.quantize_rows``) where ``weights.can_pack`` accepts it; ``auto``: what the
   checkpoint holds (an FP8 checkpoint's e4m3 values and scales are copied as they are,
   models/fp8.py; other formats dequantize them a chunk at a time); routers stay bf16
-  and so, for now, do MoE experts and MLA's absorbed ``kv_b_proj`` (an FP8
-  checkpoint's are dequantized as they pack, or in place when nothing packs them);
+  and so, for now, does MLA's absorbed ``kv_b_proj`` (an FP8 checkpoint's is
+  dequantized in place: nothing packs it at load);
 - left unpacked: embeddings (read a few rows a token), norms, biases, and, with the
   MLA pass on, DeepSeek's ``kv_b_proj`` (the pass absorbs it per head, two packings
   of one weight; it is small).

@@ -141,7 +141,8 @@ def test_quantized_release_keeps_shape_and_serves_the_packing():
     weight = torch.nn.Parameter(_weight(64, 96, seed=10), requires_grad=False)
     packed = weights.pack("linear", [weight], format="int8")
     assert weights.release(packed) == 64 * 96 * 2
-    assert weight.shape == (64, 96) and weight.dtype == torch.bfloat16 and weight.stride() == (0, 0)
+    assert weight.shape == (64, 96) and weight.dtype == torch.bfloat16 and weight.stride() == (96, 1)
+    assert not weight.data.any()  # untouched zeros: no memory of its own
     assert weights.is_released(weight)
     assert weights.pack_linear_weight(weight, "int8") is packed
     with pytest.raises(ValueError, match="cannot also be packed as linear bf16"):
