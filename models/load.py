@@ -38,7 +38,8 @@ def load_model(
                 "tilefx packs them in place, which inference tensors refuse. Build or load it outside "
                 "inference_mode, or pass its hub id or directory (compile_model itself may be called inside it)."
             )
-        if fp8.adopt_fp8_modules(source, adapter.moe and adapter.moe.experts_class):
+        fp8.adopt_fp8_modules(source, adapter.moe and adapter.moe.experts_class)
+        if any(weights.checkpoint_scales(p) is not None for p in source.parameters()):
             for tensor in [*source.parameters(), *source.buffers()]:  # .to(dtype) would cast the e4m3 values too
                 if tensor.is_floating_point() and weights.checkpoint_scales(tensor) is None:
                     tensor.data = tensor.data.to(dtype)

@@ -26,11 +26,11 @@ import sys
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import tilefx
 from tilefx.custom_ops import isa, weights
 from tilefx.models.adapters import adapter_for
-from tilefx.models.load import load_model
 from tilefx.models.presets import build_model
 
 MODES = ("eager", "torch.compile", "tilefx")
@@ -135,17 +135,18 @@ def main(argv=None) -> int:
     parser.add_argument("--long-context", type=int, default=0, metavar="N",
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
-    parser.add_argument("--weights", default="bf16",
-                        help="comma-separated weight formats for tilefx (bf16, int8, fp8): one tilefx row each")
+    parser.add_argument("--weights", default=None,
+                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8): one tilefx row each "
+                             "(default: bf16 for a preset, auto for --path: what the checkpoint holds)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    formats = [f for f in args.weights.split(",") if f]
-    if unknown := set(formats) - set(weights.FORMATS):
-        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {tuple(weights.FORMATS)}")
+    formats = [f for f in (args.weights or ("auto" if args.path else "bf16")).split(",") if f]
+    if unknown := set(formats) - {"auto", *weights.FORMATS}:
+        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {('auto', *weights.FORMATS)}")
     if "tilefx" in modes:  # one tilefx row per format: "tilefx" (bf16), "tilefx int8", ...
         at = modes.index("tilefx")
         modes[at : at + 1] = ["tilefx" if f == "bf16" else f"tilefx {f}" for f in formats]
@@ -156,7 +157,13 @@ def main(argv=None) -> int:
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
     print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.runs} runs, "
           f"{torch.get_num_threads()} threads", flush=True)
-    base = load_model(args.path) if args.path else build_model(args.preset, layers=args.layers)
+    # A checkpoint directory: transformers' own load for eager / torch.compile (an FP8 checkpoint dequantized, as
+    # transformers runs it on a CPU), and each tilefx row compiles the directory itself, as a user would.
+    hf_modes = [m for m in modes if not m.startswith("tilefx")]
+    if args.path:
+        base = AutoModelForCausalLM.from_pretrained(args.path, dtype=torch.bfloat16).eval() if hf_modes else None
+    else:
+        base = build_model(args.preset, layers=args.layers)
     models, gen_kwargs = {}, {}
     for mode in modes:
         start = time.perf_counter()
@@ -164,19 +171,21 @@ def main(argv=None) -> int:
         # forward); tilefx packs and releases them, so it gets its own model unless it runs alone
         shared = len(modes) > 1
         model = base if mode == "eager" else copy.copy(base) if mode == "torch.compile" else (
-            copy.deepcopy(base) if shared else base)
+            copy.deepcopy(base) if shared and not args.path else base)
         gen_kwargs[mode] = {}
         if mode == "torch.compile":
             gen_kwargs[mode] = stock_compile(model, args.prompt_len + args.new_tokens)  # its own need only
         elif mode.startswith("tilefx"):
             format = mode.split()[1] if " " in mode else "bf16"
-            model = tilefx.compile_model(model, max_seq_len=max_seq_len, max_batch=1, weights=format)
+            source = args.path if args.path else model
+            model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=1, weights=format)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.prompt_len), generator=generator)
-    long_ids = torch.randint(10, base.config.vocab_size - 1, (1, args.long_context), generator=generator)
+    vocab_size = models[modes[0]].config.vocab_size
+    input_ids = torch.randint(10, vocab_size - 1, (1, args.prompt_len), generator=generator)
+    long_ids = torch.randint(10, vocab_size - 1, (1, args.long_context), generator=generator)
     long_context = args.long_context > 0
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
@@ -192,7 +201,7 @@ def main(argv=None) -> int:
 
     gbps = statistics.median(bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
-    step_bytes = decode_bytes(base, context)
+    step_bytes = decode_bytes(base, context) if base is not None else packed_decode_bytes(models[modes[0]], context)
     floor_ms = step_bytes / (gbps * 1e9) * 1e3
     rows = []
     for mode in modes:
@@ -220,7 +229,7 @@ def main(argv=None) -> int:
         long_ttft = statistics.median(s[0] for s in long_samples) * 1e3
         long_tpot = statistics.median(s[1] for s in long_samples) * 1e3
         short_tpot = next(r["tpot_ms"] for r in rows if r["mode"] == "tilefx")
-        long_floor = decode_bytes(base, args.long_context + args.new_tokens // 2) / (gbps * 1e9) * 1e3
+        long_floor = packed_decode_bytes(models["tilefx"], args.long_context + args.new_tokens // 2) / (gbps * 1e9) * 1e3
         print(f"\n| tilefx context | TTFT ms | TPOT ms | TPOT / floor | TPOT / TPOT at prompt {args.prompt_len} (median per run) |")
         print("|---|---:|---:|---:|---:|")
         print(f"| prompt {args.prompt_len} | - | {short_tpot:.1f} | {short_tpot / floor_ms:.2f} | 1.00 |")

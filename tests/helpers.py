@@ -63,6 +63,23 @@ def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
     return exact
 
 
+def random_prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_generates_like(reference, compiled) -> None:
+    """Greedy tokens of ``compiled`` agree with ``reference`` (close-logprobs rule) for a 1- and a 13-token
+    prompt and a padded batch of 2 (the two-row GEMVs), with no recompile."""
+    for length in (1, 13):
+        ids, mask = padded_batch([random_prompt(length, length)])
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        assert assert_greedy_matches(reference, ids, mask, out) >= 8
+    ids, mask = padded_batch([random_prompt(7, 1), random_prompt(3, 2)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)
+    assert compiled.tilefx.report.recompiles == 0
+
+
 def assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens: int) -> int:
     """Greedy tokens from the same compiled graphs with the native linears on the AVX512-BF16 unit (SIMDe-emulated
     where the CPU has no AVX512; the kernels read the path on every call) equal eager's. Returns the exact matches."""

@@ -16,13 +16,9 @@ from tilefx.custom_ops import weights
 from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.fp8 import UnsupportedCheckpointError
 
-from helpers import assert_greedy_matches, padded_batch, run_script
+from helpers import assert_generates_like, assert_greedy_matches, padded_batch, random_prompt, run_script
 
 FAMILIES = ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")
-
-
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _hf_load(path):
@@ -64,14 +60,7 @@ def test_checkpoint_is_in_the_hub_layout(checkpoints):
 
 def test_greedy_matches_transformers_own_load(loaded):
     _, reference, compiled = loaded
-    for length in (1, 13):
-        ids, mask = padded_batch([_prompt(length, length)])
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-        assert assert_greedy_matches(reference, ids, mask, out) >= 8
-    ids, mask = padded_batch([_prompt(7, 1), _prompt(3, 2)])
-    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert_greedy_matches(reference, ids, mask, out)
-    assert compiled.tilefx.report.recompiles == 0
+    assert_generates_like(reference, compiled)
 
 
 def test_linears_keep_the_checkpoints_bytes(loaded):
@@ -80,7 +69,7 @@ def test_linears_keep_the_checkpoints_bytes(loaded):
     formats = compiled.tilefx.report.packing.formats
     assert set(formats) == {"fp8", "bf16"} and "fp8" in tilefx.explain(compiled)
     name = "model.layers.0.self_attn.o_proj.weight"
-    packed = next(p for p in weights.registered() if name in p.names)
+    packed = weights.packing_of(compiled.get_parameter(name))
     assert packed.format == "fp8"
     with safe_open(next(path.glob("*.safetensors")), "pt") as f:
         values, scale_inv = f.get_tensor(name), f.get_tensor(f"{name}_scale_inv")
@@ -91,8 +80,7 @@ def test_linears_keep_the_checkpoints_bytes(loaded):
     if compiled.config.model_type == "deepseek_v3":  # read unpacked by the MLA pass: dequantized as it loaded
         assert "kv_b_proj): dequantized from the checkpoint's fp8" in text
     if compiled.config.model_type != "llama":  # experts in fp8 too, from the checkpoint's bytes
-        experts = next(p for p in weights.registered() if p.layout == "expert_down" and
-                       p.names[0].startswith("model.layers.1."))
+        experts = weights.packing_of(compiled.get_parameter("model.layers.1.mlp.experts.down_proj"))
         assert experts.format == "fp8" and "MoE experts" not in text
 
 
@@ -104,10 +92,10 @@ def test_other_formats_dequantize_the_checkpoint(checkpoints, format):
     assert set(compiled.tilefx.report.packing.formats) == {format}
     if format == "bf16":  # exactly transformers' dequantized weights
         name = "model.layers.1.mlp.down_proj.weight"
-        packed = next(p for p in weights.registered() if name in p.names)
+        packed = weights.packing_of(compiled.get_parameter(name))
         expected = reference.get_parameter(name).data
         assert torch.equal(weights.unpack_linear_weight(packed.data, *expected.shape), expected)
-    ids, mask = padded_batch([_prompt(9, 3)])
+    ids, mask = padded_batch([random_prompt(9, 3)])
     out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert assert_greedy_matches(reference, ids, mask, out) >= 6
 
@@ -159,3 +147,18 @@ def test_refuses_nan_codes(checkpoints, tmp_path):
     path = _copy_with(checkpoints["tiny-llama"], tmp_path / "ckpt", tensor_edit=poison)
     with pytest.raises(ValueError, match=f"{name}.*NaN e4m3 codes"):
         tilefx.compile_model(path, progress=False)
+
+
+def test_a_model_tilefx_loaded_compiles_in_fp8(checkpoints):
+    """compile_model(PreTrainedModel) keeps an FP8 model's e4m3 weights (a bf16 cast would scramble them)."""
+    from tilefx.models.load import load_model
+
+    path = checkpoints["tiny-llama"]
+    model = load_model(path)
+    assert any(weights.checkpoint_scales(p) is not None for p in model.parameters())
+    compiled = tilefx.compile_model(model, max_seq_len=32, progress=False)
+    assert "fp8" in compiled.tilefx.report.packing.formats
+    reference = _hf_load(path)
+    ids, mask = padded_batch([random_prompt(5, 9)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert_greedy_matches(reference, ids, mask, out)

@@ -9,7 +9,9 @@ import torch
 import tilefx
 from tilefx.models.presets import build_model
 
-from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch
+from helpers import (
+    assert_generates_like, assert_greedy_matches_on_emulated_avx512, padded_batch, random_prompt,
+)
 from quantized import dequantize_like_packing
 
 CASES = [(family, format) for family in ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")
@@ -25,20 +27,9 @@ def quantized_pair(request):
     return reference, compiled, format
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_greedy_matches_dequantized_eager(quantized_pair):
     reference, compiled, _ = quantized_pair
-    for length in (1, 13):
-        ids, mask = padded_batch([_prompt(length, length)])
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-        assert assert_greedy_matches(reference, ids, mask, out) >= 8
-    ids, mask = padded_batch([_prompt(7, 1), _prompt(3, 2)])  # batch 2: the two-row GEMVs
-    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    assert_greedy_matches(reference, ids, mask, out)
-    assert compiled.tilefx.report.recompiles == 0
+    assert_generates_like(reference, compiled)
 
 
 def test_explain_names_the_formats(quantized_pair):
@@ -57,7 +48,7 @@ def test_quantized_on_the_avx512_unit_matches_eager(quantized_pair):
     reference, compiled, _ = quantized_pair
     if compiled.config.model_type != "llama":
         pytest.skip("one family is enough for the emulated unit (its code is the same for each)")
-    ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
+    ids, mask = padded_batch([random_prompt(9, 1), random_prompt(4, 2)])
     assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=8) >= 12
 
 
