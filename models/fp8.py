@@ -39,8 +39,7 @@ def checkpoint_format(config) -> str:
     if quantization is None:
         return "bf16"
     fields = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    method = str(fields.get("quant_method", "?"))
-    method = getattr(method, "value", method)
+    method = str(_normal(fields.get("quant_method", "?")))  # transformers' config objects hold an enum
     wanted = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
               "activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8"}
     problems = [f"{key}={fields[key]!r}" for key, value in wanted.items()

@@ -55,7 +55,8 @@ class PackGroup:
 _ROUTER_BF16 = "router weights (which experts run turns on small logit differences)"
 
 
-_DEQUANTIZED = "weights read unpacked (MLA's absorbed kv_b_proj): dequantized from the checkpoint's fp8"
+_DEQUANTIZED = ("fp8 checkpoint weights read unpacked (MLA's absorbed kv_b_proj; any linear with linear=False): "
+                "dequantized to bf16 at load")
 
 
 def _own_format(params) -> str:

@@ -78,7 +78,7 @@ def test_linears_keep_the_checkpoints_bytes(loaded):
     assert torch.equal(packed.scales[0], scale_inv[0])
     text = tilefx.explain(compiled)
     if compiled.config.model_type == "deepseek_v3":  # read unpacked by the MLA pass: dequantized as it loaded
-        assert "kv_b_proj): dequantized from the checkpoint's fp8" in text
+        assert "MLA's absorbed kv_b_proj; any linear with linear=False): dequantized to bf16 at load" in text
     if compiled.config.model_type != "llama":  # experts in fp8 too, from the checkpoint's bytes
         experts = weights.packing_of(compiled.get_parameter("model.layers.1.mlp.experts.down_proj"))
         assert experts.format == "fp8" and "MoE experts" not in text
