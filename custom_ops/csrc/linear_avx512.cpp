@@ -406,10 +406,23 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
   }
 }
 
-// Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM.
+// Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM. int8 goes
+// through the decode's byte tables (exact, no scale to apply: 9 instructions per K pair row
+// instead of 16); fp8 is widened to fp32 to take its block scale.
 template <WeightFormat F>
 static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  if constexpr (F == WeightFormat::int8) {
+    const Tables tables = load_tables<F>();
+    const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
+    for (int64_t q = 0; q < p.K_pairs; ++q) {
+      __m512i a, b;
+      load_quantized_pairs<F>(w + q * kQPairBytes, tables, a, b);
+      _mm512_storeu_si512(out + q * kPairStride, _mm512_permutex2var_epi32(a, first, b));
+      _mm512_storeu_si512(out + q * kPairStride + kBlockN, _mm512_permutex2var_epi32(a, second, b));
+    }
+    return;
+  }
   for (int64_t q = 0; q < p.K_pairs; ++q) {
     const __m512 scale = group_scale<F>(p, block, q);
     for (int j = 0; j < 4; ++j) {
