@@ -162,3 +162,17 @@ def test_a_model_tilefx_loaded_compiles_in_fp8(checkpoints):
     ids, mask = padded_batch([random_prompt(5, 9)])
     out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert_greedy_matches(reference, ids, mask, out)
+
+
+def test_weights_no_pass_packs_are_dequantized_in_place(checkpoints):
+    """With the linear and MoE passes off nothing packs the fp8 weights: each is dequantized to bf16 as it
+    loaded (the experts' gate_up by halves), which is exactly transformers' own dequantized model."""
+    path = checkpoints["tiny-qwen3-moe"]
+    reference = _hf_load(path)
+    compiled = tilefx.compile_model(path, max_seq_len=32, linear=False, moe=False, progress=False)
+    for name, param in reference.named_parameters():
+        assert torch.equal(compiled.get_parameter(name).data, param.data), name
+    assert "dequantized to bf16 at load" in tilefx.explain(compiled)
+    ids, mask = padded_batch([random_prompt(6, 4)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert assert_greedy_matches(reference, ids, mask, out) >= 5
