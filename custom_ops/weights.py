@@ -162,7 +162,7 @@ def _layout_shape(layout: str, weights, args: tuple) -> tuple[int, ...]:
     raise ValueError(f"unknown packed layout {layout!r}")
 
 
-CHUNK_BYTES = 61 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
+CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
 
 
 def _write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
