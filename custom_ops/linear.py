@@ -24,10 +24,10 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import (
     BLOCK_N,
     FP8_GROUP,
+    check_scales,
     dequantize,
     format_of,
     packed_shape,
-    scales_shape,
     unpack_expert_down_weight,
     unpack_gate_up_weight,
     unpack_linear_weight,
@@ -75,19 +75,8 @@ def _check_per_head(x, packed_weight, out_features) -> None:
                          f"x {tuple(x.shape)} -> {out_features} features")
 
 
-def _check_scales(op: str, packed_weight, scales) -> None:
-    format = format_of(packed_weight)
-    if format == "bf16":
-        torch._check(scales is None, lambda: f"tilefx.{op}: a bf16 weight takes no scales")
-        return
-    want = scales_shape(tuple(packed_weight.shape), format)
-    torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == want,
-                 lambda: f"tilefx.{op}: a {format} weight needs its fp32 scales {list(want)} (packed_scales), got "
-                         f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
-
-
 def _check(x, packed_weight, bias, out_features, scales=None) -> None:
-    _check_scales("linear", packed_weight, scales)
+    check_scales("linear", packed_weight, scales)
     torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
                          "use tilefx.custom_ops.weights.pack_linear_weight")
@@ -97,7 +86,7 @@ def _check(x, packed_weight, bias, out_features, scales=None) -> None:
 
 
 def _check_gate_up(x, packed_gate_up, out_features, scales=None) -> None:
-    _check_scales("linear_silu_mul", packed_gate_up, scales)
+    check_scales("linear_silu_mul", packed_gate_up, scales)
     blocks, pairs, _, _ = packed_shape(out_features, x.shape[-1])
     torch._check(packed_gate_up.dim() == 4 and tuple(packed_gate_up.shape) == (2 * blocks, pairs, BLOCK_N, 2),
                  lambda: f"tilefx.linear_silu_mul: packed weight {tuple(packed_gate_up.shape)} does not fit "
@@ -145,7 +134,7 @@ def _packed_embedding_fake(ids, packed_weight, embedding_dim, scales=None):
                  and 2 * packed_weight.shape[1] >= embedding_dim,
                  lambda: f"tilefx.packed_embedding: weight {tuple(packed_weight.shape)} is not a packed "
                          f"[vocab, {embedding_dim}] weight")
-    _check_scales("packed_embedding", packed_weight, scales)
+    check_scales("packed_embedding", packed_weight, scales)
     return ids.new_empty((*ids.shape, embedding_dim), dtype=torch.bfloat16)
 
 

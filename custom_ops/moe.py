@@ -187,18 +187,11 @@ def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=Non
                  lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
                          f"hidden {hidden}, intermediate {intermediate}; use pack_expert_down_weight")
     for name, packed, scales in (("w13", w13, w13_scales), ("w2", w2, w2_scales)):
-        if packed.dtype == hidden_states.dtype:
-            torch._check(scales is None, lambda: f"tilefx.fused_moe: {name} is {packed.dtype}: it takes no scales")
-            continue
-        format = packed_weights.format_of(packed)
-        torch._check(format != "bf16" and hidden_states.dtype == torch.bfloat16,
+        quantized = packed.dtype in packed_weights.QUANTIZED_DTYPES
+        torch._check(packed.dtype == hidden_states.dtype or quantized and hidden_states.dtype == torch.bfloat16,
                      lambda: f"tilefx.fused_moe: weights {w13.dtype}/{w2.dtype} and hidden_states "
                              f"{hidden_states.dtype}: weights share the activations' dtype or are int8 / fp8")
-        expected = packed_weights.scales_shape(tuple(packed.shape), format)
-        torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == expected,
-                     lambda: f"tilefx.fused_moe: {format} {name} needs fp32 scales {list(expected)} "
-                             f"(weights.packed_scales), got "
-                             f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+        packed_weights.check_scales(f"fused_moe ({name})", packed, scales)
     _check_routing(hidden_states, topk_weights, topk_ids)
 
 

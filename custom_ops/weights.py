@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import math
 import mmap
 import threading
 import weakref
@@ -188,22 +189,22 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
     row_bytes = weight[0].numel() * (4 if fp8_source else weight.element_size())  # fp8: dequantized in fp32
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes) // step) * step
     for row in range(0, weight.shape[0], rows_per_chunk):
-        source = rows = weight[row : row + rows_per_chunk]
+        source = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
-        blocks = -(-rows.shape[0] // BLOCK_N)
+        blocks = -(-source.shape[0] // BLOCK_N)
+        values, row_scales = source, None
         if fp8_source:
-            _refuse_nan_codes(rows)
-            groups = source_scales[row // FP8_GROUP : -(-(row + rows.shape[0]) // FP8_GROUP)]
+            _refuse_nan_codes(source)
+            groups = source_scales[row // FP8_GROUP : -(-(row + source.shape[0]) // FP8_GROUP)]
             if format_of(out) == "fp8":  # the checkpoint's own values and scales
-                _write_blocks(out[block : block + blocks].view(torch.uint8), rows.view(torch.uint8), native=False)
-                _write_scales(scales[block : block + blocks], groups)
-                _drop_file_pages(source, mapped)
-                continue
-            rows = dequantize_blocks(rows, groups)
+                row_scales = groups
+            else:
+                values = dequantize_blocks(source, groups)
+        if scales is not None and row_scales is None:
+            values, row_scales = quantize_rows(values, format_of(out))
         if scales is None:
-            _write_blocks(out[block : block + blocks], rows, native)
+            _write_blocks(out[block : block + blocks], values, native)
         else:
-            values, row_scales = quantize_rows(rows, format_of(out))
             _write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
             _write_scales(scales[block : block + blocks], row_scales)
         _drop_file_pages(source, mapped)
@@ -317,12 +318,12 @@ def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype=torch.bf
     return (values.float() * per_row).to(dtype)
 
 
-def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> int:
+def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> None:
     """Turn an fp8 checkpoint weight that no packing reads into ``dtype`` in place (one 2-D slice at a time
-    alongside the result). Returns the bytes it grew by."""
+    alongside the result)."""
     scales = checkpoint_scales(weight)
     if scales is None:
-        return 0
+        return
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
     flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
@@ -335,7 +336,6 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
     weight.data = out
     delattr(weight, _CHECKPOINT_SCALES)
     _drop_file_pages(values, _file_mappings())
-    return out.nbytes - values.nbytes
 
 
 # -- quantized formats ---------------------------------------------------------------------------------------
@@ -347,6 +347,19 @@ def format_of(packed: torch.Tensor) -> str:
         if packed.dtype == dtype:
             return name
     raise ValueError(f"{packed.dtype} is not a packed weight format ({', '.join(FORMATS)})")
+
+
+def check_scales(op: str, packed: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """The scales an op was given for ``packed``: none for an unquantized weight, else ``packed_scales``'
+    fp32 ``scales_shape``."""
+    if packed.dtype not in QUANTIZED_DTYPES:
+        torch._check(scales is None, lambda: f"tilefx.{op}: a {packed.dtype} weight takes no scales")
+        return
+    format = format_of(packed)
+    want = scales_shape(tuple(packed.shape), format)
+    torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == want,
+                 lambda: f"tilefx.{op}: a {format} weight needs its fp32 scales {list(want)} (packed_scales), got "
+                         f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
 
 
 def scales_shape(packed_shape: tuple[int, ...], format: str) -> tuple[int, ...]:
@@ -643,9 +656,7 @@ def untouched_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """Zeros of ``shape`` with contiguous strides in memory never touched: an anonymous private mapping, whose
     pages cost nothing until written (reads see the kernel's zero page). What a released quantized source
     holds: graphs trace its shape and strides (HF's grouped_mm checks them), only packing ops use its data."""
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

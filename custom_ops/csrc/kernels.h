@@ -26,6 +26,10 @@ constexpr int64_t kBlockN = 32;
 // sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2 };
 constexpr int64_t kFp8GroupPairs = 64;
+constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
+// Both units widen e4m3 through fp16 (linear_avx512.cpp, load_quantized16), which yields the value
+// times 2^-8 exactly: the fp8 scales they apply to those widened values carry this factor.
+constexpr float kFp8Unscale = 256.0f;
 
 struct LinearProblem {
   const float* x;         // [M, ldx] fp32 activations; columns [K, ldx) are zero
@@ -50,6 +54,11 @@ struct LinearProblem {
   const float* scales = nullptr;
   int64_t k_groups = 0;  // fp8: scales per block
 };
+
+// The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).
+inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
+  return p.scales[block * p.k_groups + pair / kFp8GroupPairs];
+}
 
 // Scratch floats a linear_blocks_* call needs: two fp32 result tiles, and for a quantized
 // GEMM one dequantized bf16 block.

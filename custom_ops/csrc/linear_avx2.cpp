@@ -203,9 +203,7 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
 
 // -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
 
-constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
 constexpr int64_t kQPrefetchBytes = 1024;
-constexpr float kFp8Unscale = 256.0f;  // see load_quantized16
 
 // 16 values (8 columns x one K pair, in packed order) of a quantized block as two fp32
 // vectors (4 columns x 2 each). e4m3 goes through fp16 as in linear_avx512.cpp: exact,
@@ -227,7 +225,7 @@ static inline void load_quantized16(const uint8_t* p, __m256& lo, __m256& hi) {
 template <WeightFormat F>
 static inline __m256 group_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   if constexpr (F == WeightFormat::fp8) {
-    return _mm256_set1_ps(kFp8Unscale * p.scales[block * p.k_groups + pair / kFp8GroupPairs]);
+    return _mm256_set1_ps(kFp8Unscale * fp8_scale(p, block, pair));
   } else {
     return _mm256_set1_ps(1.0f);
   }

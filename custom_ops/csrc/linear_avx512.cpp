@@ -248,7 +248,6 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
 
 // -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
 
-constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
 constexpr int64_t kQPrefetchBytes = 1024;     // GEMV prefetch distance of one stream, as for bf16
 
 // 16 values (8 columns x one K pair, in packed order) of a quantized block as fp32 (the
@@ -256,9 +255,8 @@ constexpr int64_t kQPrefetchBytes = 1024;     // GEMV prefetch distance of one s
 // e4m3 goes through fp16: the byte sign-extended to 16 bits and shifted left by 7 puts its
 // exponent and mantissa in fp16's (bias 15 instead of 7) and a copy of the sign in fp16's
 // top exponent bit, which the mask clears; vcvtph2ps is exact, subnormals included, so the
-// result is the e4m3 value times 2^-8 exactly (kFp8Unscale goes into the scales). The two
-// NaN codes would read as +-480: packing refuses them (custom_ops/weights.py).
-constexpr float kFp8Unscale = 256.0f;
+// result is the e4m3 value times 2^-8 exactly (kFp8Unscale, kernels.h, goes into the scales).
+// The two NaN codes would read as +-480: packing refuses them (custom_ops/weights.py).
 
 static inline __m512i widen_int8x16(__m128i v) {
 #ifdef TILEFX_AVX512_EMULATED  // SIMDe has no _mm512_cvtepi8_epi32
@@ -284,7 +282,7 @@ static inline __m512 load_quantized16(const uint8_t* p) {
 template <WeightFormat F>
 static inline __m512 group_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   if constexpr (F == WeightFormat::fp8) {
-    return _mm512_set1_ps(kFp8Unscale * p.scales[block * p.k_groups + pair / kFp8GroupPairs]);
+    return _mm512_set1_ps(kFp8Unscale * fp8_scale(p, block, pair));
   } else {
     return _mm512_set1_ps(1.0f);
   }
@@ -382,7 +380,7 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
     }
     for (int i = 0; i < Rows * Blocks; ++i) {
       if constexpr (F == WeightFormat::fp8) {
-        const __m512 scale = _mm512_set1_ps(p.scales[blocks[i % Blocks] * p.k_groups + g0 / kFp8GroupPairs]);
+        const __m512 scale = _mm512_set1_ps(fp8_scale(p, blocks[i % Blocks], g0));
         total[i][0] = _mm512_fmadd_ps(acc[i][0], scale, total[i][0]);
         total[i][1] = _mm512_fmadd_ps(acc[i][1], scale, total[i][1]);
       } else {
