@@ -26,14 +26,17 @@ from tilefx.compiler.passes.graph_utils import model_parameter
 from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
+from tilefx.compiler.passes.partition import PartitionPass
 from tilefx.compiler.report import CompileReport
-from tilefx.custom_ops import weights
+from tilefx.custom_ops import collectives, weights
 
 
 def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> list[TilefxPass]:
     """The passes, in order. ``moe_blocks``: module path of each sparse MoE block -> its ``Routing``
     (from the family adapter; the MoE pass needs no more of the model)."""
     passes: list[TilefxPass] = []
+    if options.tp_world_size > 1:
+        passes.append(PartitionPass(collectives.TP_GROUP, options.tp_world_size))
     if options.attention:
         passes.append(AttentionPass())
     if options.mla:

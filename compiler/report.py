@@ -59,6 +59,8 @@ class CompileReport:
     warmup_seconds: float = 0.0  # compile_model's warm-up steps: Dynamo tracing, the backend, the steps themselves
     total_seconds: float = 0.0  # all of compile_model, its imports included
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
+    placement: object = None  # tensor parallel: this rank's models.placement.Placement
+    collectives: object = None  # tensor parallel: this rank's communicator (custom_ops/collectives.py)
 
     def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], passes_seconds: float = 0.0) -> None:
         self.graphs.append(
@@ -70,6 +72,16 @@ class CompileReport:
     def recompiles(self) -> int:
         """Graphs compiled after warm-up: each is a recompilation the user paid for at run time."""
         return max(0, len(self.graphs) - self.warmup_graphs)
+
+    def tp_line(self) -> str:
+        """Tensor parallel: this rank's place and its collectives so far."""
+        stats = self.collectives.stats() if self.collectives is not None else {}
+        where = (f"cpus {_cpu_ranges(self.placement.cpus)} ({self.placement.how})" if self.placement is not None
+                 else "not placed")
+        waited = stats.get("wait_seconds")
+        return (f"tensor parallel: {where}; collectives {getattr(self.collectives, 'kind', 'none')}: "
+                f"{stats.get('calls', 0)} calls, {stats.get('seconds', 0.0):.3f}s"
+                + (f" (waiting for peers {waited:.3f}s)" if waited is not None else ""))
 
     def startup_line(self) -> str:
         """Where compile_model's time went (with freezing on, torch bypasses its AOT cache: every start
@@ -116,3 +128,14 @@ def tilefx_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "tilefx":
             counts[f"tilefx.{target._opname}"] += 1
     return dict(counts)
+
+
+def _cpu_ranges(cpus) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    ranges, cpus = [], sorted(cpus)
+    for cpu in cpus:
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)

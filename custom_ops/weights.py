@@ -464,11 +464,29 @@ def _check_sources(layout: str, weights) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """The part of a weight a packed tensor holds: ``index`` of ``count`` equal slices along ``dim``."""
+    """The part of a weight a tensor-parallel rank holds: ``index`` of ``count`` equal slices along ``dim`` of a
+    weight ``size`` long there (models/tp.py). ``style``: the HF plan's name for the split (``colwise``: output
+    rows, ``rowwise``: input columns, the partial sums added across ranks; ``vocab`` / ``colwise_gather_output``:
+    vocabulary rows of the embedding / ``lm_head``, the last rank's padded with zeros)."""
 
     dim: int
     index: int
     count: int
+    style: str = "colwise"
+    size: int = 0
+
+
+_SHARD = "_tilefx_shard"  # the attribute holding a tensor-parallel parameter's Shard
+
+
+def attach_shard(weight: torch.Tensor, shard: Shard) -> None:
+    """Mark ``weight`` as the part ``shard`` of a full weight; packings of it carry the mark (``PackedWeight.shard``)
+    and the partition pass reads it."""
+    setattr(weight, _SHARD, shard)
+
+
+def shard_of(weight: torch.Tensor) -> Shard | None:
+    return getattr(weight, _SHARD, None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -584,7 +602,8 @@ def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = (), fo
     scales = torch.zeros(scales_shape(shape, format)) if format != "bf16" else None
     data = _fill(layout, weights, tuple(args), isa.huge_page_empty(shape, FORMATS[format]), scales=scales)
     packed = PackedWeight(layout, data, tuple(tuple(w.shape) for w in weights), tuple(names), tuple(args),
-                          format=format, scales=scales, _sources=tuple(weakref.ref(w) for w in weights))
+                          format=format, scales=scales, shard=shard_of(weights[0]),
+                          _sources=tuple(weakref.ref(w) for w in weights))
     _drop_stale()
     for index, weight in enumerate(weights):
         _registry.setdefault(_key(weight), []).append((packed, index))

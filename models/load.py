@@ -45,23 +45,9 @@ def load_model(
                     tensor.data = tensor.data.to(dtype)
             return source.eval()
         return source.to(dtype).eval()
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"expected a hub id, a local directory or a PreTrainedModel, got {type(source).__name__}")
-    name = os.fspath(source)
-    is_local = pathlib.Path(name).is_dir()
-    if not is_local and (pathlib.Path(name).exists() or name.startswith((".", "/", "~"))):
-        raise ModelNotFoundError(f"{name!r} is not a directory holding a Hugging Face model (config.json + safetensors)")
-    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=local_files_only or is_local)
-    try:
-        config = AutoConfig.from_pretrained(name, **kwargs)
-    except OSError as error:
-        if is_local:
-            raise ModelNotFoundError(f"{name!r} has no readable config.json: {error}") from error
-        raise ModelNotFoundError(
-            f"could not load {name!r}: it is not a local directory, not in the Hugging Face cache, and the hub "
-            f"could not be reached ({type(error).__name__}). Download it on a machine with access "
-            f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
-        ) from error
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+    config, kwargs = load_config(name, trust_remote_code=trust_remote_code, revision=revision,
+                                 local_files_only=local_files_only)
     adapter = adapter_for(config)
     quantized = fp8.checkpoint_format(config) == "fp8"
     with weights.checkpoint_pages_bounded(), fp8.loading_quantized() if quantized else contextlib.nullcontext():
@@ -72,3 +58,35 @@ def load_model(
     if quantized:
         fp8.adopt_fp8_modules(model, adapter.moe and adapter.moe.experts_class)
     return model
+
+
+def load_config(source, *, trust_remote_code: bool = False, revision: str | None = None,
+                local_files_only: bool = False):
+    """``(config, from_pretrained keyword arguments)`` of a hub id or local directory, with errors that say where
+    the model was looked for."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"expected a hub id, a local directory or a PreTrainedModel, got {type(source).__name__}")
+    name = os.fspath(source)
+    is_local = pathlib.Path(name).is_dir()
+    if not is_local and (pathlib.Path(name).exists() or name.startswith((".", "/", "~"))):
+        raise ModelNotFoundError(f"{name!r} is not a directory holding a Hugging Face model (config.json + safetensors)")
+    kwargs = dict(trust_remote_code=trust_remote_code, revision=revision, local_files_only=local_files_only or is_local)
+    try:
+        return AutoConfig.from_pretrained(name, **kwargs), kwargs
+    except OSError as error:
+        if is_local:
+            raise ModelNotFoundError(f"{name!r} has no readable config.json: {error}") from error
+        raise ModelNotFoundError(
+            f"could not load {name!r}: it is not a local directory, not in the Hugging Face cache, and the hub "
+            f"could not be reached ({type(error).__name__}). Download it on a machine with access "
+            f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
+        ) from error
+
+
+def load_shard(source, config, plan, ctx, *, dtype: torch.dtype = torch.bfloat16, revision: str | None = None,
+               local_files_only: bool = False) -> PreTrainedModel:
+    """Tensor parallel rank ``ctx.rank``'s part of ``source`` (models/tp.py): only its slices are read."""
+    from tilefx.models import tp
+
+    directory = tp.resolve_directory(os.fspath(source), revision=revision, local_files_only=local_files_only)
+    return tp.load_shard(directory, config, plan, ctx, dtype)

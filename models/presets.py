@@ -239,6 +239,9 @@ PRESETS: dict[str, Preset] = {
             logit_scale=16.0,
         ),
         Preset("tiny-qwen2", "-", "qwen2", _tiny("qwen2", rope_parameters=_QWEN_ROPE), logit_scale=16.0),
+        # one KV head (multi-query attention): a tensor-parallel split replicates it
+        Preset("tiny-qwen2-mqa", "-", "qwen2", dict(_tiny("qwen2", rope_parameters=_QWEN_ROPE), num_key_value_heads=1),
+               logit_scale=16.0),
         Preset("tiny-qwen3", "-", "qwen3", _tiny("qwen3", rope_parameters=_QWEN_ROPE), logit_scale=16.0),
         Preset("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe",
                _moe(2048, 5632, 24, 16, 16, 151936, **_QWEN1_5_MOE)),

@@ -48,12 +48,12 @@ def moe_blocks(config) -> dict:
 
 
 class TilefxRuntime:
-    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None):
+    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None, cache_config=None):
         self.model = model
         self.options = options
         self.report = report if report is not None else CompileReport()
-        self.cache = TilefxCache.for_config(
-            model.config, max_batch=options.max_batch, max_seq_len=options.max_seq_len, dtype=options.dtype
+        self.cache = TilefxCache.for_config(  # cache_config: a tensor-parallel rank's local heads (models/tp.py)
+            cache_config or model.config, max_batch=options.max_batch, max_seq_len=options.max_seq_len, dtype=options.dtype
         )
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)

@@ -32,6 +32,7 @@ def compile_model(
     local_files_only: bool = False,
     warmup: bool = True,
     progress: bool = True,
+    tp: int = 1,
     **options,
 ):
     """Load ``source`` and return it compiled: still a ``PreTrainedModel``, ``generate()`` unchanged.
@@ -43,6 +44,11 @@ def compile_model(
     first request: one pair for batch 1 and, with ``max_batch`` above 1, one pair for
     every batch from 2 to ``max_batch`` (the batch a dynamic dim). Other keyword
     arguments are fields of ``tilefx.compiler.CompileOptions``.
+
+    ``tp=N``: tensor parallel over N ranks started by torchrun (every rank calls this with
+    the same arguments; models/tp.py): each rank binds to its cores, reads only its slice of
+    the weights, and its graphs sum the ranks' partial results; ``generate()`` returns the
+    same tokens on every rank.
     """
     started = time.perf_counter()
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
@@ -57,6 +63,23 @@ def compile_model(
     if unknown:
         raise TypeError(f"compile_model: unknown option {', '.join(map(repr, unknown))}; expected one of "
                         f"{', '.join(option_names)} (fields of tilefx.compiler.CompileOptions)")
+    for name in ("tp_rank", "tp_world_size"):
+        if name in options:
+            raise TypeError(f"compile_model: {name} is set by tp= (the process group gives the rank)")
+    tp_context = tp_plan = None
+    if tp != 1:
+        from tilefx.models import tp as tensor_parallel
+        from tilefx.models.load import load_config
+
+        if not isinstance(source, (str, os.PathLike)):
+            raise tensor_parallel.TensorParallelError(
+                f"tp={tp}: pass a hub id or a directory (each rank reads only its slices of the files); a built "
+                f"PreTrainedModel already holds every weight")
+        tp_context = tensor_parallel.join(tp)
+        config, _ = load_config(source, trust_remote_code=trust_remote_code, revision=revision,
+                                local_files_only=local_files_only)
+        tp_plan = tensor_parallel.plan_for(config, tp)
+        options.update(tp_rank=tp_context.rank, tp_world_size=tp)
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
     report = CompileReport()
     warmup_batches = [b for b in (1, 2) if b <= max_batch] if warmup else []
@@ -65,9 +88,20 @@ def compile_model(
     bar = tqdm(steps, desc="tilefx", disable=not progress or os.environ.get("TILEFX_QUIET") == "1", leave=False)
     start = time.perf_counter()
     bar.set_postfix_str("load")
-    model = load_model(
-        source, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision, local_files_only=local_files_only
-    )
+    if tp_context is None:
+        model = load_model(
+            source, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
+            local_files_only=local_files_only
+        )
+    else:
+        from tilefx.models import placement
+        from tilefx.models.load import load_shard
+
+        report.placement = placement.bind(tp_context.local_rank, tp_context.local_world_size)
+        tensor_parallel.log_placement(tp_context, report.placement, quiet=os.environ.get("TILEFX_QUIET") == "1")
+        model = load_shard(source, config, tp_plan, tp_context, dtype=dtype, revision=revision,
+                           local_files_only=local_files_only)
+        report.collectives = tensor_parallel.open_collectives(tp_context)
     if model.config._attn_implementation != "sdpa":
         model.set_attn_implementation("sdpa")  # the attention pass matches HF's sdpa region
     report.load_seconds = time.perf_counter() - start
@@ -75,7 +109,7 @@ def compile_model(
     bar.set_postfix_str("pack weights")
     report.packing = pack_model(model, opts, progress=not bar.disable)
     bar.update()
-    runtime = TilefxRuntime(model, opts, report)
+    runtime = TilefxRuntime(model, opts, report, cache_config=tp_plan.local_config if tp_plan else None)
     runtime.install()
     counters_before, warmup_start = cache_counters(), time.perf_counter()
     for batch in warmup_batches:
@@ -115,6 +149,7 @@ def explain(model) -> str:
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
         report.startup_line(),
+        *([report.tp_line()] if opts.tp_world_size > 1 else []),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),
     ]

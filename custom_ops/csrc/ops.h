@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -76,5 +77,12 @@ at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight);
 double stream_read_gbps(const at::Tensor& buffer, int64_t streams);
+
+// collectives.cpp: shared-memory groups of tensor-parallel ranks on one host.
+int64_t shm_open_group(const std::vector<std::string>& paths, int64_t rank, int64_t slot_bytes, double timeout_s);
+void shm_close_group(int64_t handle);
+at::Tensor shm_all_reduce(int64_t handle, const at::Tensor& x);
+at::Tensor shm_all_gather(int64_t handle, const at::Tensor& x);
+std::tuple<int64_t, double, double> shm_stats(int64_t handle);
 
 }  // namespace tilefx

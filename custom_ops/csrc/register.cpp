@@ -62,5 +62,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
   m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,
         "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
+  m.def("shm_open_group", &tilefx::shm_open_group,
+        "map every rank's segment file (created and sized by custom_ops/collectives.py); returns a group handle");
+  m.def("shm_close_group", &tilefx::shm_close_group, "unmap a group's segments");
+  m.def("shm_all_reduce", &tilefx::shm_all_reduce, "sum a tensor over the group's ranks (fp32 sums, ranks in order)");
+  m.def("shm_all_gather", &tilefx::shm_all_gather, "the ranks' tensors side by side along the last dim");
+  m.def("shm_stats", &tilefx::shm_stats, "(collectives, seconds in them, seconds waiting for peers)");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }

@@ -1,0 +1,213 @@
+"""Tensor parallelism end to end: 2 ranks on this machine (torchrun, one core each), against HF eager on one.
+
+One torchrun run compiles three tiny dense models with tp=2 (tests/tp_worker.py): a
+Llama (GQA, KV heads split), a Qwen2 with one KV head (replicated on both ranks; qkv
+bias), a Qwen3 (q/k norms). Greedy tokens must agree with HF eager's on the full
+model (close-logprobs rule) and be the same on both ranks; each rank holds about
+half the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import assert_greedy_matches
+from tilefx.models.checkpoint import write_checkpoint
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAMILIES = ("tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3")
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None = None):
+    """``torchrun --nproc-per-node nproc ARGS`` (standalone rendezvous on a free port)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    full_env = {**os.environ, "TILEFX_QUIET": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+LARGE = "llama-3.2-1b"  # cut to one layer (0.77 GB, its tied 0.5 GB embedding split by vocabulary rows)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    written = {name: write_checkpoint(name, root / name) for name in FAMILIES}
+    written[LARGE] = write_checkpoint(LARGE, root / LARGE, layers=1)
+    return written
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints, tmp_path_factory):
+    """Each checkpoint compiled with tp=2 and generated from on both ranks: {name: [rank 0 result, rank 1 result]}."""
+    out = tmp_path_factory.mktemp("tp-out")
+    done = torchrun("tests/tp_worker.py", str(out), *map(str, checkpoints.values()))
+    assert done.returncode == 0, done.stderr[-6000:]
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in checkpoints}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.bfloat16).eval()
+    rank0, rank1 = tp2[family]
+    assert rank0["one"] == rank1["one"] and rank0["two"] == rank1["two"], "the ranks generated different tokens"
+    with torch.no_grad():
+        one = torch.tensor(rank0["one"])
+        assert_greedy_matches(reference, one[:, :13], torch.ones(1, 13, dtype=torch.long), one)
+        two, mask = torch.tensor(rank0["two"]), torch.tensor(rank0["batch_mask"])
+        assert_greedy_matches(reference, two[:, :7], mask, two)
+    assert rank0["recompiles"] == 0 and rank1["recompiles"] == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
+    """Per graph: one all-reduce after each o_proj and down_proj (2 per layer), one for the embedding lookup, one
+    gather of the logits."""
+    layers = 2
+    for rank in tp2[family]:
+        for ops in rank["graph_ops"]:
+            assert ops.get("tilefx.all_reduce") == 2 * layers + 1, ops
+            assert ops.get("tilefx.all_gather") == 1, ops
+
+
+def test_tp2_each_rank_holds_about_half_the_weights(checkpoints, tp2):
+    """Llama-3.2-1B's architecture (one layer): every weight but the norms is split, so each rank's packed and
+    unpacked weights together are half the checkpoint's, and no rank ever held the whole of any of them."""
+    full = sum(p.numel() * p.element_size() for p in
+               AutoModelForCausalLM.from_pretrained(checkpoints[LARGE], dtype=torch.bfloat16).parameters())
+    for rank in tp2[LARGE]:
+        share = rank["weight_bytes"] / full
+        assert 0.49 <= share <= 0.51, (rank["rank"], share)
+    assert tp2[LARGE][0]["one"] == tp2[LARGE][1]["one"]
+
+
+def test_tp_refuses_without_a_process_group(checkpoints):
+    import tilefx
+    from tilefx.models.tp import TensorParallelError
+
+    env = {name: os.environ.pop(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+           if name in os.environ}
+    try:
+        with pytest.raises(TensorParallelError, match="no process group.*torchrun"):
+            tilefx.compile_model(checkpoints["tiny-llama"], tp=2)
+    finally:
+        os.environ.update(env)
+
+
+def test_tp_refusals_before_loading():
+    from transformers import AutoConfig
+
+    from tilefx.models.presets import get_preset
+    from tilefx.models.tp import TensorParallelError, plan_for
+
+    llama = get_preset("tiny-llama").build_config()
+    with pytest.raises(TensorParallelError, match="num_attention_heads 4.*not divisible by 3"):
+        plan_for(llama, 3)
+    odd = AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "intermediate_size": 129})
+    with pytest.raises(TensorParallelError, match="intermediate_size 129"):
+        plan_for(odd, 2)
+    with pytest.raises(TensorParallelError, match="num_key_value_heads 2 .neither"):
+        plan_for(AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "num_attention_heads": 8,
+                                                  "num_key_value_heads": 2}), 3)
+    with pytest.raises(TensorParallelError, match="MoE family"):
+        plan_for(get_preset("tiny-qwen3-moe").build_config(), 2)
+    with pytest.raises(TensorParallelError, match="MLA family"):
+        plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)
+    local = plan_for(get_preset("tiny-qwen2-mqa").build_config(), 2)
+    assert (local.local_config.num_attention_heads, local.local_config.num_key_value_heads, local.kv_replicas,
+            local.local_config.intermediate_size) == (2, 1, 2, 64)
+
+
+def test_tp_world_size_mismatch(checkpoints, tmp_path):
+    script = tmp_path / "mismatch.py"
+    script.write_text(f"import tilefx\ntilefx.compile_model({str(checkpoints['tiny-llama'])!r}, tp=3)\n")
+    done = torchrun(str(script), timeout=300)
+    assert done.returncode != 0
+    assert "tp=3 but the process group has 2 ranks" in done.stderr
+
+
+def launch_ranks(script: pathlib.Path, nproc: int = 2, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """The ranks of ``script`` started as plain processes (no torchrun: its agent would stop the survivors of a
+    dead rank itself, and the point is that tilefx does)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc),
+            "OMP_NUM_THREADS": "1", "TILEFX_QUIET": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(nproc)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def _tilefx_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("tilefx-")}
+
+
+def test_a_killed_rank_stops_the_other_in_bounded_time(tmp_path):
+    """Rank 1 dies (SIGKILL) between collectives; rank 0, waiting in the next one, exits with an error naming
+    rank 1 within a few seconds, and no shared-memory segment is left."""
+    script = tmp_path / "die.py"
+    script.write_text(
+        "import os, signal, time, torch, torch.distributed as dist\n"
+        "import tilefx.custom_ops\n"
+        "from tilefx.custom_ops import collectives\n"
+        "dist.init_process_group('gloo')\n"
+        "collectives.open_group('g', 'shm', timeout_s=120)\n"
+        "x = torch.ones(8)\n"
+        "for _ in range(3): torch.ops.tilefx.all_reduce(x, 'g')\n"
+        "if dist.get_rank() == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "start = time.perf_counter()\n"
+        "try:\n"
+        "    torch.ops.tilefx.all_reduce(x, 'g')\n"
+        "except RuntimeError as error:\n"
+        "    print(f'ERROR after {time.perf_counter() - start:.2f}s: {error}', flush=True)\n"
+        "    os._exit(3)\n"
+    )
+    before = _tilefx_segments()
+    rank0, rank1 = launch_ranks(script)
+    assert rank1.returncode == -signal.SIGKILL
+    assert rank0.returncode == 3, rank0.stdout + rank0.stderr[-3000:]
+    assert "rank 1" in rank0.stdout and "exited while rank 0 waited" in rank0.stdout, rank0.stdout
+    waited = float(rank0.stdout.split("ERROR after ")[1].split("s:")[0])
+    assert waited < 5.0, waited
+    assert _tilefx_segments() <= before
+
+
+def test_a_hung_rank_times_out(tmp_path):
+    """Rank 1 stops calling collectives (sleeps); rank 0 gives up after TILEFX_TP_TIMEOUT naming rank 1."""
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, time, torch, torch.distributed as dist\n"
+        "import tilefx.custom_ops\n"
+        "from tilefx.custom_ops import collectives\n"
+        "dist.init_process_group('gloo')\n"
+        "collectives.open_group('g', 'shm', timeout_s=1.5)\n"
+        "x = torch.ones(8)\n"
+        "if dist.get_rank() == 1:\n"
+        "    time.sleep(6); os._exit(0)\n"
+        "try:\n"
+        "    torch.ops.tilefx.all_reduce(x, 'g')\n"
+        "except RuntimeError as error:\n"
+        "    print('ERROR', error, flush=True); os._exit(3)\n"
+    )
+    start = time.perf_counter()
+    rank0, _ = launch_ranks(script)
+    assert rank0.returncode == 3, rank0.stdout + rank0.stderr[-3000:]
+    assert "did not reach collective step 0 within 1.5 s" in rank0.stdout and "rank 1" in rank0.stdout, rank0.stdout
+    assert time.perf_counter() - start < 60
