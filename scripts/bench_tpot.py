@@ -5,6 +5,7 @@
     python scripts/bench_tpot.py --preset qwen3-1.7b --layers 8 --json out.json --plot out.png
     python scripts/bench_tpot.py --path ./my-checkpoint
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
+    torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
 timestamps every token. Modes are interleaved, runs repeated, medians reported. The
@@ -13,6 +14,13 @@ table only when lm_head is tied to it, plus the KV cache) over the streaming-rea
 bandwidth measured in this run; for a tilefx row, the bytes its packed weights hold
 in their format (quantized values and their scales), so each format is held to its
 own floor.
+
+With ``--tp N`` (under torchrun) every rank compiles the model with ``tp=N`` (a preset is
+written to a temporary checkpoint by rank 0 first) and runs the same requests; rank 0
+prints the table, the floor is the rank's own bytes over the bandwidth it measured
+while the other ranks measured theirs, and the communication share is the time spent
+inside the collectives (waiting for the other ranks included) over the time of the
+timed generate() calls.
 """
 
 from __future__ import annotations
@@ -68,7 +76,12 @@ def decode_bytes(model, context: int) -> int:
 
 
 def kv_cache_bytes(model, context: int) -> int:
-    """The KV cache one decode step reads at ``context`` tokens."""
+    """The KV cache one decode step reads at ``context`` tokens (a tilefx model's: what its cache holds per token,
+    a tensor-parallel rank's heads only)."""
+    runtime = getattr(model, "tilefx", None)
+    if runtime is not None:
+        cache = runtime.cache
+        return cache.nbytes * context // (runtime.options.max_batch * runtime.options.max_seq_len)
     dims = adapter_for(model.config).cache_dims(model.config)
     per_token = dims["layers"] * dims["kv_heads"] * (dims["k_head_dim"] + dims["v_head_dim"])
     return per_token * context * model.get_input_embeddings().weight.element_size()
@@ -140,7 +153,10 @@ def main(argv=None) -> int:
                              "(default: bf16 for a preset, auto for --path: what the checkpoint holds)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (run under torchrun; tilefx only)")
     args = parser.parse_args(argv)
+    if args.tp > 1:
+        return main_tp(args, parser)
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
@@ -261,6 +277,87 @@ def main(argv=None) -> int:
         ax.legend(loc="lower right")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
+    return 0
+
+
+def main_tp(args, parser) -> int:
+    """``--tp N``: one tilefx row per weight format, every rank timing the same requests."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from tilefx.custom_ops import collectives
+    from tilefx.models.checkpoint import write_checkpoint
+
+    if set(args.modes.split(",")) - {"tilefx", ""}:
+        parser.error("--tp runs tilefx only: pass --modes tilefx")
+    if args.long_context or args.plot:
+        parser.error("--tp: --long-context and --plot are not supported")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    temporary = None
+    path = [args.path]
+    if args.path is None:
+        if rank == 0:
+            temporary = tempfile.mkdtemp(prefix="tilefx-bench-")
+            say(f"# writing preset {args.preset} to {temporary}", flush=True)
+            path = [str(write_checkpoint(args.preset, f"{temporary}/ckpt", layers=args.layers))]
+        dist.broadcast_object_list(path, src=0)
+    formats = [f for f in (args.weights or "auto").split(",") if f]
+    max_seq_len = args.prompt_len + args.new_tokens
+    name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
+    rows = []
+    try:
+        for format in formats:
+            start = time.perf_counter()
+            model = tilefx.compile_model(path[0], tp=args.tp, max_seq_len=max_seq_len, max_batch=1, weights=format)
+            say(f"# tilefx {format}, tp={args.tp}: ready in {time.perf_counter() - start:.0f}s, "
+                f"{torch.get_num_threads()} threads per rank", flush=True)
+            communicator = collectives.group(collectives.TP_GROUP)
+            ids = torch.randint(10, model.config.vocab_size - 1, (1, args.prompt_len),
+                                generator=torch.Generator().manual_seed(0))
+            timed_generate(model, ids, 3)
+            samples, bandwidth, shares, waits = [], [], [], []
+            for _ in range(args.runs):
+                dist.barrier()
+                bandwidth.append(isa.stream_read_gbps())
+                dist.barrier()
+                before, wall = communicator.stats(), time.perf_counter()
+                samples.append(timed_generate(model, ids, args.new_tokens))
+                wall, after = time.perf_counter() - wall, communicator.stats()
+                shares.append((after["seconds"] - before["seconds"]) / wall)
+                if after["wait_seconds"] is not None:
+                    waits.append((after["wait_seconds"] - before["wait_seconds"]) / wall)
+            gbps = statistics.median(bandwidth)
+            step_bytes = packed_decode_bytes(model, args.prompt_len + args.new_tokens // 2)
+            row = {"mode": f"tilefx {format} tp={args.tp}", "ttft_ms": statistics.median(s[0] for s in samples) * 1e3,
+                   "tpot_ms": statistics.median(s[1] for s in samples) * 1e3, "decode_gb": step_bytes / 1e9,
+                   "floor_ms": step_bytes / (gbps * 1e9) * 1e3, "stream_gbps": gbps,
+                   "communication_share": statistics.median(shares),
+                   "waiting_share": statistics.median(waits) if waits else None, "collectives": communicator.kind}
+            row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
+            rows.append(row)
+            say(f"\n[rank 0]\n{tilefx.explain(model)}")
+            del model
+    finally:
+        if temporary is not None:
+            import shutil
+
+            shutil.rmtree(temporary, ignore_errors=True)
+    say(f"\n# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.runs} runs, rank 0's figures\n")
+    say("| mode | collectives | rank's decode reads GB | stream GB/s | floor ms | TTFT ms | TPOT ms | TPOT / floor "
+        "| in collectives | of which waiting |")
+    say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        waiting = f"{r['waiting_share'] * 100:.1f}%" if r["waiting_share"] is not None else "-"
+        say(f"| {r['mode']} | {r['collectives']} | {r['decode_gb']:.2f} | {r['stream_gbps']:.1f} | {r['floor_ms']:.1f} "
+            f"| {r['ttft_ms']:.1f} | {r['tpot_ms']:.1f} | {r['tpot_over_floor']:.2f} | "
+            f"{r['communication_share'] * 100:.1f}% | {waiting} |")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, "tp": args.tp, "rows": rows}, f, indent=2)
+    dist.destroy_process_group()
     return 0
 
 

@@ -85,7 +85,8 @@ def compile_model(
     warmup_batches = [b for b in (1, 2) if b <= max_batch] if warmup else []
     batches = {1: "batch 1", 2: f"batch 2-{max_batch}" if max_batch > 2 else "batch 2"}
     steps = ["load", "pack"] + [f"compile {batches[b]}" for b in warmup_batches]
-    bar = tqdm(steps, desc="tilefx", disable=not progress or os.environ.get("TILEFX_QUIET") == "1", leave=False)
+    quiet = not progress or os.environ.get("TILEFX_QUIET") == "1" or (tp_context is not None and tp_context.rank != 0)
+    bar = tqdm(steps, desc="tilefx", disable=quiet, leave=False)  # tensor parallel: rank 0's bar only
     start = time.perf_counter()
     bar.set_postfix_str("load")
     if tp_context is None:
