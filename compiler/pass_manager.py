@@ -35,14 +35,14 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
     """The passes, in order. ``moe_blocks``: module path of each sparse MoE block -> its ``Routing``
     (from the family adapter; the MoE pass needs no more of the model)."""
     passes: list[TilefxPass] = []
-    if options.tp_world_size > 1:
-        passes.append(PartitionPass(collectives.TP_GROUP, options.tp_world_size))
     if options.attention:
         passes.append(AttentionPass())
     if options.mla:
         passes.append(MlaPass())
     if options.moe and moe_blocks:
         passes.append(MoePass(moe_blocks))
+    if options.tp_world_size > 1:  # on the experts' fused_moe, and on linears before the linear pass packs them
+        passes.append(PartitionPass(collectives.TP_GROUP, options.tp_world_size))
     if options.linear:
         passes.append(LinearPass(fuse=options.fuse_linears))
     return passes

@@ -256,7 +256,7 @@ PRESETS: dict[str, Preset] = {
             "-",
             "qwen2_moe",
             _tiny("qwen2_moe", rope_parameters=_QWEN_ROPE, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=False),
+                  moe_intermediate_size=64, shared_expert_intermediate_size=64, norm_topk_prob=False),
             logit_scale=16.0,
         ),
         Preset(
@@ -264,7 +264,7 @@ PRESETS: dict[str, Preset] = {
             "-",
             "qwen3_moe",
             _tiny("qwen3_moe", rope_parameters=_QWEN_ROPE, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32, norm_topk_prob=True),
+                  moe_intermediate_size=64, norm_topk_prob=True),
             logit_scale=16.0,
         ),
         Preset(

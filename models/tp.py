@@ -38,9 +38,10 @@ from tilefx.custom_ops import weights
 
 log = logging.getLogger("tilefx")
 
-# HF plan styles -> the dim of the weight that is split (None: every rank holds all of it).
-_STYLES = {"colwise": 0, "rowwise": 1, "colwise_gather_output": 0, "vocab": 0}
-_REPLICATED = ("replicated", "replicated_with_grad_allreduce", "sequence_parallel")
+# HF plan styles -> the dim split, counted from the end: -2 output rows (of each expert for 3-D experts), -1 inputs.
+# packed_colwise: the experts' fused gate_up [E, 2I, H], each half split alike.
+_STYLES = {"colwise": -2, "rowwise": -1, "colwise_gather_output": -2, "vocab": -2, "packed_colwise": -2}
+_REPLICATED = ("replicated", "replicated_with_grad_allreduce", "sequence_parallel", "moe_tp_experts")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -100,14 +101,21 @@ class Plan:
     kv_replicas: int  # ranks sharing one KV head (1: KV heads split evenly)
 
     def style_of(self, name: str) -> str | None:
-        """The style of parameter ``name`` (``...q_proj.weight``) or None (replicated)."""
-        module = name.rsplit(".", 1)[0]
-        parts = module.split(".")
-        for pattern, style in self.styles.items():
-            wanted = pattern.split(".")
-            if len(wanted) == len(parts) and all(w in ("*", p) for w, p in zip(wanted, parts)):
-                return style
+        """The style of parameter ``name`` (``...q_proj.weight``; the plan names the module) or of a module's own
+        parameter the plan names (``...experts.gate_up_proj``); None: replicated."""
+        for path in (name, name.rsplit(".", 1)[0]):
+            parts = path.split(".")
+            for pattern, style in self.styles.items():
+                wanted = pattern.split(".")
+                if len(wanted) == len(parts) and all(w in ("*", p) for w, p in zip(wanted, parts)):
+                    return style
         return None
+
+
+def has_moe(config) -> bool:
+    from tilefx.models.adapters import adapter_for
+
+    return adapter_for(config).moe is not None
 
 
 def plan_for(config, tp: int) -> Plan:
@@ -116,10 +124,10 @@ def plan_for(config, tp: int) -> Plan:
 
     adapter = adapter_for(config)
     family = config.model_type
-    if adapter.moe is not None or adapter.mla:
+    if adapter.mla:
         raise TensorParallelError(
-            f"tp={tp}: {family} is {'an MLA' if adapter.mla else 'a MoE'} family; tensor parallelism runs the dense "
-            f"families so far (llama, qwen2, qwen3). Run it with tp=1."
+            f"tp={tp}: {family} is an MLA family; tensor parallelism runs the dense and MoE families with "
+            f"multi-head attention so far (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral). Run it with tp=1."
         )
     from tilefx.models import fp8
 
@@ -130,15 +138,27 @@ def plan_for(config, tp: int) -> Plan:
     heads, kv_heads = dims["q_heads"], dims["kv_heads"]
     problems = []
     if heads % tp:
-        problems.append(f"num_attention_heads {heads}")
+        problems.append(f"num_attention_heads {heads} is not divisible by {tp}")
     if kv_heads % tp and tp % kv_heads:
-        problems.append(f"num_key_value_heads {kv_heads} (neither a multiple nor a divisor of tp)")
-    if config.intermediate_size % tp:
-        problems.append(f"intermediate_size {config.intermediate_size}")
+        problems.append(f"num_key_value_heads {kv_heads} is neither a multiple nor a divisor of {tp}")
+    widths = {"intermediate_size": config.intermediate_size}  # the dense MLP's (Mixtral: each expert's)
+    if adapter.moe is not None:
+        widths[adapter.moe.expert_size_field] = getattr(config, adapter.moe.expert_size_field)
+        if adapter.moe.shared_experts == "sigmoid_gated":
+            widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    problems += [f"{field} {width} is not divisible by {tp}" for field, width in widths.items() if width % tp]
+    if adapter.moe is not None and not problems:
+        field = adapter.moe.expert_size_field
+        if widths[field] // tp % weights.BLOCK_N:
+            problems.append(f"{field} {widths[field]} gives each rank {widths[field] // tp} columns of every expert; "
+                            f"the fused experts take multiples of {weights.BLOCK_N}")
     if problems:
-        raise TensorParallelError(f"tp={tp}: {family} does not split {tp} ways: {'; '.join(problems)} not divisible "
-                                  f"by {tp}")
+        raise TensorParallelError(f"tp={tp}: {family} does not split {tp} ways: {'; '.join(problems)}")
     styles = {f"model.{pattern}": style for pattern, style in adapter.tp_plan(config).items()}
+    if adapter.moe is not None and adapter.moe.shared_module:  # HF's plans leave the shared experts whole
+        shared = f"model.layers.*.{adapter.moe.block_module}.{adapter.moe.shared_module}"
+        styles.update({f"{shared}.gate_proj": "colwise", f"{shared}.up_proj": "colwise",
+                       f"{shared}.down_proj": "rowwise"})
     styles.update({"model.embed_tokens": "vocab", "lm_head": "colwise_gather_output"})
     unknown = sorted({s for s in styles.values() if s not in _STYLES and s not in _REPLICATED})
     if unknown:
@@ -147,7 +167,8 @@ def plan_for(config, tp: int) -> Plan:
     local = copy.deepcopy(config)
     local.num_attention_heads = heads // tp
     local.num_key_value_heads = max(1, kv_heads // tp)
-    local.intermediate_size = config.intermediate_size // tp
+    for field, width in widths.items():
+        setattr(local, field, width // tp)
     local.head_dim = dims["head_dim"]  # no longer hidden_size / heads
     return Plan(tp=tp, styles=styles, local_config=local, kv_replicas=max(1, tp // kv_heads))
 
@@ -157,7 +178,7 @@ def _shard(plan: Plan, name: str, shape: tuple[int, ...], rank: int) -> weights.
     style = plan.style_of(name)
     if style is None or style in _REPLICATED or (style == "rowwise" and name.endswith(".bias")):
         return None
-    dim = _STYLES[style]
+    dim = max(0, len(shape) + _STYLES[style])  # a colwise bias: its only dim
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")) and plan.kv_replicas > 1:
         # fewer KV heads than ranks: each group of kv_replicas ranks holds one whole KV head
         return weights.Shard(dim, rank // plan.kv_replicas, plan.tp // plan.kv_replicas, style, shape[dim])
@@ -203,23 +224,35 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(plan.local_config, dtype=dtype, attn_implementation="sdpa")
     files = _checkpoint_files(directory)
+    aliases: dict[str, str] = {}  # model name -> checkpoint name, where they differ
     by_file: dict[pathlib.Path, list[str]] = {}
     params = dict(model.named_parameters())
+    for name in params:  # checkpoint names transformers renames on load (its conversion mapping): the model's
+        for model_part, checkpoint_part in _RENAMES.get(config.model_type, ()):
+            renamed = name.replace(model_part, checkpoint_part)
+            if name not in files and renamed in files:
+                files[name] = files[renamed]
+                aliases[name] = renamed
+    experts = {}
     for name in params:
         if name not in files:
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue
-            raise KeyError(f"{directory}: the checkpoint has no tensor {name}")
+            sources = _expert_sources(name, files, params[name].shape[0])
+            if sources is None:
+                raise KeyError(f"{directory}: the checkpoint has no tensor {name}")
+            experts[name] = sources
+            continue
         by_file.setdefault(files[name], []).append(name)
+    for name, sources in experts.items():
+        _set(model, name, *_read_experts(name, sources, files, plan, ctx, dtype, tuple(params[name].shape)))
     for path, names in by_file.items():
         with safe_open(path, "pt") as f:
             for name in names:
-                tensor_slice = f.get_slice(name)
+                tensor_slice = f.get_slice(aliases.get(name, name))
                 shape = tuple(tensor_slice.get_shape())
                 shard = _shard(plan, name, shape, ctx.rank)
                 value = _read(tensor_slice, shape, shard, name, ctx.rank).to(dtype)
-                module_name, attr = name.rsplit(".", 1)
-                module = model.get_submodule(module_name)
                 expected = tuple(params[name].shape)
                 if name.endswith(".bias") and plan.style_of(name) == "rowwise" and ctx.rank != 0:
                     value = torch.zeros_like(value)  # added once, by rank 0, before the sum
@@ -228,15 +261,74 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
                 if tuple(value.shape) != expected:
                     raise ValueError(f"{name}: rank {ctx.rank}'s slice is {tuple(value.shape)}, the local model "
                                      f"expects {expected}")
-                param = torch.nn.Parameter(value, requires_grad=False)
-                if shard is not None:
-                    weights.attach_shard(param, shard)
-                setattr(module, attr, param)
+                _set(model, name, value, shard)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.config = config
     model.generation_config = _generation_config(directory, model.generation_config)
     return model.eval()
+
+
+def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None) -> None:
+    """Parameter ``name`` of ``model`` becomes ``value`` (marked with ``shard``)."""
+    module_name, attr = name.rsplit(".", 1)
+    param = torch.nn.Parameter(value, requires_grad=False)
+    if shard is not None:
+        weights.attach_shard(param, shard)
+    setattr(model.get_submodule(module_name), attr, param)
+
+
+# (model name part, checkpoint name part) of the renames transformers applies on load, per family.
+_RENAMES = {"mixtral": ((".mlp.", ".block_sparse_moe."),)}
+
+# Per-expert checkpoint tensors of the fused 3-D experts transformers builds: (gate, up, down) name templates
+# relative to the experts module (Qwen-MoE, DeepSeek) or to Mixtral's block_sparse_moe.experts.
+_EXPERT_KEYS = (("{prefix}.{e}.gate_proj.weight", "{prefix}.{e}.up_proj.weight", "{prefix}.{e}.down_proj.weight"),
+                ("{mixtral}.{e}.w1.weight", "{mixtral}.{e}.w3.weight", "{mixtral}.{e}.w2.weight"))
+
+
+def _expert_sources(name: str, files: dict, num_experts: int):
+    """``(kind, per-expert checkpoint names)`` that hold fused expert parameter ``name``
+    (``...experts.gate_up_proj``: gate and up; ``...experts.down_proj``: down), or None."""
+    prefix, attr = name.rsplit(".", 1)
+    if attr not in ("gate_up_proj", "down_proj"):
+        return None
+    mixtral = prefix.replace(".mlp.experts", ".block_sparse_moe.experts")
+    for gate, up, down in _EXPERT_KEYS:
+        templates = (gate, up) if attr == "gate_up_proj" else (down,)
+        names = [[t.format(prefix=prefix, mixtral=mixtral, e=e) for t in templates] for e in range(num_experts)]
+        if all(n in files for row in names for n in row):
+            return attr, names
+    return None
+
+
+def _read_experts(name: str, sources, files: dict, plan: Plan, ctx: TPContext, dtype, expected):
+    """Fused experts parameter ``name`` of the rank's model, stacked from the per-expert tensors' slices: each
+    expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it and its Shard."""
+    from safetensors import safe_open
+
+    attr, names = sources
+    style = plan.style_of(name)
+    out = torch.empty(expected, dtype=dtype)
+    opened: dict = {}
+    try:
+        for e, row in enumerate(names):
+            parts = []
+            for key in row:
+                if files[key] not in opened:
+                    opened[files[key]] = safe_open(files[key], "pt").__enter__()
+                tensor_slice = opened[files[key]].get_slice(key)
+                shape = tuple(tensor_slice.get_shape())
+                shard = _shard(plan, name, shape, ctx.rank)  # each expert's 2-D part, split as the fused one
+                parts.append(_read(tensor_slice, shape, shard, key, ctx.rank).to(dtype))
+            out[e] = torch.cat(parts, dim=0)
+    finally:
+        for handle in opened.values():
+            handle.__exit__(None, None, None)
+    if style is None:
+        return out, None
+    dim = len(expected) + _STYLES[style]
+    return out, weights.Shard(dim, ctx.rank, plan.tp, style, expected[dim] * plan.tp)
 
 
 def _generation_config(directory: pathlib.Path, default):
@@ -259,6 +351,8 @@ def _read(tensor_slice, shape: tuple[int, ...], shard: weights.Shard | None, nam
         raise ValueError(f"{name}: dim {shard.dim} ({size}) does not split {shard.count} ways")
     index = tuple(slice(None) if d != shard.dim else slice(begin, end) for d in range(len(shape)))
     value = tensor_slice[index]
+    if value.untyped_storage().nbytes() > value.nbytes:  # a view into the file's whole tensor: own the rows
+        value = value.clone()
     if end - begin < per_rank:  # vocabulary rows past the end
         pad = list(value.shape)
         pad[shard.dim] = per_rank - (end - begin)

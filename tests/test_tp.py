@@ -1,15 +1,18 @@
 """Tensor parallelism end to end: 2 ranks on this machine (torchrun, one core each), against HF eager on one.
 
-One torchrun run compiles three tiny dense models with tp=2 (tests/tp_worker.py): a
+One torchrun run compiles, with tp=2 (tests/tp_worker.py), three tiny dense models: a
 Llama (GQA, KV heads split), a Qwen2 with one KV head (replicated on both ranks; qkv
-bias), a Qwen3 (q/k norms). Greedy tokens must agree with HF eager's on the full
-model (close-logprobs rule) and be the same on both ranks; each rank holds about
-half the weights.
+bias), a Qwen3 (q/k norms); three tiny MoE models: Qwen3-MoE, Qwen2-MoE (a sigmoid-gated
+shared expert, reduced with the routed experts), Mixtral (its checkpoint's
+block_sparse_moe names); and Llama-3.2-1B's architecture cut to one layer. Greedy tokens
+must agree with HF eager's on the full model (close-logprobs rule) and be the same on
+both ranks; each rank holds half the weights.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import signal
@@ -25,7 +28,7 @@ from tests.helpers import assert_greedy_matches
 from tilefx.models.checkpoint import write_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILIES = ("tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3")
+FAMILIES = ("tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral")
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None = None):
@@ -35,14 +38,16 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-LARGE = "llama-3.2-1b"  # cut to one layer (0.77 GB, its tied 0.5 GB embedding split by vocabulary rows)
+# real architectures cut to one layer: Llama-3.2-1B (0.77 GB, its tied 0.5 GB embedding split by vocabulary rows),
+# Qwen3-30B-A3B (2.5 GB: 128 experts, each split by its intermediate columns)
+LARGE = ("llama-3.2-1b", "qwen3-30b-a3b")
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     written = {name: write_checkpoint(name, root / name) for name in FAMILIES}
-    written[LARGE] = write_checkpoint(LARGE, root / LARGE, layers=1)
+    written.update({name: write_checkpoint(name, root / name, layers=1) for name in LARGE})
     return written
 
 
@@ -70,8 +75,8 @@ def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
-    """Per graph: one all-reduce after each o_proj and down_proj (2 per layer), one for the embedding lookup, one
-    gather of the logits."""
+    """Per graph: one all-reduce after each o_proj and MLP (down_proj, or the experts with the shared expert
+    added: 2 per layer), one for the embedding lookup, one gather of the logits."""
     layers = 2
     for rank in tp2[family]:
         for ops in rank["graph_ops"]:
@@ -79,15 +84,22 @@ def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
             assert ops.get("tilefx.all_gather") == 1, ops
 
 
-def test_tp2_each_rank_holds_about_half_the_weights(checkpoints, tp2):
-    """Llama-3.2-1B's architecture (one layer): every weight but the norms is split, so each rank's packed and
-    unpacked weights together are half the checkpoint's, and no rank ever held the whole of any of them."""
-    full = sum(p.numel() * p.element_size() for p in
-               AutoModelForCausalLM.from_pretrained(checkpoints[LARGE], dtype=torch.bfloat16).parameters())
-    for rank in tp2[LARGE]:
+@pytest.mark.parametrize("name", LARGE)
+def test_tp2_each_rank_holds_about_half_the_weights(name, checkpoints, tp2):
+    """Every weight but the norms (and the MoE router) is split, so each rank's packed and unpacked weights
+    together are half the checkpoint's: no rank ever held the whole of any of them."""
+    from safetensors import safe_open
+
+    full = 0
+    for path in pathlib.Path(checkpoints[name]).glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                tensor_slice = f.get_slice(key)
+                full += math.prod(tensor_slice.get_shape()) * 2  # bf16
+    for rank in tp2[name]:
         share = rank["weight_bytes"] / full
         assert 0.49 <= share <= 0.51, (rank["rank"], share)
-    assert tp2[LARGE][0]["one"] == tp2[LARGE][1]["one"]
+    assert tp2[name][0]["one"] == tp2[name][1]["one"]
 
 
 def test_tp_refuses_without_a_process_group(checkpoints):
@@ -115,11 +127,11 @@ def test_tp_refusals_before_loading():
     odd = AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "intermediate_size": 129})
     with pytest.raises(TensorParallelError, match="intermediate_size 129"):
         plan_for(odd, 2)
-    with pytest.raises(TensorParallelError, match="num_key_value_heads 2 .neither"):
+    with pytest.raises(TensorParallelError, match="num_key_value_heads 2 is neither"):
         plan_for(AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "num_attention_heads": 8,
                                                   "num_key_value_heads": 2}), 3)
-    with pytest.raises(TensorParallelError, match="MoE family"):
-        plan_for(get_preset("tiny-qwen3-moe").build_config(), 2)
+    with pytest.raises(TensorParallelError, match="moe_intermediate_size 64 gives each rank 16 columns"):
+        plan_for(get_preset("tiny-qwen3-moe").build_config(), 4)
     with pytest.raises(TensorParallelError, match="MLA family"):
         plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)
     local = plan_for(get_preset("tiny-qwen2-mqa").build_config(), 2)

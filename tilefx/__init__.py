@@ -79,6 +79,10 @@ def compile_model(
         config, _ = load_config(source, trust_remote_code=trust_remote_code, revision=revision,
                                 local_files_only=local_files_only)
         tp_plan = tensor_parallel.plan_for(config, tp)
+        if options.get("moe") is False and tensor_parallel.has_moe(config):
+            raise tensor_parallel.TensorParallelError(
+                f"tp={tp} with moe=False: HF's experts code would read experts split across ranks as whole; "
+                f"the MoE pass's fused_moe is what the partition pass reduces")
         options.update(tp_rank=tp_context.rank, tp_world_size=tp)
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
     report = CompileReport()

@@ -16,8 +16,10 @@ the split changes, this pass adds, from the shard marks alone:
 - **The logits** (``colwise_gather_output``: ``lm_head`` by vocabulary rows, or tied to the split embedding):
   ``tilefx.all_gather`` puts the ranks' columns side by side and cuts the padding.
 
-The pass runs first, on HF's linear and embedding calls, so the passes after it
-(attention, linear packing, a tied embedding read packed) see ordinary local shapes.
+The pass runs after the MoE pass (a ``tilefx.fused_moe`` whose experts' down_proj is
+split by columns is a row-parallel region; a shared expert added to it joins the same
+reduction) and before the linear pass, on HF's linear and embedding calls. A weight
+split by columns that something else reads is an error, not wrong output.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from tilefx.compiler.passes.graph_utils import LINEAR, example_value, linear_arg
 from tilefx.custom_ops import weights
 
 _ADDS = (operator.add, torch.add, operator.iadd)
+_SCALES = (operator.mul, torch.mul, operator.truediv, torch.div)  # partial * full is partial
+_VIEWS = {"view", "reshape", "contiguous", "unsqueeze", "squeeze", "flatten"}
 
 
 def _shard(node) -> weights.Shard | None:
@@ -59,7 +63,24 @@ class PartitionPass(TilefxPass):
         self._embeddings(graph, result)
         self._row_parallel(graph, result)
         self._logits(graph, result)
+        self._check_row_parallel_reads(graph)
         return result
+
+    def _check_row_parallel_reads(self, graph: torch.fx.Graph) -> None:
+        """A rowwise weight read by anything but a linear or the experts' packing would compute with a slice of a
+        weight as if it were whole: an error, not wrong tokens."""
+        for node in graph.nodes:
+            shard = _shard(node)
+            if shard is None or shard.style != "rowwise":
+                continue
+            for user in node.users:
+                packs_experts = any(u.op == "call_function" and u.target is torch.ops.tilefx.fused_moe.default
+                                    for u in user.users)
+                if not (user.op == "call_function" and user.target in LINEAR) and not packs_experts:
+                    raise RuntimeError(
+                        f"tensor parallel: {node.target} is split by input columns, but {user.format_node()} reads "
+                        f"it as a whole weight; no collective covers that use (a MoE block left to HF's code? "
+                        f"see tilefx.explain's moe pass)")
 
     def _embeddings(self, graph: torch.fx.Graph, result: PassResult) -> None:
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target is torch.nn.functional.embedding]:
@@ -88,21 +109,47 @@ class PartitionPass(TilefxPass):
             node.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not masked)
             result.rewritten += 1
 
+    @staticmethod
+    def _row_parallel_output(node: torch.fx.Node) -> bool:
+        """A linear over a rowwise weight, or a fused_moe over experts whose down_proj is split by columns."""
+        if node.op != "call_function":
+            return False
+        if node.target in LINEAR:
+            shard = _shard(linear_args(node)[1])
+        elif node.target is torch.ops.tilefx.fused_moe.default:
+            packing = node.args[2]  # w2: the packing op of the experts' down_proj
+            shard = _shard(packing.args[0]) if isinstance(packing, torch.fx.Node) and packing.args else None
+        else:
+            return False
+        return shard is not None and shard.style == "rowwise"
+
+    @staticmethod
+    def _stays_partial(node: torch.fx.Node, partial: set) -> bool:
+        """Sums and scalings of partial sums are partial sums: one all-reduce after them covers the region."""
+        tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        mine = [a for a in tensors if a in partial]
+        if node.op == "call_method" and node.target in _VIEWS:
+            return tensors[:1] == mine
+        if node.op != "call_function" or node.kwargs:
+            return False
+        if node.target in _ADDS:
+            return len(node.args) == 2 and len(mine) == 2
+        if node.target in _SCALES:  # partial * full (a gate, a routing weight): not partial * partial
+            return len(mine) == 1 and (node.target in (operator.mul, torch.mul) or node.args[0] in partial)
+        return False
+
     def _row_parallel(self, graph: torch.fx.Graph, result: PassResult) -> None:
         partial: set[torch.fx.Node] = set()
         reduced: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target in LINEAR:
-                shard = _shard(linear_args(node)[1])
-                if shard is not None and shard.style == "rowwise":
-                    partial.add(node)
-                    continue
+            if self._row_parallel_output(node):
+                partial.add(node)
+                continue
             inputs = [a for a in node.all_input_nodes if a in partial]
             if not inputs:
                 continue
-            if node.op == "call_function" and node.target in _ADDS and all(
-                    a in partial for a in node.args if isinstance(a, torch.fx.Node)) and len(node.args) == 2:
-                partial.add(node)  # partial + partial: still one region
+            if self._stays_partial(node, partial):
+                partial.add(node)
                 continue
             for source in inputs:
                 if source not in reduced:

@@ -16,11 +16,13 @@ import tilefx.custom_ops  # noqa: F401
 from helpers import PassTestBackend, count, is_op, run
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.linear import LinearPass
+from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.passes.partition import PartitionPass
 from tilefx.custom_ops import collectives, weights
 from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.load import load_config
+from tilefx.models.runtime import moe_blocks
 from tilefx.models.tp import TPContext, load_shard, plan_for
 
 
@@ -58,8 +60,10 @@ def rank_model(directory, rank: int, world: int):
     return load_shard(directory, config, plan, ctx, torch.bfloat16), plan
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3"])
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3", "tiny-qwen2-moe", "tiny-mixtral"])
 def test_one_rank_graph_matches_eager(family, tmp_path, one_rank_group):
+    """Passes in the pass manager's order; the MoE models' experts (fused_moe) and Qwen2-MoE's gated shared expert
+    are one region, reduced once."""
     torch._dynamo.reset()
     directory = write_checkpoint(family, tmp_path / family, seed=3)
     from transformers import AutoModelForCausalLM
@@ -69,7 +73,8 @@ def test_one_rank_graph_matches_eager(family, tmp_path, one_rank_group):
     ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(input_ids=ids, use_cache=False).logits
-    backend = PassTestBackend(PartitionPass(collectives.TP_GROUP, 1), AttentionPass(), LinearPass(fuse=True))
+    backend = PassTestBackend(AttentionPass(), MoePass(moe_blocks(plan.local_config)),
+                              PartitionPass(collectives.TP_GROUP, 1), LinearPass(fuse=True))
     cache = TilefxCache.for_config(plan.local_config, max_batch=2, max_seq_len=32)
     cache.start(2)
     got = run(model, cache, ids, backend)
@@ -78,7 +83,7 @@ def test_one_rank_graph_matches_eager(family, tmp_path, one_rank_group):
     assert count(before, is_op("all_reduce")) == 0
     assert count(after, is_op("all_reduce")) == 2 * layers + 1  # o_proj, down_proj per layer; the embedding
     assert count(after, is_op("all_gather")) == 1
-    assert backend.results[0].rewritten == 2 * layers + 2 and not backend.results[0].fallbacks
+    assert backend.results[2].rewritten == 2 * layers + 2 and not backend.results[2].fallbacks
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
@@ -112,3 +117,16 @@ def test_rank_of_two_holds_local_shapes_and_reduces_each_region(tmp_path, one_ra
     assert [n.args[1] for n in subs] == [256]
     gather = next(n for n in after.nodes if n.op == "call_function" and n.target is torch.ops.tilefx.all_gather.default)
     assert gather.args[2] == 512
+
+
+def test_experts_left_to_hf_code_are_an_error(tmp_path, one_rank_group):
+    """Without the MoE pass, HF's experts code reads the experts' down_proj (split by columns) as a whole weight:
+    the pass refuses the graph rather than let it compute with a slice."""
+    torch._dynamo.reset()
+    directory = write_checkpoint("tiny-qwen3-moe", tmp_path / "moe", seed=3)
+    model, plan = rank_model(directory, 0, 1)
+    backend = PassTestBackend(AttentionPass(), PartitionPass(collectives.TP_GROUP, 1))
+    cache = TilefxCache.for_config(plan.local_config, max_batch=1, max_seq_len=16)
+    cache.start(1)
+    with pytest.raises(Exception, match="split by input columns.*no collective covers that use"):
+        run(model, cache, torch.tensor([[3, 4, 5]]), backend)
