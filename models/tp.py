@@ -41,7 +41,8 @@ log = logging.getLogger("tilefx")
 # HF plan styles -> the dim split, counted from the end: -2 output rows (of each expert for 3-D experts), -1 inputs.
 # packed_colwise: the experts' fused gate_up [E, 2I, H], each half split alike.
 _STYLES = {"colwise": -2, "rowwise": -1, "colwise_gather_output": -2, "vocab": -2, "packed_colwise": -2}
-_REPLICATED = ("replicated", "replicated_with_grad_allreduce", "sequence_parallel", "moe_tp_experts")
+# (mla_kv_a_proj: DeepSeek's latent projection, which every rank computes whole for its heads)
+_REPLICATED = ("replicated", "replicated_with_grad_allreduce", "sequence_parallel", "moe_tp_experts", "mla_kv_a_proj")
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -124,11 +125,6 @@ def plan_for(config, tp: int) -> Plan:
 
     adapter = adapter_for(config)
     family = config.model_type
-    if adapter.mla:
-        raise TensorParallelError(
-            f"tp={tp}: {family} is an MLA family; tensor parallelism runs the dense and MoE families with "
-            f"multi-head attention so far (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral). Run it with tp=1."
-        )
     from tilefx.models import fp8
 
     if fp8.checkpoint_format(config) != "bf16":
@@ -146,6 +142,7 @@ def plan_for(config, tp: int) -> Plan:
         widths[adapter.moe.expert_size_field] = getattr(config, adapter.moe.expert_size_field)
         if adapter.moe.shared_experts == "sigmoid_gated":
             widths["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        # DeepSeek: n_shared_experts x moe_intermediate_size wide, split with it
     problems += [f"{field} {width} is not divisible by {tp}" for field, width in widths.items() if width % tp]
     if adapter.moe is not None and not problems:
         field = adapter.moe.expert_size_field
@@ -155,10 +152,14 @@ def plan_for(config, tp: int) -> Plan:
     if problems:
         raise TensorParallelError(f"tp={tp}: {family} does not split {tp} ways: {'; '.join(problems)}")
     styles = {f"model.{pattern}": style for pattern, style in adapter.tp_plan(config).items()}
+    if adapter.mla:  # DeepSeek-V3's plan has no attention entries: heads split, the latent projections whole
+        for module, style in (("q_proj", "colwise"), ("q_b_proj", "colwise"), ("kv_b_proj", "colwise"),
+                              ("o_proj", "rowwise")):
+            styles.setdefault(f"model.layers.*.self_attn.{module}", style)
     if adapter.moe is not None and adapter.moe.shared_module:  # HF's plans leave the shared experts whole
         shared = f"model.layers.*.{adapter.moe.block_module}.{adapter.moe.shared_module}"
-        styles.update({f"{shared}.gate_proj": "colwise", f"{shared}.up_proj": "colwise",
-                       f"{shared}.down_proj": "rowwise"})
+        for module, style in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise")):
+            styles.setdefault(f"{shared}.{module}", style)
     styles.update({"model.embed_tokens": "vocab", "lm_head": "colwise_gather_output"})
     unknown = sorted({s for s in styles.values() if s not in _STYLES and s not in _REPLICATED})
     if unknown:
@@ -169,7 +170,8 @@ def plan_for(config, tp: int) -> Plan:
     local.num_key_value_heads = max(1, kv_heads // tp)
     for field, width in widths.items():
         setattr(local, field, width // tp)
-    local.head_dim = dims["head_dim"]  # no longer hidden_size / heads
+    if not adapter.mla:  # (DeepSeek's head_dim is its rope width, which does not change)
+        local.head_dim = dims["head_dim"]  # no longer hidden_size / heads
     return Plan(tp=tp, styles=styles, local_config=local, kv_replicas=max(1, tp // kv_heads))
 
 
@@ -262,6 +264,15 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
                     raise ValueError(f"{name}: rank {ctx.rank}'s slice is {tuple(value.shape)}, the local model "
                                      f"expects {expected}")
                 _set(model, name, value, shard)
+    # Persistent buffers the checkpoint holds (DeepSeek-V3's e_score_correction_bias): whole on every rank,
+    # in the buffer's own dtype. (The others were computed when the model was built.)
+    buffers = [name for name, _ in model.named_buffers() if name in model.state_dict() and name in files]
+    for path in {files[name] for name in buffers}:
+        with safe_open(path, "pt") as f:
+            for name in (n for n in buffers if files[n] == path):
+                module_name, attr = name.rsplit(".", 1)
+                module = model.get_submodule(module_name)
+                module._buffers[attr] = f.get_tensor(name).to(module._buffers[attr].dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.config = config

@@ -4,7 +4,9 @@ One torchrun run compiles, with tp=2 (tests/tp_worker.py), three tiny dense mode
 Llama (GQA, KV heads split), a Qwen2 with one KV head (replicated on both ranks; qkv
 bias), a Qwen3 (q/k norms); three tiny MoE models: Qwen3-MoE, Qwen2-MoE (a sigmoid-gated
 shared expert, reduced with the routed experts), Mixtral (its checkpoint's
-block_sparse_moe names); and Llama-3.2-1B's architecture cut to one layer. Greedy tokens
+block_sparse_moe names); two tiny DeepSeek models (MLA: heads split, the latent cache
+whole on every rank; shared experts; V3's dense first layer); and Llama-3.2-1B's and
+Qwen3-30B-A3B's architectures cut to one layer. Greedy tokens
 must agree with HF eager's on the full model (close-logprobs rule) and be the same on
 both ranks; each rank holds half the weights.
 """
@@ -28,7 +30,8 @@ from tests.helpers import assert_greedy_matches
 from tilefx.models.checkpoint import write_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILIES = ("tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral")
+FAMILIES = ("tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral",
+            "tiny-deepseek-v2", "tiny-deepseek-v3")
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None = None):
@@ -132,8 +135,10 @@ def test_tp_refusals_before_loading():
                                                   "num_key_value_heads": 2}), 3)
     with pytest.raises(TensorParallelError, match="moe_intermediate_size 64 gives each rank 16 columns"):
         plan_for(get_preset("tiny-qwen3-moe").build_config(), 4)
-    with pytest.raises(TensorParallelError, match="MLA family"):
-        plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)
+    mla = plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)  # heads split, the latent whole
+    assert mla.style_of("model.layers.0.self_attn.kv_b_proj.weight") == "colwise"
+    assert mla.style_of("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None
+    assert mla.local_config.num_attention_heads == 2 and mla.local_config.kv_lora_rank == 32
     local = plan_for(get_preset("tiny-qwen2-mqa").build_config(), 2)
     assert (local.local_config.num_attention_heads, local.local_config.num_key_value_heads, local.kv_replicas,
             local.local_config.intermediate_size) == (2, 1, 2, 64)

@@ -43,6 +43,16 @@ def _shard(node) -> weights.Shard | None:
     return weights.shard_of(param) if param is not None else None
 
 
+def _promoted(node: torch.fx.Node):
+    """The example value of a view / sum / scaling of partials whose inputs may now be fp32."""
+    value = example_value(node)
+    dtypes = [example_value(a).dtype for a in node.all_input_nodes if example_value(a) is not None]
+    if value is None or not dtypes:
+        return value
+    dtype = dtypes[0] if node.op == "call_method" else torch.promote_types(*dtypes) if len(dtypes) > 1 else dtypes[0]
+    return value.to(dtype) if value.dtype != dtype else value
+
+
 def _fake(node: torch.fx.Node, value) -> torch.fx.Node:
     node.meta["example_value"] = value
     return node
@@ -76,7 +86,10 @@ class PartitionPass(TilefxPass):
             for user in node.users:
                 packs_experts = any(u.op == "call_function" and u.target is torch.ops.tilefx.fused_moe.default
                                     for u in user.users)
-                if not (user.op == "call_function" and user.target in LINEAR) and not packs_experts:
+                linear = user.op == "call_function" and user.target in LINEAR
+                cast_for_linear = user.op == "call_method" and user.target == "float" and all(
+                    u.op == "call_function" and u.target in LINEAR for u in user.users)
+                if not (linear or cast_for_linear or packs_experts):
                     raise RuntimeError(
                         f"tensor parallel: {node.target} is split by input columns, but {user.format_node()} reads "
                         f"it as a whole weight; no collective covers that use (a MoE block left to HF's code? "
@@ -139,25 +152,52 @@ class PartitionPass(TilefxPass):
         return False
 
     def _row_parallel(self, graph: torch.fx.Graph, result: PassResult) -> None:
-        partial: set[torch.fx.Node] = set()
+        partial: dict[torch.fx.Node, torch.dtype] = {}  # partial sum -> the dtype the region hands on
         reduced: dict[torch.fx.Node, torch.fx.Node] = {}
         for node in list(graph.nodes):
             if self._row_parallel_output(node):
-                partial.add(node)
+                partial[node] = example_value(node).dtype
+                self._in_fp32(graph, node)
                 continue
             inputs = [a for a in node.all_input_nodes if a in partial]
             if not inputs:
                 continue
             if self._stays_partial(node, partial):
-                partial.add(node)
+                partial[node] = partial[inputs[0]]
+                node.meta["example_value"] = _promoted(node)
                 continue
             for source in inputs:
                 if source not in reduced:
-                    with graph.inserting_after(source):
-                        reduced[source] = _fake(graph.call_function(
-                            torch.ops.tilefx.all_reduce.default, (source, self.group)), example_value(source))
+                    reduced[source] = self._reduce(graph, source, partial[source])
                     result.rewritten += 1
                 node.replace_input_with(source, reduced[source])
+
+    def _reduce(self, graph: torch.fx.Graph, source: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+        """``all_reduce(source)``, cast back to the region's dtype where its partials were summed in fp32."""
+        value = example_value(source)
+        with graph.inserting_after(source):
+            summed = _fake(graph.call_function(torch.ops.tilefx.all_reduce.default, (source, self.group)), value)
+        if value.dtype == dtype:
+            return summed
+        with graph.inserting_after(summed):
+            return _fake(graph.call_method("to", (summed, dtype)), value.to(dtype))
+
+    @staticmethod
+    def _in_fp32(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+        """A bf16 row-parallel linear without bias -> ``linear(x.float(), W.float())``: its partial sum stays fp32
+        until the ranks' parts are added (the linear pass runs it as ``tilefx.linear_float`` on the packed bf16
+        weight: the same products, not rounded to bf16 first). One rounding after the sum, as without tp."""
+        if node.target not in LINEAR:
+            return
+        x, weight, bias = linear_args(node)
+        value = example_value(node)
+        if bias is not None or value is None or value.dtype != torch.bfloat16:
+            return
+        with graph.inserting_before(node):
+            x32 = _fake(graph.call_method("float", (x,)), example_value(x).float())
+            w32 = _fake(graph.call_method("float", (weight,)), example_value(weight).float())
+        node.args, node.kwargs = (x32, w32), {}
+        node.meta["example_value"] = value.float()
 
     def _logits(self, graph: torch.fx.Graph, result: PassResult) -> None:
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR]:
