@@ -127,9 +127,7 @@ def plan_for(config, tp: int) -> Plan:
     family = config.model_type
     from tilefx.models import fp8
 
-    if fp8.checkpoint_format(config) != "bf16":
-        raise TensorParallelError(f"tp={tp}: FP8 checkpoints are not split yet; run with tp=1 or from a bf16 "
-                                  f"checkpoint (weights='fp8' quantizes each rank's shard as it packs)")
+    quantized = fp8.checkpoint_format(config) == "fp8"
     dims = adapter.attention_dims(config)
     heads, kv_heads = dims["q_heads"], dims["kv_heads"]
     problems = []
@@ -149,6 +147,8 @@ def plan_for(config, tp: int) -> Plan:
         if widths[field] // tp % weights.BLOCK_N:
             problems.append(f"{field} {widths[field]} gives each rank {widths[field] // tp} columns of every expert; "
                             f"the fused experts take multiples of {weights.BLOCK_N}")
+    if quantized and not problems:
+        problems += _fp8_straddles(config, adapter, dims, widths, tp)
     if problems:
         raise TensorParallelError(f"tp={tp}: {family} does not split {tp} ways: {'; '.join(problems)}")
     styles = {f"model.{pattern}": style for pattern, style in adapter.tp_plan(config).items()}
@@ -173,6 +173,25 @@ def plan_for(config, tp: int) -> Plan:
     if not adapter.mla:  # (DeepSeek's head_dim is its rope width, which does not change)
         local.head_dim = dims["head_dim"]  # no longer hidden_size / heads
     return Plan(tp=tp, styles=styles, local_config=local, kv_replicas=max(1, tp // kv_heads))
+
+
+def _fp8_straddles(config, adapter, dims, widths, tp: int) -> list[str]:
+    """What each rank would hold of an FP8 checkpoint's linears along a split dim, where that is not whole 128-row
+    scale blocks (a block's one scale cannot be split between ranks)."""
+    heads, kv_heads, head_dim = dims["q_heads"] // tp, max(1, dims["kv_heads"] // tp), dims["head_dim"]
+    if adapter.mla:
+        parts = {"q_b_proj rows": heads * head_dim, "kv_b_proj rows": heads * (config.qk_nope_head_dim + config.v_head_dim),
+                 "o_proj columns": heads * config.v_head_dim}
+    else:
+        parts = {"q_proj rows": heads * head_dim, "k_proj / v_proj rows": kv_heads * head_dim,
+                 "o_proj columns": heads * head_dim}
+    parts.update({f"{field} / {tp}": width // tp for field, width in widths.items()})
+    bad = [f"{what} {size}" for what, size in parts.items() if size % weights.FP8_GROUP]
+    if not bad:
+        return []
+    return [f"an FP8 checkpoint's 128 x 128 scale blocks would straddle ranks: each rank would hold {', '.join(bad)} "
+            f"(not multiples of {weights.FP8_GROUP}); run with fewer ranks, or from a bf16 checkpoint "
+            f"(weights='fp8' quantizes each rank's shard as it packs)"]
 
 
 def _shard(plan: Plan, name: str, shape: tuple[int, ...], rank: int) -> weights.Shard | None:
@@ -254,7 +273,10 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
                 tensor_slice = f.get_slice(aliases.get(name, name))
                 shape = tuple(tensor_slice.get_shape())
                 shard = _shard(plan, name, shape, ctx.rank)
-                value = _read(tensor_slice, shape, shard, name, ctx.rank).to(dtype)
+                value = _read(tensor_slice, shape, shard, name, ctx.rank)
+                scales = _read_scales(files, aliases.get(name, name), shard)
+                if scales is None:
+                    value = value.to(dtype)
                 expected = tuple(params[name].shape)
                 if name.endswith(".bias") and plan.style_of(name) == "rowwise" and ctx.rank != 0:
                     value = torch.zeros_like(value)  # added once, by rank 0, before the sum
@@ -263,7 +285,7 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
                 if tuple(value.shape) != expected:
                     raise ValueError(f"{name}: rank {ctx.rank}'s slice is {tuple(value.shape)}, the local model "
                                      f"expects {expected}")
-                _set(model, name, value, shard)
+                _set(model, name, value, shard, scales)
     # Persistent buffers the checkpoint holds (DeepSeek-V3's e_score_correction_bias): whole on every rank,
     # in the buffer's own dtype. (The others were computed when the model was built.)
     buffers = [name for name, _ in model.named_buffers() if name in model.state_dict() and name in files]
@@ -280,13 +302,40 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
     return model.eval()
 
 
-def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None) -> None:
-    """Parameter ``name`` of ``model`` becomes ``value`` (marked with ``shard``)."""
+def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None) -> None:
+    """Parameter ``name`` of ``model`` becomes ``value`` (marked with ``shard``, and with its FP8 block ``scales``
+    where it holds an FP8 checkpoint's e4m3 values: packing reads it as models/fp8.py's loads)."""
     module_name, attr = name.rsplit(".", 1)
     param = torch.nn.Parameter(value, requires_grad=False)
     if shard is not None:
         weights.attach_shard(param, shard)
+    if scales is not None:
+        weights.attach_checkpoint_scales(param, scales)
     setattr(model.get_submodule(module_name), attr, param)
+
+
+def _read_scales(files: dict, key: str, shard: weights.Shard | None):
+    """The rank's ``weight_scale_inv`` blocks of FP8 checkpoint tensor ``key`` (None: not an FP8 weight): the blocks
+    of its rows / columns (plan_for checked each rank holds whole blocks)."""
+    from safetensors import safe_open
+
+    scale_key = f"{key}_scale_inv"
+    if not key.endswith(".weight") or scale_key not in files:
+        return None
+    with safe_open(files[scale_key], "pt") as handle:  # (the hub's shards may split a weight from its scales)
+        return _scale_blocks(handle.get_slice(scale_key), shard)
+
+
+def _scale_blocks(scales, shard: weights.Shard | None) -> torch.Tensor:
+    shape = tuple(scales.get_shape())
+    if shard is None:
+        return scales[:].float()
+    group = weights.FP8_GROUP
+    size = shard.size
+    per_rank = size // shard.count
+    begin, end = shard.index * per_rank // group, -(-(shard.index + 1) * per_rank // group)
+    index = tuple(slice(None) if d != shard.dim else slice(begin, end) for d in range(len(shape)))
+    return scales[index].float().clone()
 
 
 # (model name part, checkpoint name part) of the renames transformers applies on load, per family.
@@ -320,26 +369,36 @@ def _read_experts(name: str, sources, files: dict, plan: Plan, ctx: TPContext, d
 
     attr, names = sources
     style = plan.style_of(name)
-    out = torch.empty(expected, dtype=dtype)
+    quantized = f"{names[0][0]}_scale_inv" in files
+    out = torch.empty(expected, dtype=torch.float8_e4m3fn if quantized else dtype)
+    scales = None
     opened: dict = {}
     try:
         for e, row in enumerate(names):
-            parts = []
+            parts, part_scales = [], []
             for key in row:
                 if files[key] not in opened:
                     opened[files[key]] = safe_open(files[key], "pt").__enter__()
                 tensor_slice = opened[files[key]].get_slice(key)
                 shape = tuple(tensor_slice.get_shape())
                 shard = _shard(plan, name, shape, ctx.rank)  # each expert's 2-D part, split as the fused one
-                parts.append(_read(tensor_slice, shape, shard, key, ctx.rank).to(dtype))
+                value = _read(tensor_slice, shape, shard, key, ctx.rank)
+                parts.append(value if quantized else value.to(dtype))
+                if quantized:  # the fused gate_up's scales: gate's blocks, then up's (as transformers stacks them)
+                    part_scales.append(_read_scales(files, key, shard))
             out[e] = torch.cat(parts, dim=0)
+            if quantized:
+                expert_scales = torch.cat(part_scales, dim=0)
+                if scales is None:
+                    scales = torch.empty((len(names), *expert_scales.shape), dtype=torch.float32)
+                scales[e] = expert_scales
     finally:
         for handle in opened.values():
             handle.__exit__(None, None, None)
     if style is None:
-        return out, None
+        return out, None, scales
     dim = len(expected) + _STYLES[style]
-    return out, weights.Shard(dim, ctx.rank, plan.tp, style, expected[dim] * plan.tp)
+    return out, weights.Shard(dim, ctx.rank, plan.tp, style, expected[dim] * plan.tp), scales
 
 
 def _generation_config(directory: pathlib.Path, default):

@@ -44,6 +44,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
 # real architectures cut to one layer: Llama-3.2-1B (0.77 GB, its tied 0.5 GB embedding split by vocabulary rows),
 # Qwen3-30B-A3B (2.5 GB: 128 experts, each split by its intermediate columns)
 LARGE = ("llama-3.2-1b", "qwen3-30b-a3b")
+FP8 = "qwen3-30b-a3b-fp8"  # the same, in the hub's FP8 layout: each rank reads its e4m3 slices and their scale blocks
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     written = {name: write_checkpoint(name, root / name) for name in FAMILIES}
     written.update({name: write_checkpoint(name, root / name, layers=1) for name in LARGE})
+    written[FP8] = write_checkpoint("qwen3-30b-a3b", root / FP8, layers=1, weights="fp8")
     return written
 
 
@@ -87,7 +89,19 @@ def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
             assert ops.get("tilefx.all_gather") == 1, ops
 
 
-@pytest.mark.parametrize("name", LARGE)
+def test_tp2_fp8_checkpoint(checkpoints, tp2):
+    """An FP8 checkpoint splits as it ships: every rank's linears and experts stay fp8 (the checkpoint's bytes and
+    scale blocks), and the tokens agree with transformers' own (dequantizing) load of the same files."""
+    rank0, rank1 = tp2[FP8]
+    assert rank0["one"] == rank1["one"] and rank0["two"] == rank1["two"]
+    assert "weight formats: fp8 4" in rank0["explain"], rank0["explain"]
+    reference = AutoModelForCausalLM.from_pretrained(checkpoints[FP8], dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        one = torch.tensor(rank0["one"])
+        assert_greedy_matches(reference, one[:, :13], torch.ones(1, 13, dtype=torch.long), one)
+
+
+@pytest.mark.parametrize("name", [*LARGE, FP8])
 def test_tp2_each_rank_holds_about_half_the_weights(name, checkpoints, tp2):
     """Every weight but the norms (and the MoE router) is split, so each rank's packed and unpacked weights
     together are half the checkpoint's: no rank ever held the whole of any of them."""
@@ -98,7 +112,8 @@ def test_tp2_each_rank_holds_about_half_the_weights(name, checkpoints, tp2):
         with safe_open(path, "pt") as f:
             for key in f.keys():
                 tensor_slice = f.get_slice(key)
-                full += math.prod(tensor_slice.get_shape()) * 2  # bf16
+                full += math.prod(tensor_slice.get_shape()) * (4 if key.endswith("scale_inv") else
+                                                                 1 if "F8" in tensor_slice.get_dtype() else 2)
     for rank in tp2[name]:
         share = rank["weight_bytes"] / full
         assert 0.49 <= share <= 0.51, (rank["rank"], share)
@@ -135,6 +150,12 @@ def test_tp_refusals_before_loading():
                                                   "num_key_value_heads": 2}), 3)
     with pytest.raises(TensorParallelError, match="moe_intermediate_size 64 gives each rank 16 columns"):
         plan_for(get_preset("tiny-qwen3-moe").build_config(), 4)
+    from tilefx.models.checkpoint import FP8_QUANTIZATION_CONFIG
+
+    fp8 = AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config,
+                                           "quantization_config": dict(FP8_QUANTIZATION_CONFIG)})
+    with pytest.raises(TensorParallelError, match="scale blocks would straddle ranks.*q_proj rows 32"):
+        plan_for(fp8, 2)
     mla = plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)  # heads split, the latent whole
     assert mla.style_of("model.layers.0.self_attn.kv_b_proj.weight") == "colwise"
     assert mla.style_of("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None

@@ -8,6 +8,7 @@ batch of 2, and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import pathlib
 import sys
@@ -19,15 +20,29 @@ import tilefx
 from tilefx.custom_ops import weights
 
 
+def resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of ``[address, address + nbytes)`` in memory (mincore): a released quantized source's untouched
+    zeros are address space only."""
+    page = 4096
+    start = address & ~(page - 1)
+    length = address + nbytes - start
+    pages = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if ctypes.CDLL(None).mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        return nbytes
+    flags = bytes(pages)
+    return min(nbytes, (len(flags) - flags.count(0)) * page)
+
+
 def resident_weight_bytes(model) -> int:
-    """Bytes of every distinct storage the model's parameters and packed weights live in."""
+    """Resident bytes of every distinct storage the model's parameters and packed weights live in."""
     storages = {}
-    tensors = [*model.parameters(), *(p.data for p in weights.registered()),
-               *(p.scales for p in weights.registered() if p.scales is not None)]
+    mine = {id(p) for p in model.parameters()}  # (models compiled before in this process stay registered)
+    packings = [p for p in weights.registered() if any(id(source()) in mine for source in p._sources)]
+    tensors = [*model.parameters(), *(p.data for p in packings), *(p.scales for p in packings if p.scales is not None)]
     for tensor in tensors:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(resident_bytes(address, nbytes) for address, nbytes in storages.items())
 
 
 def main() -> None:
