@@ -89,6 +89,19 @@ def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
             assert ops.get("tilefx.all_gather") == 1, ops
 
 
+def test_tp2_over_gloo_generates_the_same_tokens(checkpoints, tp2, tmp_path):
+    """The collectives ranks on several hosts use (TILEFX_TP_COMM=gloo forces them here): the same tokens as
+    shared memory (both sum in fp32, every rank gets the same bits)."""
+    done = torchrun("tests/tp_worker.py", str(tmp_path), str(checkpoints["tiny-qwen3-moe"]),
+                    env={"TILEFX_TP_COMM": "gloo"})
+    assert done.returncode == 0, done.stderr[-6000:]
+    for rank in (0, 1):
+        over_gloo = json.loads((tmp_path / f"tiny-qwen3-moe.rank{rank}.json").read_text())
+        assert "collectives gloo" in over_gloo["explain"]
+        assert over_gloo["one"] == tp2["tiny-qwen3-moe"][rank]["one"]
+        assert over_gloo["two"] == tp2["tiny-qwen3-moe"][rank]["two"]
+
+
 def test_tp2_fp8_checkpoint(checkpoints, tp2):
     """An FP8 checkpoint splits as it ships: every rank's linears and experts stay fp8 (the checkpoint's bytes and
     scale blocks), and the tokens agree with transformers' own (dequantizing) load of the same files."""
