@@ -330,12 +330,15 @@ def main_tp(args, parser) -> int:
                 if after["wait_seconds"] is not None:
                     waits.append((after["wait_seconds"] - before["wait_seconds"]) / wall)
             gbps = statistics.median(bandwidth)
+            every_rank = [None] * dist.get_world_size()  # each rank's median waiting share: who waits for whom
+            dist.all_gather_object(every_rank, statistics.median(waits) if waits else None)
             step_bytes = packed_decode_bytes(model, args.prompt_len + args.new_tokens // 2)
             row = {"mode": f"tilefx {format} tp={args.tp}", "ttft_ms": statistics.median(s[0] for s in samples) * 1e3,
                    "tpot_ms": statistics.median(s[1] for s in samples) * 1e3, "decode_gb": step_bytes / 1e9,
                    "floor_ms": step_bytes / (gbps * 1e9) * 1e3, "stream_gbps": gbps,
                    "communication_share": statistics.median(shares),
-                   "waiting_share": statistics.median(waits) if waits else None, "collectives": communicator.kind}
+                   "waiting_share": statistics.median(waits) if waits else None, "collectives": communicator.kind,
+                   "waiting_share_per_rank": every_rank}
             row["tpot_over_floor"] = row["tpot_ms"] / row["floor_ms"]
             rows.append(row)
             say(f"\n[rank 0]\n{tilefx.explain(model)}")
@@ -354,6 +357,10 @@ def main_tp(args, parser) -> int:
         say(f"| {r['mode']} | {r['collectives']} | {r['decode_gb']:.2f} | {r['stream_gbps']:.1f} | {r['floor_ms']:.1f} "
             f"| {r['ttft_ms']:.1f} | {r['tpot_ms']:.1f} | {r['tpot_over_floor']:.2f} | "
             f"{r['communication_share'] * 100:.1f}% | {waiting} |")
+    for r in rows:
+        if r["waiting_share_per_rank"][0] is not None:
+            say(f"# {r['mode']}: each rank's share of time waiting for the others: "
+                + ", ".join(f"rank {i} {w * 100:.1f}%" for i, w in enumerate(r["waiting_share_per_rank"])))
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump({"model": name, "tp": args.tp, "rows": rows}, f, indent=2)
