@@ -74,7 +74,12 @@ struct Group {
 
 std::mutex groups_mutex;
 std::map<int64_t, std::unique_ptr<Group>> groups;
+std::map<std::string, int64_t> named;  // the ops' group names bound to a shared-memory group
 int64_t next_handle = 1;
+// The ops' Python implementations, for groups that are not shared-memory ones (gloo). Never freed: a
+// py::object destroyed after the interpreter at exit would crash it.
+py::object* python_all_reduce = nullptr;
+py::object* python_all_gather = nullptr;
 
 Group& group_of(int64_t handle) {
   std::lock_guard<std::mutex> lock(groups_mutex);
@@ -240,8 +245,28 @@ int64_t shm_open_group(const std::vector<std::string>& paths, int64_t rank, int6
 
 void shm_close_group(int64_t handle) {
   std::lock_guard<std::mutex> lock(groups_mutex);
+  for (auto it = named.begin(); it != named.end();) it = it->second == handle ? named.erase(it) : std::next(it);
   groups.erase(handle);
 }
+
+void shm_name_group(const std::string& name, int64_t handle) {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  TORCH_CHECK(groups.count(handle), "shm_name_group: no group ", handle);
+  named[name] = handle;
+}
+
+void set_collective_fallbacks(py::object all_reduce, py::object all_gather) {
+  python_all_reduce = new py::object(std::move(all_reduce));
+  python_all_gather = new py::object(std::move(all_gather));
+}
+
+namespace {
+int64_t handle_named(c10::string_view name) {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  auto it = named.find(std::string(name));
+  return it == named.end() ? 0 : it->second;
+}
+}  // namespace
 
 // Sum of `x` over the group's ranks, in x's dtype (bf16, fp16 or fp32), summed in fp32.
 at::Tensor shm_all_reduce(int64_t handle, const at::Tensor& x) {
@@ -300,6 +325,25 @@ at::Tensor shm_all_gather(int64_t handle, const at::Tensor& x) {
     }
   }
   return out;
+}
+
+// The CPU kernels of tilefx::all_reduce / all_gather (custom_ops/collectives.py defines them): a shared-memory
+// group runs here without going through Python; any other group (gloo) calls the ops' Python implementations.
+at::Tensor all_reduce_cpu(const at::Tensor& x, c10::string_view group) {
+  if (const int64_t handle = handle_named(group)) return shm_all_reduce(handle, x);
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(python_all_reduce, "tilefx.all_reduce: collectives not initialised (import tilefx.custom_ops)");
+  return (*python_all_reduce)(x, std::string(group)).cast<at::Tensor>();
+}
+
+at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group, int64_t size) {
+  if (const int64_t handle = handle_named(group)) {
+    at::Tensor out = shm_all_gather(handle, x);
+    return out.size(-1) == size ? out : out.narrow(-1, 0, size).contiguous();
+  }
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(python_all_gather, "tilefx.all_gather: collectives not initialised (import tilefx.custom_ops)");
+  return (*python_all_gather)(x, std::string(group), size).cast<at::Tensor>();
 }
 
 // (collectives, seconds inside them, seconds of those spent waiting for peers) since the group opened.

@@ -84,5 +84,9 @@ void shm_close_group(int64_t handle);
 at::Tensor shm_all_reduce(int64_t handle, const at::Tensor& x);
 at::Tensor shm_all_gather(int64_t handle, const at::Tensor& x);
 std::tuple<int64_t, double, double> shm_stats(int64_t handle);
+void shm_name_group(const std::string& name, int64_t handle);
+void set_collective_fallbacks(pybind11::object all_reduce, pybind11::object all_gather);
+at::Tensor all_reduce_cpu(const at::Tensor& x, c10::string_view group);
+at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group, int64_t size);
 
 }  // namespace tilefx

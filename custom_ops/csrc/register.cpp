@@ -29,6 +29,8 @@ void register_cpu_kernels() {
   cpu_kernels->impl("decode_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("extend_attention", TORCH_FN(attention_cpu));
   cpu_kernels->impl("mla_attention", TORCH_FN(mla_attention_cpu));
+  cpu_kernels->impl("all_reduce", TORCH_FN(all_reduce_cpu));
+  cpu_kernels->impl("all_gather", TORCH_FN(all_gather_cpu));
 }
 
 // One row of the dispatch table, for custom_ops.isa.kernel_units.
@@ -68,5 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_all_reduce", &tilefx::shm_all_reduce, "sum a tensor over the group's ranks (fp32 sums, ranks in order)");
   m.def("shm_all_gather", &tilefx::shm_all_gather, "the ranks' tensors side by side along the last dim");
   m.def("shm_stats", &tilefx::shm_stats, "(collectives, seconds in them, seconds waiting for peers)");
+  m.def("shm_name_group", &tilefx::shm_name_group, "bind an op group name to a shared-memory group");
+  m.def("set_collective_fallbacks", &tilefx::set_collective_fallbacks,
+        "the Python implementations tilefx.all_reduce / all_gather call for groups that are not shared-memory ones");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }
