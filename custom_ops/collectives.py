@@ -19,9 +19,11 @@ each, no graph break).
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import torch
+import torch.distributed as dist
 
 from tilefx.custom_ops import isa
 
@@ -34,8 +36,6 @@ class ShmCommunicator:
     kind = "shm"
 
     def __init__(self, process_group, timeout_s: float, slot_bytes: int = SLOT_BYTES, directory: str = "/dev/shm"):
-        import torch.distributed as dist
-
         if isa.native is None:
             raise RuntimeError("shared-memory collectives need tilefx's native extension (not built)")
         self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
@@ -74,17 +74,11 @@ class GlooCommunicator:
     kind = "gloo"
 
     def __init__(self, process_group):
-        import torch.distributed as dist
-
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.calls, self.seconds = 0, 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
-        import torch.distributed as dist
-
         start = time.perf_counter()
         total = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, group=self.group)
@@ -92,10 +86,6 @@ class GlooCommunicator:
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        import time
-
-        import torch.distributed as dist
-
         start = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
@@ -114,8 +104,6 @@ def open_group(name: str, kind: str, process_group=None, timeout_s: float = 300.
     the world). Every rank calls it, in the same order."""
     if name in _GROUPS:
         raise ValueError(f"collective group {name!r} is already open in this process")
-    import torch.distributed as dist
-
     group = process_group if process_group is not None else dist.group.WORLD
     if kind == "shm":
         _GROUPS[name] = ShmCommunicator(group, timeout_s)
@@ -141,10 +129,19 @@ def close_group(name: str) -> None:
         communicator.close()
 
 
+def _all_reduce_in_python(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return group(group_name).all_reduce(x)
+
+
+def _all_gather_in_python(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
+    gathered = group(group_name).all_gather(x)
+    return gathered if gathered.shape[-1] == size else gathered[..., :size].contiguous()
+
+
 @torch.library.custom_op("tilefx::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of group ``group_name`` (fp32 sums; every rank gets the same bits)."""
-    return group(group_name).all_reduce(x)
+    return _all_reduce_in_python(x, group_name)
 
 
 @all_reduce.register_fake
@@ -156,7 +153,7 @@ def _(x, group_name):
 def all_gather(x: torch.Tensor, group_name: str, size: int) -> torch.Tensor:
     """The ranks' ``x [..., L]`` side by side along the last dim, cut to ``size`` (``<= ranks * L``): the full
     vocabulary from each rank's rows of it, the last rank's padding dropped."""
-    return _trimmed(group(group_name).all_gather(x), size)
+    return _all_gather_in_python(x, group_name, size)
 
 
 @all_gather.register_fake
@@ -167,9 +164,4 @@ def _(x, group_name, size):
 # The ops' CPU kernel (csrc/collectives.cpp, registered with the other native kernels) runs a shared-memory group
 # without Python (~3 us instead of ~10 us a decode-sized call) and calls these for the others.
 if isa.native is not None:
-    isa.native.set_collective_fallbacks(lambda x, name: group(name).all_reduce(x),
-                                        lambda x, name, size: _trimmed(group(name).all_gather(x), size))
-
-
-def _trimmed(gathered: torch.Tensor, size: int) -> torch.Tensor:
-    return gathered if gathered.shape[-1] == size else gathered[..., :size].contiguous()
+    isa.native.set_collective_fallbacks(_all_reduce_in_python, _all_gather_in_python)

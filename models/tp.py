@@ -27,16 +27,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import contextlib
+import functools
 import json
-import logging
 import os
 import pathlib
 
 import torch
 
 from tilefx.custom_ops import weights
-
-log = logging.getLogger("tilefx")
 
 # HF plan styles -> the dim split, counted from the end: -2 output rows (of each expert for 3-D experts), -1 inputs.
 # packed_colwise: the experts' fused gate_up [E, 2I, H], each half split alike.
@@ -121,12 +120,11 @@ def has_moe(config) -> bool:
 
 def plan_for(config, tp: int) -> Plan:
     """Check that ``config`` splits ``tp`` ways (from the config alone: before loading) and say how."""
+    from tilefx.models import fp8
     from tilefx.models.adapters import adapter_for
 
     adapter = adapter_for(config)
     family = config.model_type
-    from tilefx.models import fp8
-
     quantized = fp8.checkpoint_format(config) == "fp8"
     dims = adapter.attention_dims(config)
     heads, kv_heads = dims["q_heads"], dims["kv_heads"]
@@ -268,13 +266,13 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
     for name, sources in experts.items():
         _set(model, name, *_read_experts(name, sources, files, plan, ctx, dtype, tuple(params[name].shape)))
     for path, names in by_file.items():
-        with safe_open(path, "pt") as f:
+        with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
             for name in names:
-                tensor_slice = f.get_slice(aliases.get(name, name))
+                tensor_slice = opened(path).get_slice(aliases.get(name, name))
                 shape = tuple(tensor_slice.get_shape())
                 shard = _shard(plan, name, shape, ctx.rank)
-                value = _read(tensor_slice, shape, shard, name, ctx.rank)
-                scales = _read_scales(files, aliases.get(name, name), shard)
+                value = _read(tensor_slice, shape, shard, name)
+                scales = _read_scales(opened, files, aliases.get(name, name), shard)
                 if scales is None:
                     value = value.to(dtype)
                 expected = tuple(params[name].shape)
@@ -314,16 +312,22 @@ def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = No
     setattr(model.get_submodule(module_name), attr, param)
 
 
-def _read_scales(files: dict, key: str, shard: weights.Shard | None):
-    """The rank's ``weight_scale_inv`` blocks of FP8 checkpoint tensor ``key`` (None: not an FP8 weight): the blocks
-    of its rows / columns (plan_for checked each rank holds whole blocks)."""
+@contextlib.contextmanager
+def _open_files():
+    """``opened(path)``: the safetensors file at ``path``, opened once for the block, all closed at its end."""
     from safetensors import safe_open
 
+    with contextlib.ExitStack() as stack:
+        yield functools.cache(lambda path: stack.enter_context(safe_open(path, "pt")))
+
+
+def _read_scales(opened, files: dict, key: str, shard: weights.Shard | None):
+    """The rank's ``weight_scale_inv`` blocks of FP8 checkpoint tensor ``key`` (None: not an FP8 weight): the blocks
+    of its rows / columns (plan_for checked each rank holds whole blocks). ``opened``: ``_open_files``'s."""
     scale_key = f"{key}_scale_inv"
     if not key.endswith(".weight") or scale_key not in files:
         return None
-    with safe_open(files[scale_key], "pt") as handle:  # (the hub's shards may split a weight from its scales)
-        return _scale_blocks(handle.get_slice(scale_key), shard)
+    return _scale_blocks(opened(files[scale_key]).get_slice(scale_key), shard)
 
 
 def _scale_blocks(scales, shard: weights.Shard | None) -> torch.Tensor:
@@ -364,37 +368,30 @@ def _expert_sources(name: str, files: dict, num_experts: int):
 
 def _read_experts(name: str, sources, files: dict, plan: Plan, ctx: TPContext, dtype, expected):
     """Fused experts parameter ``name`` of the rank's model, stacked from the per-expert tensors' slices: each
-    expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it and its Shard."""
-    from safetensors import safe_open
-
+    expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it, its Shard and
+    its FP8 checkpoint scales (None for a bf16 checkpoint)."""
     attr, names = sources
     style = plan.style_of(name)
     quantized = f"{names[0][0]}_scale_inv" in files
     out = torch.empty(expected, dtype=torch.float8_e4m3fn if quantized else dtype)
     scales = None
-    opened: dict = {}
-    try:
+    with _open_files() as opened:
         for e, row in enumerate(names):
             parts, part_scales = [], []
             for key in row:
-                if files[key] not in opened:
-                    opened[files[key]] = safe_open(files[key], "pt").__enter__()
-                tensor_slice = opened[files[key]].get_slice(key)
+                tensor_slice = opened(files[key]).get_slice(key)
                 shape = tuple(tensor_slice.get_shape())
                 shard = _shard(plan, name, shape, ctx.rank)  # each expert's 2-D part, split as the fused one
-                value = _read(tensor_slice, shape, shard, key, ctx.rank)
+                value = _read(tensor_slice, shape, shard, key)
                 parts.append(value if quantized else value.to(dtype))
                 if quantized:  # the fused gate_up's scales: gate's blocks, then up's (as transformers stacks them)
-                    part_scales.append(_read_scales(files, key, shard))
+                    part_scales.append(_read_scales(opened, files, key, shard))
             out[e] = torch.cat(parts, dim=0)
             if quantized:
                 expert_scales = torch.cat(part_scales, dim=0)
                 if scales is None:
                     scales = torch.empty((len(names), *expert_scales.shape), dtype=torch.float32)
                 scales[e] = expert_scales
-    finally:
-        for handle in opened.values():
-            handle.__exit__(None, None, None)
     if style is None:
         return out, None, scales
     dim = len(expected) + _STYLES[style]
@@ -410,7 +407,7 @@ def _generation_config(directory: pathlib.Path, default):
         return default
 
 
-def _read(tensor_slice, shape: tuple[int, ...], shard: weights.Shard | None, name: str, rank: int) -> torch.Tensor:
+def _read(tensor_slice, shape: tuple[int, ...], shard: weights.Shard | None, name: str) -> torch.Tensor:
     """The shard's part of a checkpoint tensor; the vocabulary split pads the last rank's rows with zeros."""
     if shard is None:
         return tensor_slice[:]
