@@ -89,4 +89,5 @@ def load_shard(source, config, plan, ctx, *, dtype: torch.dtype = torch.bfloat16
     from tilefx.models import tp
 
     directory = tp.resolve_directory(os.fspath(source), revision=revision, local_files_only=local_files_only)
-    return tp.load_shard(directory, config, plan, ctx, dtype)
+    with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go
+        return tp.load_shard(directory, config, plan, ctx, dtype)
