@@ -8,6 +8,7 @@ import time
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from tilefx.compiler.graph_cache import Saveable
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.pass_manager import CacheKey, PassManager, packings_as_inputs
 from tilefx.compiler.report import CompileReport
@@ -28,6 +29,11 @@ class Backend:
         self.report = report if report is not None else CompileReport()
         self.pass_manager = PassManager(options, self.report, moe_blocks=moe_blocks)
         self.cache_key = CacheKey(self.pass_manager.uuid())
+        # With tilefx's graph cache on (the runtime sets it), each compiled graph is bundled by AOT autograd so it
+        # can be saved, and what saving it needs is left in ``saveable`` for the runtime (compiler/graph_cache.py).
+        self.bundle = False
+        self.saveable: Saveable | None = None
+        self.not_saveable: str | None = None
 
     def inductor_config(self) -> dict:
         return {
@@ -41,11 +47,22 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         start = time.perf_counter()
+        sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
+        outputs = gm.graph.output_node().args[0]
         gm = _own_copy(gm)
         self.pass_manager(gm.graph)
-        packed, fakes = packings_as_inputs(gm, torch._guards.detect_fake_mode(example_inputs))
-        compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=self.inductor_config())
+        packed, fakes, recipes = packings_as_inputs(gm, torch._guards.detect_fake_mode(example_inputs))
+        with torch._functorch.config.patch(bundled_autograd_cache=self.bundle):
+            compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=self.inductor_config())
         self.report.graphs[-1].compile_seconds = time.perf_counter() - start
+        self.saveable, self.not_saveable = None, None
+        if self.bundle:
+            if None in sources or recipes is None:
+                self.not_saveable = "an input Dynamo gave no source"
+            elif not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
+                self.not_saveable = f"{len(outputs)} outputs (the graph cache calls graphs that return the logits only)"
+            else:
+                self.saveable = Saveable([source.name for source in sources], recipes, compiled, self.report.graphs[-1])
         return _with_inputs(compiled, packed)
 
 

@@ -29,6 +29,9 @@ class CompileOptions:
     # FP8 checkpoint), "bf16", "int8" (symmetric per output channel) or "fp8" (e4m3, 128 x 128 block scales),
     # quantized as the weights load. Routers and MLA's absorbed projections stay bf16 (tilefx.explain says why).
     weights: str = "auto"
+    # Keep each compiled graph with how to call it (compiler/graph_cache.py): a later process loads it and skips
+    # Dynamo. Off with freezing, without fullgraph, or when Inductor's caches are disabled.
+    graph_cache: bool = True
     tp_rank: int = 0
     tp_world_size: int = 1
 

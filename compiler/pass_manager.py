@@ -66,7 +66,7 @@ def check_released_weights_read_packed(graph: torch.fx.Graph) -> None:
             )
 
 
-def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     """Each packing op in ``gm`` run now, on the model's weights; its packed tensor becomes a new graph input.
 
     The packing ops serve the packings the loader made (or pack once, custom_ops/weights.py),
@@ -74,9 +74,13 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
     constants of the compiled graph: the graph is the same with or without Inductor's
     freezing, and the compile caches key it by the weights' shapes, never their values
     (AOT autograd's cache refuses frozen graphs). Returns the packed tensors, in the order
-    of the new inputs, and fake tensors of them for the example inputs.
+    of the new inputs, fake tensors of them for the example inputs, and a recipe per new
+    input for the graph cache: ``["pack", op name, args, kwargs]`` with each weight as
+    ``{"source": <Dynamo source>}`` (None when a weight has no source: a frozen graph's
+    attribute), or ``["scales", index of the packed input]``.
     """
     packed: list[torch.Tensor] = []
+    recipes: list | None = []
     inputs: dict[tuple, torch.fx.Node] = {}  # one input per packed tensor, shared by the ops that ask for it
     last_input = gm.graph.find_nodes(op="placeholder")[-1]
 
@@ -90,11 +94,26 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
             raise RuntimeError(f"{arg.format_node()}: a packing op reads something other than a model parameter")
         return param
 
-    def as_input(node: torch.fx.Node, tensor: torch.Tensor) -> torch.fx.Node:
-        nonlocal last_input
+    def recipe_arg(arg):
+        if isinstance(arg, (list, tuple)):
+            return [recipe_arg(a) for a in arg]
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        grapharg = arg.meta.get("grapharg") if arg.op == "placeholder" else None
+        if grapharg is None or grapharg.source is None:
+            raise _NoSource
+        return {"source": grapharg.source.name}
+
+    def as_input(node: torch.fx.Node, tensor: torch.Tensor, recipe) -> torch.fx.Node:
+        nonlocal last_input, recipes
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
                tensor.dtype)
         if key not in inputs:
+            if recipes is not None:
+                try:
+                    recipes.append(recipe())
+                except _NoSource:
+                    recipes = None
             with gm.graph.inserting_after(last_input):
                 last_input = inputs[key] = gm.graph.placeholder(f"tilefx_packed_{len(packed)}")
             last_input.meta["example_value"] = last_input.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
@@ -108,13 +127,19 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in weights.PACKING_OPS]:
         with torch.no_grad():
             tensor = node.target(*real(node.args), **{name: real(value) for name, value in node.kwargs.items()})
-        held[as_input(node, tensor)] = tensor
+        held[as_input(node, tensor, lambda: ["pack", node.target._opname, recipe_arg(node.args),
+                                              {k: recipe_arg(v) for k, v in node.kwargs.items()}])] = tensor
     # A quantized packing's scales (tilefx.packed_scales of a packing op, now of its input) become inputs too.
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is weights.packed_scales]:
-        as_input(node, weights.scales_of(held[node.args[0]]))
+        of = node.args[0]  # the packed input, by now
+        as_input(node, weights.scales_of(held[of]), lambda: ["scales", list(inputs.values()).index(of)])
     gm.graph.lint()
     gm.recompile()
-    return packed, [inputs_node.meta["val"] for inputs_node in inputs.values()]
+    return packed, [inputs_node.meta["val"] for inputs_node in inputs.values()], recipes
+
+
+class _NoSource(Exception):
+    """A packing op reads a weight Dynamo gave no source (freezing made it a graph attribute)."""
 
 
 class CacheKey(CustomGraphPass):

@@ -17,7 +17,8 @@ class GraphRecord:
     tilefx_ops: dict[str, int]
     passes: list[PassResult]
     passes_seconds: float = 0.0  # the tilefx passes on this graph
-    compile_seconds: float = 0.0  # the whole backend call: AOT, the passes, Inductor (or its cache)
+    compile_seconds: float = 0.0  # the whole backend call: AOT, the passes, Inductor (or its cache); or the load
+    loaded: bool = False  # from tilefx's graph cache (compiler/graph_cache.py): no Dynamo, no backend call
 
 
 @dataclasses.dataclass
@@ -61,6 +62,7 @@ class CompileReport:
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
     placement: object = None  # tensor parallel: this rank's models.placement.Placement
     collectives: object = None  # tensor parallel: this rank's communicator (custom_ops/collectives.py)
+    graph_cache: object = None  # the model's compiler.graph_cache.GraphCache (None: off)
 
     def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], passes_seconds: float = 0.0) -> None:
         self.graphs.append(
@@ -86,11 +88,16 @@ class CompileReport:
     def startup_line(self) -> str:
         """Where compile_model's time went (with freezing on, torch bypasses its AOT cache: every start
         re-runs AOT tracing, counted under inductor). Tracing is the warm-up less the backend calls: Dynamo, guards
-        and the steps' own run time; inductor is the backend less the passes: AOT, codegen, C++ builds."""
+        and the steps' own run time; inductor is the backend less the passes: AOT, codegen, C++ builds, or loading
+        the graph from tilefx's graph cache (then there is no Dynamo: "trace" is the steps' own run time)."""
         warmup_graphs = self.graphs[: self.warmup_graphs]
         backend = sum(g.compile_seconds for g in warmup_graphs)
         passes = sum(g.passes_seconds for g in warmup_graphs)
-        hits = ", ".join(f"{name} {count}" for name, count in sorted(self.caches.items())) or "none counted"
+        caches = dict(self.caches)
+        loaded = sum(g.loaded for g in warmup_graphs)
+        if loaded:
+            caches["tilefx graphs loaded"] = loaded
+        hits = ", ".join(f"{name} {count}" for name, count in sorted(caches.items())) or "none counted"
         other = self.total_seconds - self.load_seconds - self.packing.seconds - self.warmup_seconds
         return (
             f"startup {self.total_seconds:.1f}s: imports and setup {max(0.0, other):.1f}s, load "

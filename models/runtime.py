@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tilefx.compiler import Backend, CompileOptions, CompileReport
+from tilefx.compiler.graph_cache import GraphCache
 from tilefx.models.kv_cache import TilefxCache
 
 
@@ -58,6 +59,12 @@ class TilefxRuntime:
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)
         self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
+        # Graphs saved by an earlier process with the same key run without Dynamo (compiler/graph_cache.py);
+        # graphs Dynamo compiles here are saved for the next one.
+        self.graph_cache = GraphCache.open(model, options, self.backend.pass_manager.uuid())
+        self.report.graph_cache = self.graph_cache
+        self.backend.bundle = self.graph_cache is not None
+        self.loaded: dict[str, object] = {}  # call class -> LoadedGraph, or None: nothing to load
         # The model is tilefx's: its modules and weights do not change after compile_model (packed
         # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
         # checked before every decode step, are not installed.
@@ -150,22 +157,39 @@ class TilefxRuntime:
         self.report.phase = "prefill" if seq > 1 else "decode"
         if seq == 1:
             logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
-        # prepare_freezing: Dynamo makes parameters graph attributes (not inputs) only when
-        # freezing is on at trace time; the backend's config patch comes too late for that.
-        with torch.no_grad(), torch._dynamo.config.patch(prepare_freezing=self.options.freezing):
-            out = self.compiled_forward(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-            )
+        arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                         use_cache=True, logits_to_keep=logits_to_keep)
+        call = self._call_class(batch, seq, logits_to_keep)
+        if call not in self.loaded:
+            self.loaded[call] = self.graph_cache.load(call, self.model, self.report) if self.graph_cache else None
+        with torch.no_grad():
+            if self.loaded[call] is not None:
+                logits = self.loaded[call](arguments)
+            else:
+                logits = self._dynamo_forward(call, arguments)
         cache.advance(seq)
-        logits = out.logits
         if return_dict is False:
             return (logits, cache)
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+    def _call_class(self, batch: int, seq: int, logits_to_keep: int) -> str:
+        """Which graph serves a call: the runtime's inputs make every call of one class trace the same graph."""
+        batches = "1" if batch == 1 else ("2" if self.options.max_batch == 2 else f"2-{self.options.max_batch}")
+        return f"batch {batches}, {'prefill' if seq > 1 else 'decode'}, logits_to_keep {logits_to_keep}"
+
+    def _dynamo_forward(self, call: str, arguments: dict) -> torch.Tensor:
+        # prepare_freezing: Dynamo makes parameters graph attributes (not inputs) only when
+        # freezing is on at trace time; the backend's config patch comes too late for that.
+        self.backend.saveable = None
+        with torch._dynamo.config.patch(prepare_freezing=self.options.freezing):
+            out = self.compiled_forward(**arguments)
+        if self.graph_cache is not None:
+            if self.backend.saveable is not None:
+                self.graph_cache.save(call, self.backend.saveable, self.model)
+            elif self.backend.not_saveable is not None:
+                self.graph_cache.problems.append(f"{call}: not saved ({self.backend.not_saveable})")
+            self.backend.saveable = self.backend.not_saveable = None
+        return out.logits
 
     def _full_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:
         mask = torch.zeros(batch, self.options.max_seq_len, dtype=torch.long)

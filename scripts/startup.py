@@ -6,7 +6,7 @@
 
 Each run is its own process with TORCHINDUCTOR_CACHE_DIR pointing at one directory per
 max_batch: the first run ("cold") starts it empty, the second ("warm") reuses what the
-first wrote. The first generate() runs under torch.inference_mode, as many user
+first wrote: Inductor's kernels and tilefx's graph cache (compiler/graph_cache.py). The first generate() runs under torch.inference_mode, as many user
 scripts call it, on a 16-token prompt. Prints the table of issue 17 and what
 `tilefx.explain` says about where the time went and whether the caches hit.
 """
@@ -45,6 +45,7 @@ print(json.dumps({
 
 def run(path: str, max_batch: int, cache_dir: str) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir, TILEFX_QUIET="1")
+    env.pop("TILEFX_GRAPH_CACHE_DIR", None)  # tilefx's graph cache lives in (and starts empty with) Inductor's
     result = subprocess.run([sys.executable, "-c", CHILD, path, str(max_batch)], env=env, capture_output=True,
                             text=True)
     if result.returncode != 0:

@@ -51,14 +51,15 @@ def test_bench_kernels_holds_packed_copies_in_huge_pages():
 
 
 def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
-    """Two fresh processes share one Inductor cache directory: the second reports cache hits in
-    explain() and generates the same first token; neither compiles at the first generate()."""
+    """Two fresh processes share one Inductor cache directory: the second loads both graphs from tilefx's
+    graph cache in it (no Dynamo, no compile-cache lookups) and generates the same first token; neither compiles
+    at the first generate()."""
     out = tmp_path / "startup.json"
     run_script("startup.py", ["--preset", "tiny-llama", "--json", str(out)])
     cold, warm = json.loads(out.read_text())
     assert (cold["start"], warm["start"]) == ("cold", "warm")
-    assert "fx graph miss" in cold["startup"] and "fx graph hit" not in cold["startup"]
-    assert "fx graph hit 2" in warm["startup"] and "aot hit 2" in warm["startup"], warm["startup"]
+    assert "aot miss 2" in cold["startup"] and "loaded" not in cold["startup"], cold["startup"]
+    assert "tilefx graphs loaded 2" in warm["startup"] and "miss" not in warm["startup"], warm["startup"]
     assert warm["token"] == cold["token"]
     assert cold["recompiles"] == warm["recompiles"] == 0 and cold["graphs"] == warm["graphs"] == 2
 

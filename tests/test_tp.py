@@ -91,13 +91,15 @@ def test_tp2_graphs_reduce_once_per_row_parallel_region(family, tp2):
 
 def test_tp2_over_gloo_generates_the_same_tokens(checkpoints, tp2, tmp_path):
     """The collectives ranks on several hosts use (TILEFX_TP_COMM=gloo forces them here): the same tokens as
-    shared memory (both sum in fp32, every rank gets the same bits)."""
+    shared memory (both sum in fp32, every rank gets the same bits). The graphs are the same too: each rank loads
+    the ones its first run saved to tilefx's graph cache and runs them without Dynamo."""
     done = torchrun("tests/tp_worker.py", str(tmp_path), str(checkpoints["tiny-qwen3-moe"]),
                     env={"TILEFX_TP_COMM": "gloo"})
     assert done.returncode == 0, done.stderr[-6000:]
     for rank in (0, 1):
         over_gloo = json.loads((tmp_path / f"tiny-qwen3-moe.rank{rank}.json").read_text())
         assert "collectives gloo" in over_gloo["explain"]
+        assert "tilefx graphs loaded" in over_gloo["explain"], over_gloo["explain"]
         assert over_gloo["one"] == tp2["tiny-qwen3-moe"][rank]["one"]
         assert over_gloo["two"] == tp2["tiny-qwen3-moe"][rank]["two"]
 

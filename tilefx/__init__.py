@@ -154,6 +154,7 @@ def explain(model) -> str:
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
         report.startup_line(),
+        *([report.graph_cache.line()] if report.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),

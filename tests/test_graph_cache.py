@@ -1,0 +1,103 @@
+"""tilefx's graph cache: a second compile_model loads the first one's graphs and runs them without Dynamo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilefx
+from tilefx.compiler import CompileOptions
+from tilefx.compiler.graph_cache import GraphCache, model_key, source_expression
+from tilefx.models.presets import build_model
+
+from helpers import assert_greedy_matches, padded_batch
+
+MAX_SEQ_LEN = 64
+CASES = {  # a dense model with the dynamic batch, an MoE model in int8 (packed scales as inputs), MLA
+    "tiny-llama": {"max_batch": 4},
+    "tiny-qwen3-moe": {"weights": "int8"},
+    "tiny-deepseek-v3": {},
+}
+
+
+def _dynamo_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch)
+    return padded_batch([torch.randint(3, 500, (9 - 2 * row,), generator=generator).tolist() for row in range(batch)])
+
+
+@pytest.mark.parametrize("preset", list(CASES))
+def test_second_compile_loads_every_graph_and_generates_the_same(preset, tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFX_GRAPH_CACHE_DIR", str(tmp_path))
+    options = CASES[preset]
+    first = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
+    cache = first.tilefx.graph_cache
+    assert cache.loaded == [] and len(cache.saved) == len(first.tilefx.report.graphs) >= 2, tilefx.explain(first)
+
+    before = _dynamo_graphs()
+    second = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
+    batches = [1, 3] if options.get("max_batch", 1) >= 3 else [1]
+    reference = build_model(preset, seed=3)
+    for batch in batches:
+        ids, mask = _prompts(batch)
+        expected = first.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        with torch.inference_mode():
+            out = second.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        assert torch.equal(out, expected)
+        assert_greedy_matches(reference, ids, mask, out)
+    assert _dynamo_graphs() == before, "the second model traced with Dynamo"
+    report, explained = second.tilefx.report, tilefx.explain(second)
+    assert sorted(second.tilefx.graph_cache.loaded) == sorted(cache.saved), explained
+    assert f"tilefx graphs loaded {report.warmup_graphs}" in explained and report.recompiles == 0
+    # The records came back with the graphs: explain() still says what each pass did.
+    assert [g.tilefx_ops for g in report.graphs] == [g.tilefx_ops for g in first.tilefx.report.graphs]
+
+
+def test_damaged_artifact_falls_back_to_dynamo_and_is_saved_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFX_GRAPH_CACHE_DIR", str(tmp_path))
+    first = tilefx.compile_model(build_model("tiny-qwen2", seed=5), max_seq_len=MAX_SEQ_LEN)
+    artifacts = sorted(first.tilefx.graph_cache.directory.glob("graph-*.bin"))
+    assert len(artifacts) == 2
+    artifacts[0].write_bytes(artifacts[0].read_bytes()[:-7] + b"damaged")
+    second = tilefx.compile_model(build_model("tiny-qwen2", seed=5), max_seq_len=MAX_SEQ_LEN)
+    cache = second.tilefx.graph_cache
+    assert len(cache.loaded) == 1 and len(cache.saved) == 1
+    assert "not loaded (ValueError: artifact does not match its manifest entry)" in tilefx.explain(second)
+    ids, mask = _prompts(1)
+    assert torch.equal(second.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+                       first.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+    third = tilefx.compile_model(build_model("tiny-qwen2", seed=5), max_seq_len=MAX_SEQ_LEN)
+    assert len(third.tilefx.graph_cache.loaded) == 2
+
+
+def test_key_changes_with_options_shapes_and_config():
+    model = build_model("tiny-llama", seed=0)
+    key = model_key(model, CompileOptions(max_seq_len=64), "uuid")
+    assert key == model_key(build_model("tiny-llama", seed=1), CompileOptions(max_seq_len=64), "uuid")  # values: inputs
+    assert key != model_key(model, CompileOptions(max_seq_len=128), "uuid")
+    assert key != model_key(model, CompileOptions(max_seq_len=64, weights="int8"), "uuid")
+    assert key != model_key(model, CompileOptions(max_seq_len=64), "another pass manager")
+    assert key != model_key(build_model("tiny-llama", layers=1), CompileOptions(max_seq_len=64), "uuid")
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # compiled code differs
+        assert key != model_key(model, CompileOptions(max_seq_len=64), "uuid")
+
+
+def test_cache_is_off_where_graphs_cannot_be_called_from_sources():
+    model = build_model("tiny-llama", seed=0)
+    assert GraphCache.open(model, CompileOptions(graph_cache=False), "u") is None
+    assert GraphCache.open(model, CompileOptions(freezing=True), "u") is None  # weights become graph constants
+    with torch.compiler.config.patch(force_disable_caches=True):
+        assert GraphCache.open(model, CompileOptions(), "u") is None
+
+
+def test_source_expressions_only_index_and_read():
+    tensor = torch.zeros(2, 3)
+    frame = {"kwargs": {"input_ids": tensor}}
+    assert source_expression("L['kwargs']['input_ids']")(frame) is tensor
+    assert source_expression("L['kwargs']['input_ids'].size()[1]")(frame) == 3
+    for code in ("__import__('os')", "L['kwargs']['input_ids'].zero_()", "open('/etc/passwd')", "[x for x in L]"):
+        with pytest.raises(ValueError, match="not an input source"):
+            source_expression(code)
