@@ -18,8 +18,8 @@ tensors. So the backend's result for each call class is saved as
 
 A later process whose key matches loads these and calls the compiled functions itself:
 no Dynamo, no guards (the runtime chooses the graph; the key covers what the trace read).
-The key hashes tilefx's sources, torch's (``torch_key``), transformers' version and the
-model class's source file, Inductor's config, the model's config, the names, shapes and dtypes of its
+The key hashes tilefx's sources, torch's (``torch_key``), the CPU's flags and Inductor's
+vector ISA, transformers' version and the model class's source file, Inductor's config, the model's config, the names, shapes and dtypes of its
 parameters and buffers, the options, the kernel path and the Python version. Only graphs
 that are safe to call this way are saved: one output (the logits) and a source for every
 input. Saving or loading that fails leaves the Dynamo path in charge, with the reason in
@@ -211,9 +211,13 @@ def model_key(model, options, uuid: str) -> str:
     from tilefx.custom_ops import isa
 
     digest = hashlib.sha256()
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
     inductor = repr(sorted(torch._inductor.config.save_config_portable().items()))  # e.g. a caller's config.patch
+    # A cache directory can outlive the CPU (a shared home, a VM moved): the compiled kernels use its ISA.
+    cpu = f"{pick_vec_isa()} {_cpu_flags()}"
     for part in (str(FORMAT_VERSION), sys.version, transformers.__version__, options.key(), uuid, isa.current(),
-                 inductor, model.config.to_json_string(use_diff=False)):
+                 cpu, inductor, model.config.to_json_string(use_diff=False)):
         digest.update(part.encode())
         digest.update(b"\0")
     digest.update(torch_key())
@@ -225,6 +229,14 @@ def model_key(model, options, uuid: str) -> str:
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}\0".encode())
     return digest.hexdigest()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def _tilefx_sources_hash() -> str:
