@@ -12,6 +12,12 @@ runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
 
+``TILEFX_INT8_ACTIVATIONS=1`` (or ``int8_activations(True)`` for a block) turns on W8A8
+decode for the whole process: int8-weight linears of up to 2 rows quantize their
+activations per row to int8 and multiply on AVX512-VNNI (``vpdpbusd``), on the AVX512
+units; ``int8_activations_reason()`` says why it would not run (the AVX2 unit and the
+prefill GEMMs keep bf16 activations; so do the experts of ``fused_moe``).
+
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
 code runs, slowly, on CPUs without AVX512. It is never chosen by default.
@@ -193,3 +199,36 @@ def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
         probe()  # warm-up: the first sum's timing is not kept
         return max(probe() for _ in range(repeats))
     return max(probe() for _ in range(2 * repeats))  # the patterns alternate: `repeats` passes of each
+
+
+def int8_activations_reason(path: str | None = None) -> str | None:
+    """Why W8A8 decode cannot run on ``path`` (default: the current one), or None when it can."""
+    path = path or _current
+    if native is None or not hasattr(native, "set_int8_activations"):
+        return "the native library is not built"
+    if path == EMULATED_AVX512:
+        return None
+    if path not in ("avx512_bf16", "amx"):
+        return f"the {path} path has no W8A8 kernel (AVX512 units with VNNI only)"
+    return None if native.cpu_has("avx512_vnni") else "this CPU lacks AVX512-VNNI"
+
+
+def int8_activations_on() -> bool:
+    return native is not None and hasattr(native, "int8_activations") and native.int8_activations()
+
+
+@contextlib.contextmanager
+def int8_activations(on: bool = True):
+    """W8A8 decode on (or off) for a block."""
+    if native is None:
+        raise RuntimeError(f"int8 activations: the native library is not built ({NATIVE_IMPORT_ERROR})")
+    previous = native.int8_activations()
+    native.set_int8_activations(on)
+    try:
+        yield
+    finally:
+        native.set_int8_activations(previous)
+
+
+if native is not None and os.environ.get("TILEFX_INT8_ACTIVATIONS", "").strip() == "1":
+    native.set_int8_activations(True)

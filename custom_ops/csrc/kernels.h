@@ -53,7 +53,20 @@ struct LinearProblem {
   const uint8_t* wq = nullptr;
   const float* scales = nullptr;
   int64_t k_groups = 0;  // fp8: scales per block
+  // W8A8 decode (int8 weights, M <= 2, the AVX512 unit with VNNI): x quantized per row,
+  // x_quads[m * ldq + g] = the unsigned bytes q(x[4g .. 4g + 3]) + 128, x ~= x_scales[m] * q
+  // (quantize_activations). nullptr: the activations stay bf16 (weight-only int8).
+  const uint32_t* x_quads = nullptr;
+  int64_t ldq = 0;
+  const float* x_scales = nullptr;
 };
+
+// Rows of bf16 x (row m at x + m * ldx_in, K values) as LinearProblem::x_quads: per row the
+// scale max|x| / 127 and round(x / scale) + 128 as bytes, zero-padded (128) to ldq quads.
+void quantize_activations_avx512(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in, uint32_t* quads,
+                                 int64_t ldq, float* scales);
+void quantize_activations_avx512_emulated(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in,
+                                          uint32_t* quads, int64_t ldq, float* scales);
 
 // The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).
 inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {

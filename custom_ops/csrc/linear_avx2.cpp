@@ -287,6 +287,9 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX2 micro-kernels as linear_walk.h calls them (over LinearProblem::x).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
+  static constexpr bool kW8A8 = false;  // weight-only int8 (no AVX-VNNI kernel yet)
+  template <int Rows, int Blocks>
+  static void w8a8_blocks(const LinearProblem&, const int64_t*, float* const*) {}
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");

@@ -150,6 +150,25 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
+  if (p.format == WeightFormat::int8 && rows <= 2 && unit != LinearUnit::avx2 && int8_activations()) {
+    static const bool vnni = cpu_has("avx512_vnni");
+    if (unit == LinearUnit::avx512_emulated || vnni) {  // W8A8 (dispatch.h): x as unsigned bytes, per-row scales
+      const int64_t ldq = (k_pairs + 1) / 2;
+      thread_local std::vector<uint32_t> quads;
+      thread_local std::vector<float> x_scales;
+      quads.resize(rows * ldq);
+      x_scales.resize(rows);
+#ifdef TILEFX_AVX512_EMULATION
+      auto quantize = unit == LinearUnit::avx512 ? quantize_activations_avx512 : quantize_activations_avx512_emulated;
+#else
+      auto quantize = quantize_activations_avx512;
+#endif
+      quantize(bf16_bits(x2), rows, in_features, in_features, quads.data(), ldq, x_scales.data());
+      p.x_quads = quads.data();
+      p.ldq = ldq;
+      p.x_scales = x_scales.data();
+    }
+  }
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {

@@ -55,6 +55,7 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2:
 //                                             two streams, Rows = 1 only), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
+//   kW8A8, w8a8_blocks<Rows, Blocks>         (units with VNNI) int8 decode over LinearProblem::x_quads
 // Decode widens the 1-byte values in registers (q_blocks); a GEMM dequantizes each block
 // into scratch once and runs one_block over it, then applies int8's column scales.
 template <class Unit, WeightFormat F>
@@ -63,10 +64,19 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
   float* first = scratch;
   float* second = scratch + rows * kBlockN;
   uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
+  // W8A8: int8 weights against x quantized per row (LinearProblem::x_quads), where the unit has it.
+  bool w8a8 = false;
+  if constexpr (Unit::kW8A8 && F == WeightFormat::int8) w8a8 = p.x_quads != nullptr && p.M <= 2;
   auto one = [&](int64_t block, float* c) {
     if (p.M <= 2) {
       float* out[1] = {c};
       const int64_t which[1] = {block};
+      if constexpr (Unit::kW8A8) {
+        if (w8a8) {
+          return p.M == 1 ? Unit::template w8a8_blocks<1, 1>(p, which, out)
+                          : Unit::template w8a8_blocks<2, 1>(p, which, out);
+        }
+      }
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }
@@ -83,6 +93,9 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
       if (p.M == 1) {
         float* out[2] = {c_a, c_b};
         const int64_t which[2] = {a, b};
+        if constexpr (Unit::kW8A8) {
+          if (w8a8) return Unit::template w8a8_blocks<1, 2>(p, which, out);
+        }
         return Unit::template q_blocks<F, 1, 2>(p, which, out);
       }
     }
