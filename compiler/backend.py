@@ -60,7 +60,8 @@ class Backend:
             if None in sources or recipes is None:
                 self.not_saveable = "an input Dynamo gave no source"
             elif not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
-                self.not_saveable = f"{len(outputs)} outputs (the graph cache calls graphs that return the logits only)"
+                count = len(outputs) if isinstance(outputs, (list, tuple)) else "not a list of"
+                self.not_saveable = f"{count} outputs (the graph cache calls graphs that return the logits only)"
             else:
                 self.saveable = Saveable([source.name for source in sources], recipes, compiled, self.report.graphs[-1])
         return _with_inputs(compiled, packed)

@@ -6,7 +6,9 @@ shape (a 2-D mask padded to ``max_seq_len``, explicit position ids, the cache), 
 marks the prompt length dynamic, so one graph serves every prefill and one every
 decode step. Batch 1 has graphs of its own (the decode step users wait on stays
 specialized); every batch from 2 to ``max_batch`` shares one pair in which the batch
-is a dynamic dim, so startup does not grow with ``max_batch``. ``model.generate``
+is a dynamic dim, so startup does not grow with ``max_batch``. A graph an earlier process
+saved for the same call class and key (compiler/graph_cache.py) is loaded and called
+directly, without Dynamo; the others go through Dynamo and are saved. ``model.generate``
 gets an up-front check of the whole request; everything else is transformers' own
 ``generate``.
 """
@@ -180,7 +182,7 @@ class TilefxRuntime:
     def _dynamo_forward(self, call: str, arguments: dict) -> torch.Tensor:
         # prepare_freezing: Dynamo makes parameters graph attributes (not inputs) only when
         # freezing is on at trace time; the backend's config patch comes too late for that.
-        self.backend.saveable = None
+        self.backend.saveable = self.backend.not_saveable = None
         with torch._dynamo.config.patch(prepare_freezing=self.options.freezing):
             out = self.compiled_forward(**arguments)
         if self.graph_cache is not None:
