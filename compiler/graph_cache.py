@@ -260,15 +260,16 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     os.replace(file.name, path)
 
 
-def _parameter_names(model) -> tuple[dict[int, str], dict[str, int]]:
+def _parameter_names(model) -> dict[int, str]:
+    """id() of each parameter -> its first name (a tied weight has several)."""
     names = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
-    return names, {name: key for key, name in names.items()}
+    return names
 
 
 def _record_to_dict(record, model) -> dict:
-    names, _ = _parameter_names(model)
+    names = _parameter_names(model)
     return {
         "phase": record.phase, "nodes": record.nodes, "tilefx_ops": record.tilefx_ops,
         "passes": [{"name": r.name, "rewritten": r.rewritten, "fallbacks": r.fallbacks,
@@ -281,7 +282,7 @@ def _record_from_dict(data: dict, model):
     from tilefx.compiler.passes.base import PassResult
     from tilefx.compiler.report import GraphRecord
 
-    _, ids = _parameter_names(model)
+    ids = {name: key for key, name in _parameter_names(model).items()}
     passes = [PassResult(name=p["name"], rewritten=p["rewritten"], fallbacks=list(p["fallbacks"]),
                          packed_exclusively={ids[n] for n in p["packed_exclusively"]},
                          packed_shared={ids[n] for n in p["packed_shared"]}) for p in data["passes"]]

@@ -206,11 +206,11 @@ def int8_activations_reason(path: str | None = None) -> str | None:
     path = path or _current
     if native is None or not hasattr(native, "set_int8_activations"):
         return "the native library is not built"
-    if path == EMULATED_AVX512:
-        return None
-    if path not in ("avx512_bf16", "amx"):
-        return f"the {path} path has no W8A8 kernel (AVX512 units with VNNI only)"
-    return None if native.cpu_has("avx512_vnni") else "this CPU lacks AVX512-VNNI"
+    # The unit of the decode linears on this path (the native table; "linear" adds amx's GEMMs above 4 rows).
+    unit = kernel_units(path).get("linear_float")
+    if unit not in ("avx512_bf16", EMULATED_AVX512):
+        return f"the {path} path's linear unit ({unit or 'PyTorch'}) has no W8A8 kernel (the AVX512 units only)"
+    return None if unit == EMULATED_AVX512 or native.cpu_has("avx512_vnni") else "this CPU lacks AVX512-VNNI"
 
 
 def int8_activations_on() -> bool:

@@ -190,7 +190,6 @@ class TilefxRuntime:
                 self.graph_cache.save(call, self.backend.saveable, self.model)
             elif self.backend.not_saveable is not None:
                 self.graph_cache.problems.append(f"{call}: not saved ({self.backend.not_saveable})")
-            self.backend.saveable = self.backend.not_saveable = None
         return out.logits
 
     def _full_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:

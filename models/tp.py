@@ -237,7 +237,6 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
     checkpoint as the rank's slice only (``get_slice``), marked with its ``weights.Shard``; ``model.config`` is the
     full model's config again afterwards."""
     from accelerate import init_empty_weights
-    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
@@ -287,12 +286,11 @@ def load_shard(directory: pathlib.Path, config, plan: Plan, ctx: TPContext, dtyp
     # Persistent buffers the checkpoint holds (DeepSeek-V3's e_score_correction_bias): whole on every rank,
     # in the buffer's own dtype. (The others were computed when the model was built.)
     buffers = [name for name, _ in model.named_buffers() if name in model.state_dict() and name in files]
-    for path in {files[name] for name in buffers}:
-        with safe_open(path, "pt") as f:
-            for name in (n for n in buffers if files[n] == path):
-                module_name, attr = name.rsplit(".", 1)
-                module = model.get_submodule(module_name)
-                module._buffers[attr] = f.get_tensor(name).to(module._buffers[attr].dtype)
+    with _open_files() as opened:
+        for name in buffers:
+            module_name, attr = name.rsplit(".", 1)
+            module = model.get_submodule(module_name)
+            module._buffers[attr] = opened(files[name]).get_tensor(name).to(module._buffers[attr].dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.config = config
