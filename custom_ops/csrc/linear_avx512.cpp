@@ -258,50 +258,12 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
 // 1 KiB was only 16 rows ahead; bf16's two lines per row put the same distance 8 rows ahead.)
 constexpr int64_t kQPrefetchBytes = 4096;
 
-// 16 values (8 columns x one K pair, in packed order) of a quantized block as fp32 (the
-// GEMM's dequantization of a block; the GEMVs read them as bf16, load_quantized_pairs).
-// e4m3 goes through fp16: the byte sign-extended to 16 bits and shifted left by 7 puts its
-// exponent and mantissa in fp16's (bias 15 instead of 7) and a copy of the sign in fp16's
-// top exponent bit, which the mask clears; vcvtph2ps is exact, subnormals included, so the
-// result is the e4m3 value times 2^-8 exactly (kFp8Unscale, kernels.h, goes into the scales).
-// The two NaN codes would read as +-480: packing refuses them (custom_ops/weights.py).
-
-static inline __m512i widen_int8x16(__m128i v) {
-#ifdef TILEFX_AVX512_EMULATED  // SIMDe has no _mm512_cvtepi8_epi32
-  return _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(v));
-#else
-  return _mm512_cvtepi8_epi32(v);
-#endif
-}
-
-template <WeightFormat F>
-static inline __m512 load_quantized16(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (F == WeightFormat::int8) {
-    return _mm512_cvtepi32_ps(widen_int8x16(raw));
-  } else {
-    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7),
-                                          _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-    return _mm512_cvtph_ps(half);
-  }
-}
-
-// The scale of block `block`'s K pairs from `pair` on, as a vector (fp8: per 128 inputs, times kFp8Unscale).
-template <WeightFormat F>
-static inline __m512 group_scale(const LinearProblem& p, int64_t block, int64_t pair) {
-  if constexpr (F == WeightFormat::fp8) {
-    return _mm512_set1_ps(kFp8Unscale * fp8_scale(p, block, pair));
-  } else {
-    return _mm512_set1_ps(1.0f);
-  }
-}
-
 // Decode reads 1-byte values straight into `vdpbf16ps`: every e4m3 value and every int8
 // magnitude is exact in bf16, so a 128-entry table maps a byte's low 7 bits to its bf16
 // magnitude (`vpermi2b` per result byte, AVX512-VBMI) and the sign comes from the byte's
 // top bit (int8 looks its absolute value up). A K pair row of a block (64 bytes) becomes
 // two vectors of bf16 pairs in 4 instructions plus 2 `vdpbf16ps`, against 20 for widening
-// to fp32 (load_quantized16), which left fp8 decode compute-bound at ~1.5x the memory floor.
+// to fp32 (the first version), which left fp8 decode compute-bound at ~1.5x the memory floor.
 struct ByteTables {
   uint8_t lo[128], hi[128];  // low and high byte of the bf16 value of each 7-bit magnitude code
 };
@@ -333,11 +295,50 @@ struct Tables {
   __m512i lo0, lo1, hi0, hi1;
 };
 
-template <WeightFormat F>
-static inline Tables load_tables() {
-  const ByteTables& t = F == WeightFormat::int8 ? kInt8Tables : kFp8Tables;
+static inline Tables load_tables(const ByteTables& t) {
   return {_mm512_loadu_si512(t.lo), _mm512_loadu_si512(t.lo + 64), _mm512_loadu_si512(t.hi),
           _mm512_loadu_si512(t.hi + 64)};
+}
+
+template <WeightFormat F>
+static inline Tables load_tables() {
+  return load_tables(F == WeightFormat::int8 ? kInt8Tables : kFp8Tables);
+}
+
+// Each 7-bit e4m3 magnitude code's value as fp32 (exact).
+struct Fp8Magnitudes {
+  float value[128];
+};
+
+constexpr Fp8Magnitudes fp8_magnitudes() {
+  Fp8Magnitudes t{};
+  for (int code = 0; code < 128; ++code) {
+    const int e = code >> 3, m = code & 7;  // (8 + m) 2^(e - 10), subnormal m 2^-9
+    float v = e ? static_cast<float>(8 + m) : static_cast<float>(m);
+    for (int i = 0; i < (e ? 10 - e : 9); ++i) v *= 0.5f;
+    for (int i = 0; i < e - 10; ++i) v *= 2.0f;
+    t.value[code] = v;
+  }
+  return t;
+}
+
+alignas(64) constexpr Fp8Magnitudes kFp8Magnitudes = fp8_magnitudes();
+
+// fp8's byte tables with one group's scale folded in: each magnitude times `scale`, rounded to
+// bf16 once (the rounding the dequantized panel always had), so that the GEMM's fp8 panel is
+// the same table decode as int8's, rebuilt once per 128 inputs of a block (~24 instructions
+// against 64 rows of 9) instead of widening every value to fp32 to scale it.
+static inline Tables scaled_fp8_tables(float scale) {
+  alignas(64) uint16_t bf16[128];
+  alignas(64) ByteTables t;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int i = 0; i < 128; i += 16) store_bf16x16(bf16 + i, _mm512_mul_ps(_mm512_load_ps(kFp8Magnitudes.value + i), s));
+  for (int i = 0; i < 128; i += 32) {
+    const __m512i v = _mm512_load_si512(bf16 + i);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t.lo + i), _mm512_cvtepi16_epi8(v));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(t.hi + i), _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 8)));
+  }
+  return load_tables(t);
 }
 
 // One K pair row of a quantized block (64 bytes) as bf16 pairs: `a` holds columns 8L..8L+3
@@ -464,28 +465,24 @@ static void w8a8_gemv(const LinearProblem& p, const int64_t* blocks, float* cons
   }
 }
 
-// Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM. int8 goes
-// through the decode's byte tables (exact, no scale to apply: 9 instructions per K pair row
-// instead of 16); fp8 is widened to fp32 to take its block scale.
+// Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM, through the
+// decode's byte tables: 9 instructions per K pair row instead of 16 widening to fp32. int8's
+// are exact and its column scales apply to the result; fp8's carry each group's block scale
+// (scaled_fp8_tables), rounded to bf16 as a widened and scaled value would be.
 template <WeightFormat F>
 static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
-  if constexpr (F == WeightFormat::int8) {
-    const Tables tables = load_tables<F>();
-    const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
-    for (int64_t q = 0; q < p.K_pairs; ++q) {
+  const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
+  const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
+  Tables tables = load_tables<F>();
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
+    if constexpr (F == WeightFormat::fp8) tables = scaled_fp8_tables(fp8_scale(p, block, g0));
+    const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
+    for (int64_t q = g0; q < g1; ++q) {
       __m512i a, b;
       load_quantized_pairs<F>(w + q * kQPairBytes, tables, a, b);
       _mm512_storeu_si512(out + q * kPairStride, _mm512_permutex2var_epi32(a, first, b));
       _mm512_storeu_si512(out + q * kPairStride + kBlockN, _mm512_permutex2var_epi32(a, second, b));
-    }
-    return;
-  }
-  for (int64_t q = 0; q < p.K_pairs; ++q) {
-    const __m512 scale = group_scale<F>(p, block, q);
-    for (int j = 0; j < 4; ++j) {
-      const __m512 v = load_quantized16<F>(w + q * kQPairBytes + 16 * j);
-      store_bf16x16(out + q * kPairStride + 16 * j, F == WeightFormat::fp8 ? _mm512_mul_ps(v, scale) : v);
     }
   }
 }

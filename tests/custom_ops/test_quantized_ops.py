@@ -149,6 +149,18 @@ def test_every_e4m3_code_decodes_exactly(kernel_path, rows):
     assert torch.equal(got, values.expand(rows, 256))
 
 
+def test_fp8_gemm_panel_takes_each_group_scale(kernel_path):
+    """The GEMM's dequantized fp8 panel: every value times its 128-input group's scale, rounded to bf16 once.
+    One-hot rows of x read the panel back out (K = 300: two whole groups and a partial one; N = 201)."""
+    weight = (torch.randn(201, 300, generator=torch.Generator().manual_seed(5)) * 3).to(torch.bfloat16)
+    packed = weights.pack_linear_weight(weight, "fp8")
+    scales = weights.packed_scales(packed)
+    assert scales.unique().numel() == 6  # two 128-row blocks x three groups, each its own scale
+    x = torch.eye(300, dtype=torch.bfloat16)
+    got = linear_ops.linear(x, packed, None, 201, scales)
+    assert torch.equal(got, linear_ops.linear_reference(x, packed, None, 201, scales))
+
+
 def test_quantize_rows():
     weight = _weight(200, 300, seed=7)
     values, scales = weights.quantize_rows(weight, "int8")
