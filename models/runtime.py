@@ -8,7 +8,8 @@ decode step. Batch 1 has graphs of its own (the decode step users wait on stays
 specialized); every batch from 2 to ``max_batch`` shares one pair in which the batch
 is a dynamic dim, so startup does not grow with ``max_batch``. A graph an earlier process
 saved for the same call class and key (compiler/graph_cache.py) is loaded and called
-directly, without Dynamo; the others go through Dynamo and are saved. ``model.generate``
+directly, without Dynamo; the others go through Dynamo once, are saved, and are then
+called the same way. ``model.generate``
 gets an up-front check of the whole request; everything else is transformers' own
 ``generate``.
 """
@@ -188,6 +189,7 @@ class TilefxRuntime:
         if self.graph_cache is not None:
             if self.backend.saveable is not None:
                 self.graph_cache.save(call, self.backend.saveable, self.model)
+                self.loaded[call] = self.graph_cache.adopt(self.backend.saveable, self.model)
             elif self.backend.not_saveable is not None:
                 self.graph_cache.problems.append(f"{call}: not saved ({self.backend.not_saveable})")
         return out.logits

@@ -36,6 +36,8 @@ def test_second_compile_loads_every_graph_and_generates_the_same(preset, tmp_pat
     first = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
     cache = first.tilefx.graph_cache
     assert cache.loaded == [] and len(cache.saved) == len(first.tilefx.report.graphs) >= 2, tilefx.explain(first)
+    # The process that compiled them calls them the same way from then on (no Dynamo frame per step).
+    assert sorted(first.tilefx.loaded) == sorted(cache.saved) and None not in first.tilefx.loaded.values()
 
     before = _dynamo_graphs()
     second = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
