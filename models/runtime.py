@@ -181,10 +181,12 @@ class TilefxRuntime:
         return f"batch {batches}, {'prefill' if seq > 1 else 'decode'}, logits_to_keep {logits_to_keep}"
 
     def _dynamo_forward(self, call: str, arguments: dict) -> torch.Tensor:
-        # prepare_freezing: Dynamo makes parameters graph attributes (not inputs) only when
-        # freezing is on at trace time; the backend's config patch comes too late for that.
+        # Dynamo makes parameters graph attributes (not inputs) when freezing is on at trace time
+        # (its prepare_freezing, or Inductor's freezing set by the caller for other models: the
+        # bench's stock torch.compile row does): the backend's config patch comes too late for that.
         self.backend.saveable = self.backend.not_saveable = None
-        with torch._dynamo.config.patch(prepare_freezing=self.options.freezing):
+        with torch._dynamo.config.patch(prepare_freezing=self.options.freezing), \
+                torch._inductor.config.patch(freezing=self.options.freezing):
             out = self.compiled_forward(**arguments)
         if self.graph_cache is not None:
             if self.backend.saveable is not None:

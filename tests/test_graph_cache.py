@@ -58,6 +58,19 @@ def test_second_compile_loads_every_graph_and_generates_the_same(preset, tmp_pat
     assert [g.tilefx_ops for g in report.graphs] == [g.tilefx_ops for g in first.tilefx.report.graphs]
 
 
+def test_global_inductor_freezing_does_not_change_tilefx_graphs(tmp_path, monkeypatch):
+    """Inductor's freezing set for another model (the bench's stock torch.compile row) would make Dynamo turn
+    parameters into attributes: tilefx traces under its own option, so its graphs keep weights as inputs."""
+    monkeypatch.setenv("TILEFX_GRAPH_CACHE_DIR", str(tmp_path))
+    with torch._inductor.config.patch(freezing=True):
+        model = tilefx.compile_model(build_model("tiny-qwen2", seed=5), max_seq_len=MAX_SEQ_LEN)
+        ids, mask = _prompts(1)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert len(model.tilefx.graph_cache.saved) == 2, tilefx.explain(model)
+    assert_greedy_matches(build_model("tiny-qwen2", seed=5), ids, mask, out)
+
+
 def test_damaged_artifact_falls_back_to_dynamo_and_is_saved_again(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEFX_GRAPH_CACHE_DIR", str(tmp_path))
     first = tilefx.compile_model(build_model("tiny-qwen2", seed=5), max_seq_len=MAX_SEQ_LEN)
