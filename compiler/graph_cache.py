@@ -175,7 +175,7 @@ class GraphCache:
         self.loaded.append(call)
         return graph
 
-    def adopt(self, saveable: Saveable, model) -> LoadedGraph | None:
+    def adopt(self, call: str, saveable: Saveable, model) -> LoadedGraph | None:
         """A graph Dynamo just compiled, called as a loaded one from then on: the process that compiled it
         skips Dynamo's guards and frame setup on every later call too (~0.5 ms per decode step), and runs
         the same path as the processes that load it. None where it cannot be (the reason in ``problems``)."""
@@ -185,7 +185,7 @@ class GraphCache:
             compiled = BundledAOTAutogradSerializableCallable(saveable.compiled)
             return LoadedGraph(compiled, saveable.inputs, saveable.extras, type(model).forward.__get__(model))
         except Exception as error:  # Dynamo's compiled code keeps serving the call class
-            self.problems.append(f"not called directly ({type(error).__name__}: {error})")
+            self.problems.append(f"{call}: not called directly ({type(error).__name__}: {error})")
             return None
 
     # -- writing ---------------------------------------------------------------------------

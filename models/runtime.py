@@ -191,7 +191,7 @@ class TilefxRuntime:
         if self.graph_cache is not None:
             if self.backend.saveable is not None:
                 self.graph_cache.save(call, self.backend.saveable, self.model)
-                self.loaded[call] = self.graph_cache.adopt(self.backend.saveable, self.model)
+                self.loaded[call] = self.graph_cache.adopt(call, self.backend.saveable, self.model)
             elif self.backend.not_saveable is not None:
                 self.graph_cache.problems.append(f"{call}: not saved ({self.backend.not_saveable})")
         return out.logits

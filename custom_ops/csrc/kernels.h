@@ -27,8 +27,8 @@ constexpr int64_t kBlockN = 32;
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2 };
 constexpr int64_t kFp8GroupPairs = 64;
 constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
-// Both units widen e4m3 through fp16 (linear_avx512.cpp, load_quantized16), which yields the value
-// times 2^-8 exactly: the fp8 scales they apply to those widened values carry this factor.
+// The AVX2 unit widens e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the value
+// times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;
 
 struct LinearProblem {
