@@ -8,6 +8,28 @@
 namespace tilefx {
 namespace {
 
+// The M = 1 gate/up walk with SiLU-and-mul over output blocks [block_begin, block_end):
+// stream a takes the first half of them and stream b the second, and each reads its
+// blocks in memory order, gate j then up j then gate j + 1, so neither stream jumps
+// and each one's prefetch past a block's end lands on what it reads next. (Pairing
+// gate j with up j instead restarts both streams at every block: measured, the
+// quantized gate/up GEMV then read 0.88-0.97 of a plain GEMV's GB/s over the same bytes.)
+// `two(a, b, c_a, c_b)` runs packed blocks a and b as two streams; `gate` and `up`
+// hold 2 * kBlockN floats each. Returns where the walk stopped: an odd block is left.
+template <class Unit, class Two>
+int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* gate, float* up,
+                        const Two& two) {
+  const int64_t half = (block_end - block_begin) / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t a = block_begin + i, b = block_begin + half + i;
+    two(2 * a, 2 * b, gate, gate + kBlockN);
+    two(2 * a + 1, 2 * b + 1, up, up + kBlockN);
+    Unit::store_silu_mul(p, a * kBlockN, gate, up);
+    Unit::store_silu_mul(p, b * kBlockN, gate + kBlockN, up + kBlockN);
+  }
+  return block_begin + 2 * half;
+}
+
 // `Unit` supplies, over the activations it reads (LinearProblem::x or x_pairs):
 //   two_blocks(p, block_a, block_b, c_a, c_b)  M = 1 against two blocks at once (two streams)
 //   one_block(p, block, c)                     every row against one block (GEMV, or GEMM for M > 2)
@@ -19,9 +41,15 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
   const int64_t block_elems = p.K_pairs * kBlockN * 2;
   if (p.silu_mul) {
     // Output block j reads gate block 2j and up block 2j + 1, adjacent in the packed
-    // weight; for M = 1 as two streams at once.
+    // weight. For M = 1, two streams each read their half of the range front to back
+    // (gate j, up j, gate j + 1, ...; see silu_mul_halves).
     float* gate = scratch;
     float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
+    if (p.M == 1) {
+      block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, gate, up, [&](int64_t a, int64_t b, float* c_a, float* c_b) {
+        Unit::two_blocks(p, p.w + a * block_elems, p.w + b * block_elems, c_a, c_b);
+      });
+    }
     for (int64_t j = block_begin; j < block_end; ++j) {
       const uint16_t* w_gate = p.w + 2 * j * block_elems;
       if (p.M == 1) {
@@ -103,6 +131,7 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
     one(b, c_b);
   };
   if (p.silu_mul) {
+    if (p.M == 1) block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, first, second, two);
     for (int64_t j = block_begin; j < block_end; ++j) {
       two(2 * j, 2 * j + 1, first, second);
       Unit::store_silu_mul(p, j * kBlockN, first, second);

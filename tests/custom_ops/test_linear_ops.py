@@ -119,6 +119,7 @@ def _gate_up_problem(rows, width, in_features, seed):
 
 @pytest.mark.parametrize("rows,width,in_features", [
     ((1,), 64, 64),  # decode: gate and up blocks as two streams
+    ((1,), 224, 96),  # decode, 7 output blocks: each thread's range read as two halves, an odd block alone
     ((1,), 32, 7),  # one block, odd K
     ((2,), 96, 130),  # batch-2 decode
     ((3,), 32, 129),  # smallest GEMM
