@@ -361,9 +361,11 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
   const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
   for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
     const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
-    __m512 acc[Rows * Blocks][2];
+    // Even and odd K pair rows accumulate apart: twice the independent vdpbf16ps chains.
+    __m512 acc[Rows * Blocks][2], odd[Rows * Blocks][2];
     for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
-    for (int64_t q = g0; q < g1; ++q) {
+    for (auto& a : odd) a[0] = a[1] = _mm512_setzero_ps();
+    auto add_row = [&](int64_t q, __m512 (&into)[Rows * Blocks][2]) {
       for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kQPairBytes;
         _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
@@ -371,12 +373,20 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
         load_quantized_pairs<F>(row, tables, lo, hi);
         for (int r = 0; r < Rows; ++r) {
           const __m512bh xp = broadcast_pair(p.x_pairs[r * ldp + q]);
-          acc[r * Blocks + b][0] = _mm512_dpbf16_ps(acc[r * Blocks + b][0], as_pairs(lo), xp);
-          acc[r * Blocks + b][1] = _mm512_dpbf16_ps(acc[r * Blocks + b][1], as_pairs(hi), xp);
+          into[r * Blocks + b][0] = _mm512_dpbf16_ps(into[r * Blocks + b][0], as_pairs(lo), xp);
+          into[r * Blocks + b][1] = _mm512_dpbf16_ps(into[r * Blocks + b][1], as_pairs(hi), xp);
         }
       }
+    };
+    int64_t q = g0;
+    for (; q + 1 < g1; q += 2) {
+      add_row(q, acc);
+      add_row(q + 1, odd);
     }
+    if (q < g1) add_row(q, acc);
     for (int i = 0; i < Rows * Blocks; ++i) {
+      acc[i][0] = _mm512_add_ps(acc[i][0], odd[i][0]);
+      acc[i][1] = _mm512_add_ps(acc[i][1], odd[i][1]);
       if constexpr (F == WeightFormat::fp8) {
         const __m512 scale = _mm512_set1_ps(fp8_scale(p, blocks[i % Blocks], g0));
         total[i][0] = _mm512_fmadd_ps(acc[i][0], scale, total[i][0]);

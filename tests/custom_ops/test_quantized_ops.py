@@ -28,6 +28,7 @@ SHAPES = [
     ((1,), 64, 64),  # decode, whole blocks
     ((1,), 33, 7),  # N not a multiple of the block, odd K
     ((1,), 96, 300),  # K over two fp8 scale groups, not a multiple of 128
+    ((1,), 64, 130),  # odd K pair count (65): a group's last pair row without its odd partner
     ((2,), 200, 96),  # batch-2 decode
     ((3,), 96, 129),  # smallest GEMM, odd K just past a scale group
     ((2, 37), 70, 300),  # prefill
