@@ -14,7 +14,10 @@ memory floor is the bytes one decode step must read (weights, with the embedding
 table only when lm_head is tied to it, plus the KV cache) over the streaming-read
 bandwidth measured in this run; for a tilefx row, the bytes its packed weights hold
 in their format (quantized values and their scales), so each format is held to its
-own floor.
+own floor. The bandwidth is probed before every sample, and "TPOT / floor" is the
+median of each sample's TPOT over the floor at its own probe; the speedup columns are
+medians of each run's ratios. (A shared machine's bandwidth drifts by up to 2x within
+one run: against the run's median probe that drift would read as the kernels'.)
 
 With ``--tp N`` (under torchrun) every rank compiles the model with ``tp=N`` (a preset is
 written to a temporary checkpoint by rank 0 first) and runs the same requests; rank 0
@@ -224,10 +227,11 @@ def main(argv=None) -> int:
         samples = {mode: [] for mode in modes}
         long_samples, bandwidth = [], []
         for _ in range(args.runs):
-            bandwidth.append(isa.stream_read_gbps())
             for mode in modes:
+                bandwidth.append(isa.stream_read_gbps())  # just before the sample it is the floor of
                 with activations(mode):
-                    samples[mode].append(timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode]))
+                    ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
+                samples[mode].append((ttft, tpot, bandwidth[-1]))
             if long_context:
                 long_samples.append(timed_generate(models["tilefx"], long_ids, args.new_tokens))
 
@@ -241,20 +245,29 @@ def main(argv=None) -> int:
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
         own_bytes = packed_decode_bytes(models[mode], context) if mode.startswith("tilefx") else step_bytes
         own_floor = own_bytes / (gbps * 1e9) * 1e3
+        # each sample against the bandwidth probed just before it: this machine's bandwidth drifts
+        # by up to 2x within a run, which a ratio to the run's median probe would count as the kernels'
+        over_floor = statistics.median(s[1] * s[2] * 1e9 / own_bytes for s in samples[mode])
         rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "decode_gb": own_bytes / 1e9,
-                     "floor_ms": own_floor, "tpot_over_floor": tpot / own_floor})
-    eager_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "eager"), None)
-    stock_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "torch.compile"), None)
+                     "floor_ms": own_floor, "tpot_over_floor": over_floor})
+
+    def speedup_over(reference: str):
+        """The median over runs of each run's TPOT ratio (reference / mode): the runs' drift cancels."""
+        if reference not in samples:
+            return lambda mode: None
+        return lambda mode: statistics.median(r[1] / s[1] for r, s in zip(samples[reference], samples[mode]))
+
     print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {step_bytes / 1e9:.2f} GB "
           f"-> memory floor {floor_ms:.1f} ms/token\n")
-    bf16_tpot = next((r["tpot_ms"] for r in rows if r["mode"] == "tilefx"), None)
     print("| mode | decode reads GB | floor ms | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager "
           "| vs torch.compile | vs tilefx bf16 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ratios = {"speedup_vs_eager": speedup_over("eager"), "speedup_vs_torch_compile": speedup_over("torch.compile"),
+              "speedup_vs_tilefx_bf16": speedup_over("tilefx")}
     for row in rows:
-        speedup = f"{eager_tpot / row['tpot_ms']:.2f}x" if eager_tpot else "-"
-        vs_stock = f"{stock_tpot / row['tpot_ms']:.2f}x" if stock_tpot else "-"
-        vs_bf16 = f"{bf16_tpot / row['tpot_ms']:.2f}x" if bf16_tpot else "-"
+        shown = {name: ratio(row["mode"]) for name, ratio in ratios.items()}
+        row.update({name: value for name, value in shown.items() if value is not None})
+        speedup, vs_stock, vs_bf16 = (f"{v:.2f}x" if v is not None else "-" for v in shown.values())
         print(f"| {row['mode']} | {row['decode_gb']:.2f} | {row['floor_ms']:.1f} | {row['ttft_ms']:.1f} "
               f"| {row['tpot_ms']:.1f} | {row['tpot_over_floor']:.2f} | {speedup} | {vs_stock} | {vs_bf16} |")
     if long_context:
