@@ -39,6 +39,36 @@ def is_parameter(node) -> bool:
     return model_parameter(node) is not None
 
 
+def run_fake(node: torch.fx.Node) -> torch.fx.Node:
+    """Records a node's example value by running its op (call_function) or method (call_method) on its inputs'
+    example values, so a pass that adds or rewires a node never writes a shape or dtype by hand. Returns the node.
+
+    It runs under the fake mode of the node's first non-parameter tensor input; an input of another mode (Dynamo's
+    parameter inputs can carry their own) joins it as an empty tensor with the same metadata."""
+    inputs = [a for a in node.all_input_nodes if example_value(a) is not None]
+    ordered = [a for a in inputs if not is_parameter(a)] + [a for a in inputs if is_parameter(a)]
+    modes = [getattr(example_value(a), "fake_mode", None) for a in ordered]
+    mode = next((m for m in modes if m is not None), None)
+    if mode is None:
+        raise ValueError(f"{node.format_node()}: no fake tensor among its inputs to run it on")
+
+    def value(arg):
+        value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else arg
+        if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not mode:
+            value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return value
+
+    with mode:
+        args = torch.fx.node.map_aggregate(node.args, value)
+        kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
+        if node.op == "call_method":
+            result = getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            result = node.target(*args, **kwargs)
+    node.meta["example_value"] = result
+    return node
+
+
 def linear_args(node: torch.fx.Node):
     """(x, weight, bias) of a linear call, positional or keyword."""
     args = list(node.args) + [None] * 2

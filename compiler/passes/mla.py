@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import LINEAR, SDPA, cache_writes, erase_region, example_value, first_user, view_source
-
+from tilefx.compiler.passes.graph_utils import (LINEAR, SDPA, cache_writes, erase_region, example_value, first_user,
+                                                 run_fake, view_source)
 
 
 class MlaPass(TilefxPass):
@@ -97,13 +96,12 @@ class MlaPass(TilefxPass):
             return (f"kv_b_proj {tuple(w_val.shape)} does not split into {heads} heads of "
                     f"{nope} key + {v_dim} value rows over a rank-{rank} latent")
 
-        fake = _FakeValues(detect_fake_mode([q_val, w_val]))
         ops = torch.ops.tilefx
         with graph.inserting_before(sdpa):
-            w_uk = fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, False)))
-            w_uv = fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, True)))
-            q_latent = fake(graph.call_function(ops.linear_per_head.default, (q_nope, w_uk, rank)))
-            o_latent = fake(graph.call_function(ops.mla_attention.default, (
+            w_uk = run_fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, False)))
+            w_uv = run_fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, True)))
+            q_latent = run_fake(graph.call_function(ops.linear_per_head.default, (q_nope, w_uk, rank)))
+            o_latent = run_fake(graph.call_function(ops.mla_attention.default, (
                 q_latent, q_pe, latent_write.args[3], rope_write.args[3], latent_buf, rope_buf, positions, mask,
                 float(scale))))
             out = graph.call_function(ops.linear_per_head.default, (o_latent, w_uv, v_dim))
@@ -111,24 +109,5 @@ class MlaPass(TilefxPass):
         sdpa.replace_all_uses_with(out)
         erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})
         return None
-
-
-class _FakeValues:
-    """Records a new (call_function) node's example value by running its op on the inputs' fake tensors."""
-
-    def __init__(self, mode):
-        self.mode = mode
-
-    def __call__(self, node: torch.fx.Node) -> torch.fx.Node:
-        def value(arg):
-            value = example_value(arg) if isinstance(arg, torch.fx.Node) else arg
-            if isinstance(value, torch.Tensor) and getattr(value, "fake_mode", None) is not self.mode:
-                # Dynamo's parameter inputs can carry another fake mode: same metadata, this mode
-                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
-            return value
-
-        with self.mode:
-            node.meta["example_value"] = node.target(*torch.fx.node.map_aggregate(node.args, value))
-        return node
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import LINEAR, example_value, linear_args, model_parameter
+from tilefx.compiler.passes.graph_utils import LINEAR, example_value, linear_args, model_parameter, run_fake
 from tilefx.custom_ops import weights
 
 _ADDS = (operator.add, torch.add, operator.iadd)
@@ -41,21 +41,6 @@ _VIEWS = {"view", "reshape", "contiguous", "unsqueeze", "squeeze", "flatten"}
 def _shard(node) -> weights.Shard | None:
     param = model_parameter(node)
     return weights.shard_of(param) if param is not None else None
-
-
-def _promoted(node: torch.fx.Node):
-    """The example value of a view / sum / scaling of partials whose inputs may now be fp32."""
-    value = example_value(node)
-    dtypes = [example_value(a).dtype for a in node.all_input_nodes if example_value(a) is not None]
-    if value is None or not dtypes:
-        return value
-    dtype = dtypes[0] if node.op == "call_method" else torch.promote_types(*dtypes) if len(dtypes) > 1 else dtypes[0]
-    return value.to(dtype) if value.dtype != dtype else value
-
-
-def _fake(node: torch.fx.Node, value) -> torch.fx.Node:
-    node.meta["example_value"] = value
-    return node
 
 
 class PartitionPass(TilefxPass):
@@ -103,22 +88,19 @@ class PartitionPass(TilefxPass):
             ids, weight = node.args[:2]
             rows = int(example_value(weight).shape[0])
             first = shard.index * rows
-            ids_value = example_value(ids)
             with graph.inserting_before(node):
-                flags = ids_value.to(torch.bool)
-                local = _fake(graph.call_function(torch.sub, (ids, first)), ids_value)
-                above = _fake(graph.call_function(torch.ge, (local, 0)), flags)
-                below = _fake(graph.call_function(torch.lt, (local, rows)), flags)
-                mine = _fake(graph.call_function(torch.logical_and, (above, below)), flags)
-                clamped = _fake(graph.call_function(torch.clamp, (local, 0, rows - 1)), ids_value)
+                local = run_fake(graph.call_function(torch.sub, (ids, first)))
+                above = run_fake(graph.call_function(torch.ge, (local, 0)))
+                below = run_fake(graph.call_function(torch.lt, (local, rows)))
+                mine = run_fake(graph.call_function(torch.logical_and, (above, below)))
+                clamped = run_fake(graph.call_function(torch.clamp, (local, 0, rows - 1)))
             node.update_arg(0, clamped)
-            value = example_value(node)
             with graph.inserting_after(node):
-                keep = _fake(graph.call_function(torch.unsqueeze, (mine, -1)), ids_value.to(torch.bool).unsqueeze(-1))
+                keep = run_fake(graph.call_function(torch.unsqueeze, (mine, -1)))
             with graph.inserting_after(keep):
-                masked = _fake(graph.call_function(torch.mul, (node, keep)), value)
+                masked = run_fake(graph.call_function(torch.mul, (node, keep)))
             with graph.inserting_after(masked):
-                summed = _fake(graph.call_function(torch.ops.tilefx.all_reduce.default, (masked, self.group)), value)
+                summed = run_fake(graph.call_function(torch.ops.tilefx.all_reduce.default, (masked, self.group)))
             node.replace_all_uses_with(summed, delete_user_cb=lambda user: user is not masked)
             result.rewritten += 1
 
@@ -164,7 +146,7 @@ class PartitionPass(TilefxPass):
                 continue
             if self._stays_partial(node, partial):
                 partial[node] = partial[inputs[0]]
-                node.meta["example_value"] = _promoted(node)
+                run_fake(node)  # its inputs may now be fp32
                 continue
             for source in inputs:
                 if source not in reduced:
@@ -174,13 +156,12 @@ class PartitionPass(TilefxPass):
 
     def _reduce(self, graph: torch.fx.Graph, source: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
         """``all_reduce(source)``, cast back to the region's dtype where its partials were summed in fp32."""
-        value = example_value(source)
         with graph.inserting_after(source):
-            summed = _fake(graph.call_function(torch.ops.tilefx.all_reduce.default, (source, self.group)), value)
-        if value.dtype == dtype:
+            summed = run_fake(graph.call_function(torch.ops.tilefx.all_reduce.default, (source, self.group)))
+        if example_value(source).dtype == dtype:
             return summed
         with graph.inserting_after(summed):
-            return _fake(graph.call_method("to", (summed, dtype)), value.to(dtype))
+            return run_fake(graph.call_method("to", (summed, dtype)))
 
     @staticmethod
     def _in_fp32(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
@@ -194,20 +175,18 @@ class PartitionPass(TilefxPass):
         if bias is not None or value is None or value.dtype != torch.bfloat16:
             return
         with graph.inserting_before(node):
-            x32 = _fake(graph.call_method("float", (x,)), example_value(x).float())
-            w32 = _fake(graph.call_method("float", (weight,)), example_value(weight).float())
+            x32 = run_fake(graph.call_method("float", (x,)))
+            w32 = run_fake(graph.call_method("float", (weight,)))
         node.args, node.kwargs = (x32, w32), {}
-        node.meta["example_value"] = value.float()
+        run_fake(node)
 
     def _logits(self, graph: torch.fx.Graph, result: PassResult) -> None:
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in LINEAR]:
             shard = _shard(linear_args(node)[1])
             if shard is None or shard.style not in ("colwise_gather_output", "vocab"):  # vocab: lm_head tied
                 continue
-            value = example_value(node)
-            full = value.new_empty((*value.shape[:-1], shard.size))
             with graph.inserting_after(node):
-                gathered = _fake(graph.call_function(torch.ops.tilefx.all_gather.default,
-                                                     (node, self.group, shard.size)), full)
+                gathered = run_fake(graph.call_function(torch.ops.tilefx.all_gather.default,
+                                                        (node, self.group, shard.size)))
             node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
             result.rewritten += 1
