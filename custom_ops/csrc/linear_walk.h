@@ -131,7 +131,10 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
     one(b, c_b);
   };
   if (p.silu_mul) {
-    if (p.M == 1) block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, first, second, two);
+    // (a unit that streams one quantized block at a time reads gate j, up j in memory order already)
+    if constexpr (Unit::kTwoStreams) {
+      if (p.M == 1) block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, first, second, two);
+    }
     for (int64_t j = block_begin; j < block_end; ++j) {
       two(2 * j, 2 * j + 1, first, second);
       Unit::store_silu_mul(p, j * kBlockN, first, second);
