@@ -14,8 +14,8 @@ memory floor is the bytes one decode step must read (weights, with the embedding
 table only when lm_head is tied to it, plus the KV cache) over the streaming-read
 bandwidth measured in this run; for a tilefx row, the bytes its packed weights hold
 in their format (quantized values and their scales), so each format is held to its
-own floor. The bandwidth is probed before every sample, and "TPOT / floor" is the
-median of each sample's TPOT over the floor at its own probe; the speedup columns are
+own floor. The bandwidth is probed between samples, and "TPOT / floor" is the median
+of each sample's TPOT over the floor at the mean of the probes around it; the speedup columns are
 medians of each run's ratios. (A shared machine's bandwidth drifts by up to 2x within
 one run: against the run's median probe that drift would read as the kernels'.)
 
@@ -226,12 +226,13 @@ def main(argv=None) -> int:
                 timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
         samples = {mode: [] for mode in modes}
         long_samples, bandwidth = [], []
+        bandwidth.append(isa.stream_read_gbps())
         for _ in range(args.runs):
             for mode in modes:
-                bandwidth.append(isa.stream_read_gbps())  # just before the sample it is the floor of
                 with activations(mode):
                     ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
-                samples[mode].append((ttft, tpot, bandwidth[-1]))
+                bandwidth.append(isa.stream_read_gbps())  # each sample's floor: the probes just before and after it
+                samples[mode].append((ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2))
             if long_context:
                 long_samples.append(timed_generate(models["tilefx"], long_ids, args.new_tokens))
 
@@ -245,11 +246,13 @@ def main(argv=None) -> int:
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
         own_bytes = packed_decode_bytes(models[mode], context) if mode.startswith("tilefx") else step_bytes
         own_floor = own_bytes / (gbps * 1e9) * 1e3
-        # each sample against the bandwidth probed just before it: this machine's bandwidth drifts
-        # by up to 2x within a run, which a ratio to the run's median probe would count as the kernels'
+        # each sample against the bandwidth probed around it: this machine's bandwidth drifts by up
+        # to 2x within a run, which a ratio to the run's median probe would count as the kernels'
         over_floor = statistics.median(s[1] * s[2] * 1e9 / own_bytes for s in samples[mode])
         rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "decode_gb": own_bytes / 1e9,
-                     "floor_ms": own_floor, "tpot_over_floor": over_floor})
+                     "floor_ms": own_floor, "tpot_over_floor": over_floor,
+                     "samples": [{"ttft_ms": s[0] * 1e3, "tpot_ms": s[1] * 1e3, "stream_gbps": s[2]}
+                                 for s in samples[mode]]})
 
     def speedup_over(reference: str):
         """The median over runs of each run's TPOT ratio (reference / mode): the runs' drift cancels."""

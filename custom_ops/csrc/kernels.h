@@ -59,6 +59,10 @@ struct LinearProblem {
   const uint32_t* x_quads = nullptr;
   int64_t ldq = 0;
   const float* x_scales = nullptr;
+  // The AVX2 unit's int8 decode (M <= 2): x per row as int16 pairs, [M, ldx / 2], x[2p] in the
+  // low half of element p, x ~= x_word_scales[m] * q (quantize_words_avx2). nullptr: fp32 x.
+  const uint32_t* x_words = nullptr;
+  const float* x_word_scales = nullptr;
 };
 
 // Rows of bf16 x (row m at x + m * ldx_in, K values) as LinearProblem::x_quads: per row the
@@ -92,6 +96,9 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
+// Rows of fp32 x ([rows, ldx], ldx a multiple of 2) as LinearProblem::x_words: per row the scale
+// max|x| / 32767 and round(x / scale) as int16 (15 bits against bf16's 8 of the largest values).
+void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 
 // Streaming read of `bytes` bytes (multiple of 128 * streams) starting at `data`, as
 // `streams` (1 or 2) concurrent sequential streams; returns a value that depends on

@@ -150,6 +150,15 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
+  if (p.format == WeightFormat::int8 && rows <= 2 && unit == LinearUnit::avx2) {  // x as int16 (kernels.h)
+    thread_local std::vector<uint32_t> words;
+    thread_local std::vector<float> word_scales;
+    words.resize(rows * ldx / 2);
+    word_scales.resize(rows);
+    quantize_words_avx2(p.x, rows, ldx, words.data(), word_scales.data());
+    p.x_words = words.data();
+    p.x_word_scales = word_scales.data();
+  }
   if (p.format == WeightFormat::int8 && rows <= 2 && unit != LinearUnit::avx2 && int8_activations()) {
     static const bool vnni = cpu_has("avx512_vnni");
     if (unit == LinearUnit::avx512_emulated || vnni) {  // W8A8 (dispatch.h): x as unsigned bytes, per-row scales

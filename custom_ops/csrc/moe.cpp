@@ -79,6 +79,30 @@ struct ExpertWeights {
   }
 };
 
+// The AVX2 unit's int8 experts read their rows as int16 pairs (LinearProblem::x_words): every
+// row quantized once, when the experts are int8 and the unit is AVX2; otherwise nothing.
+struct ExpertWords {
+  std::vector<uint32_t> words;
+  std::vector<float> scales;
+  int64_t ldw = 0;
+
+  ExpertWords(LinearUnit unit, const ExpertWeights& experts, const float* rows, int64_t count, int64_t ldx) {
+    if (unit != LinearUnit::avx2 || experts.whole.format != WeightFormat::int8) return;
+    ldw = ldx / 2;
+    words.resize(count * ldw);
+    scales.resize(count);
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      quantize_words_avx2(rows + begin * ldx, end - begin, ldx, words.data() + begin * ldw, scales.data() + begin);
+    });
+  }
+
+  void attach(LinearProblem& p, int64_t row) const {
+    if (words.empty()) return;
+    p.x_words = words.data() + row * ldw;
+    p.x_word_scales = scales.data() + row;
+  }
+};
+
 }  // namespace
 
 // Arguments checked by the caller (moe_ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
@@ -138,14 +162,17 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
   const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
+  const ExpertWords x_words(unit, w13_experts, static_cast<const float*>(xs), pairs, ldx);
   for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
     w13_experts.attach(p, r.expert);
     attach_activations(p, unit, xs, r.begin);
+    x_words.attach(p, r.begin);
     return p;
   });
   const at::Tensor act_rows = pairs_unit ? act_tensor.to(at::kBFloat16) : act_tensor;
+  const ExpertWords act_words(unit, w2_experts, act, pairs, ld_act);
 
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
@@ -155,6 +182,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
                     out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
     w2_experts.attach(p, r.expert);
     attach_activations(p, unit, act_rows.data_ptr(), r.begin);
+    act_words.attach(p, r.begin);
     return p;
   });
 

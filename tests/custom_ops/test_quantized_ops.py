@@ -103,6 +103,21 @@ def test_int8_activations_match_dequantized_matmul(kernel_path, rows, out_featur
         assert _relative_error(gated, want_gated) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int8_decode_holds_the_largest_products(kernel_path, rows):
+    """Every weight at +-127 and every x at the row's maximum, over K = 8192: the AVX2 unit's int16 sums
+    (2 * 127 * 32767 per K pair) must reach fp32 before int32 overflows."""
+    in_features = 8192
+    weight = torch.full((64, in_features), 0.5).to(torch.bfloat16)
+    weight[1::2] = -0.5
+    x = torch.ones(rows, in_features).to(torch.bfloat16)
+    packed = weights.pack_linear_weight(weight, "int8")
+    got = linear_ops.linear(x, packed, None, 64, weights.packed_scales(packed))
+    want = x.float() @ dequantized(weight, "int8").T
+    assert want.abs().min() > 4000
+    assert _relative_error(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("rows", [(1,), (2,), (3, 5)], ids=["decode", "batch2", "prefill"])
 def test_quantized_linear_silu_mul(kernel_path, format, rows):
