@@ -254,21 +254,21 @@ def main(argv=None) -> int:
                      "samples": [{"ttft_ms": s[0] * 1e3, "tpot_ms": s[1] * 1e3, "stream_gbps": s[2]}
                                  for s in samples[mode]]})
 
-    def speedup_over(reference: str):
+    def run_ratio(reference: str, mode: str) -> float | None:
         """The median over runs of each run's TPOT ratio (reference / mode): the runs' drift cancels."""
         if reference not in samples:
-            return lambda mode: None
-        return lambda mode: statistics.median(r[1] / s[1] for r, s in zip(samples[reference], samples[mode]))
+            return None
+        return statistics.median(r[1] / s[1] for r, s in zip(samples[reference], samples[mode]))
 
     print(f"\nstreaming read {gbps:.1f} GB/s; decode reads {step_bytes / 1e9:.2f} GB "
           f"-> memory floor {floor_ms:.1f} ms/token\n")
     print("| mode | decode reads GB | floor ms | TTFT ms | TPOT ms | TPOT / floor | TPOT speedup vs eager "
           "| vs torch.compile | vs tilefx bf16 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    ratios = {"speedup_vs_eager": speedup_over("eager"), "speedup_vs_torch_compile": speedup_over("torch.compile"),
-              "speedup_vs_tilefx_bf16": speedup_over("tilefx")}
+    references = {"speedup_vs_eager": "eager", "speedup_vs_torch_compile": "torch.compile",
+                  "speedup_vs_tilefx_bf16": "tilefx"}
     for row in rows:
-        shown = {name: ratio(row["mode"]) for name, ratio in ratios.items()}
+        shown = {name: run_ratio(reference, row["mode"]) for name, reference in references.items()}
         row.update({name: value for name, value in shown.items() if value is not None})
         speedup, vs_stock, vs_bf16 = (f"{v:.2f}x" if v is not None else "-" for v in shown.values())
         print(f"| {row['mode']} | {row['decode_gb']:.2f} | {row['floor_ms']:.1f} | {row['ttft_ms']:.1f} "

@@ -109,5 +109,3 @@ class MlaPass(TilefxPass):
         sdpa.replace_all_uses_with(out)
         erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})
         return None
-
-

@@ -150,7 +150,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
-  if (p.format == WeightFormat::int8 && rows <= 2 && unit == LinearUnit::avx2) {  // x as int16 (kernels.h)
+  if (rows <= 2 && reads_words(unit, p.format)) {
     thread_local std::vector<uint32_t> words;
     thread_local std::vector<float> word_scales;
     words.resize(rows * ldx / 2);

@@ -46,9 +46,10 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     float* gate = scratch;
     float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
     if (p.M == 1) {
-      block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, gate, up, [&](int64_t a, int64_t b, float* c_a, float* c_b) {
+      auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
         Unit::two_blocks(p, p.w + a * block_elems, p.w + b * block_elems, c_a, c_b);
-      });
+      };
+      block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, gate, up, two);
     }
     for (int64_t j = block_begin; j < block_end; ++j) {
       const uint16_t* w_gate = p.w + 2 * j * block_elems;

@@ -79,15 +79,15 @@ struct ExpertWeights {
   }
 };
 
-// The AVX2 unit's int8 experts read their rows as int16 pairs (LinearProblem::x_words): every
-// row quantized once, when the experts are int8 and the unit is AVX2; otherwise nothing.
+// Experts whose unit reads int16 x (reads_words: the AVX2 unit's int8) get every row quantized
+// once; otherwise nothing.
 struct ExpertWords {
   std::vector<uint32_t> words;
   std::vector<float> scales;
   int64_t ldw = 0;
 
   ExpertWords(LinearUnit unit, const ExpertWeights& experts, const float* rows, int64_t count, int64_t ldx) {
-    if (unit != LinearUnit::avx2 || experts.whole.format != WeightFormat::int8) return;
+    if (!reads_words(unit, experts.whole.format)) return;
     ldw = ldx / 2;
     words.resize(count * ldw);
     scales.resize(count);

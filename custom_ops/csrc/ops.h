@@ -27,6 +27,11 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
 void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row);
 // Points `p` (p.ldx set) at rows [row, ...) of such activations: p.x or p.x_pairs.
 void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row);
+// Whether `unit` decodes `format` weights over x as int16 pairs (LinearProblem::x_words, from
+// quantize_words_avx2) where a problem has at most 2 rows: the AVX2 unit's int8.
+inline bool reads_words(LinearUnit unit, WeightFormat format) {
+  return unit == LinearUnit::avx2 && format == WeightFormat::int8;
+}
 // The format of a packed weight (its dtype), and `p` pointed at it: p.w (bf16) or p.wq and
 // its `scales` (checked against the packed shape).
 WeightFormat weight_format(const at::Tensor& packed);
