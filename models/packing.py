@@ -154,10 +154,36 @@ def _add_single(parts, taken: set[int], part: str, name: str, param, format: str
         parts.setdefault(part, []).append(_formatted(group, format))
 
 
+def narrow_exact_routers(model: torch.nn.Module) -> int:
+    """Router weights held in fp32 whose values bf16 holds exactly go back to bf16; returns how many.
+
+    transformers 5.24 keeps DeepSeek's router weights in fp32 (``_keep_in_fp32_modules_strict``)
+    although the hub ships them in bf16, so after a load they are fp32 copies of bf16 values.
+    As bf16 they take half the bytes and are packed as every router is; the products do not
+    change (the router casts its weight to fp32 before the linear: the linear pass's
+    ``linear_float``). A router that really holds fp32 values stays as it is, unpacked.
+    """
+    from tilefx.models.adapters import adapter_for
+
+    moe = adapter_for(model.config).moe
+    narrowed = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if moe is None or type(module).__name__ != moe.router_class or not isinstance(weight, torch.nn.Parameter):
+            continue
+        if weight.dtype == torch.float32 and weight.dim() == 2:
+            as_bf16 = weight.detach().to(torch.bfloat16)
+            if torch.equal(as_bf16.float(), weight.detach()):
+                weight.data = as_bf16
+                narrowed += 1
+    return narrowed
+
+
 def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> PackSummary:
     """Pack every weight ``plan`` names, one part (decoder layer) at a time, releasing each source at once."""
     summary = PackSummary()
     start = time.perf_counter()
+    narrow_exact_routers(model)
     parts = plan(model, options)
     with torch.no_grad():
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,

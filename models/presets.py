@@ -316,6 +316,12 @@ def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, s
     with torch.no_grad():
         if preset.logit_scale != 1.0:
             model.get_output_embeddings().weight.mul_(preset.logit_scale)
+        # What loading a hub checkpoint (every weight shipped in bf16) gives: transformers 5.24 holds
+        # DeepSeek's router weights in fp32 (_keep_in_fp32_modules_strict), as fp32 copies of bf16 values.
+        if dtype != torch.float32:
+            for param in model.parameters():
+                if param.dtype == torch.float32 and param.dim() == 2:
+                    param.copy_(param.to(dtype).float())
         if preset.correction_bias_std:
             for name, buffer in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):

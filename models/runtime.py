@@ -28,6 +28,16 @@ from tilefx.compiler import Backend, CompileOptions, CompileReport
 from tilefx.compiler.graph_cache import GraphCache
 from tilefx.models.kv_cache import TilefxCache
 
+# transformers 5.24 renamed the KV cache's keyword and output field from `past_key_values` to
+# `cache` (the old name still works, with a warning, until 5.40). The runtime accepts both and
+# speaks the name of the installed version, which its model outputs' fields tell.
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def cache_kwargs(cache) -> dict:
+    """``{name: cache}`` for a forward call, under this transformers version's name for it."""
+    return {CACHE_ARG: cache}
+
 
 def _private_frame(forward):
     """A function with its own code object that calls ``forward``.
@@ -128,6 +138,10 @@ class TilefxRuntime:
         return_dict: bool | None = None,
         **kwargs,
     ):
+        given_cache = kwargs.pop("cache", None)
+        if given_cache is not None and past_key_values is not None:
+            raise ValueError("pass the KV cache once: `cache` or `past_key_values`, not both")
+        given_cache = past_key_values if given_cache is None else given_cache
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("tilefx-compiled models take input_ids (inputs_embeds is not supported)")
         for flag in ("output_attentions", "output_hidden_states", "labels"):
@@ -139,7 +153,7 @@ class TilefxRuntime:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         cache = self.cache
         batch, seq = input_ids.shape
-        continuing = past_key_values is cache and cache.seq_len > 0
+        continuing = given_cache is cache and cache.seq_len > 0
         cache.check_fits(batch, seq, continuing=continuing)
         past = cache.seq_len if continuing else 0
         mask = self._full_mask(attention_mask, batch, past + seq)
@@ -160,8 +174,8 @@ class TilefxRuntime:
         self.report.phase = "prefill" if seq > 1 else "decode"
         if seq == 1:
             logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
-        arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
-                         use_cache=True, logits_to_keep=logits_to_keep)
+        arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
         call = self._call_class(batch, seq, logits_to_keep)
         if call not in self.loaded:
             self.loaded[call] = self.graph_cache.load(call, self.model, self.report) if self.graph_cache else None
@@ -173,7 +187,7 @@ class TilefxRuntime:
         cache.advance(seq)
         if return_dict is False:
             return (logits, cache)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))
 
     def _call_class(self, batch: int, seq: int, logits_to_keep: int) -> str:
         """Which graph serves a call: the runtime's inputs make every call of one class trace the same graph."""

@@ -261,16 +261,17 @@ def bench_inductor_glue(preset: str, steps: int) -> dict:
     """
     import tilefx
     from tilefx.models.presets import build_model
+    from tilefx.models.runtime import CACHE_ARG, cache_kwargs
 
     model = build_model(preset, layers=2)
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
         compiled = tilefx.compile_model(model, max_seq_len=steps + 16, progress=False)
         ids = torch.randint(3, model.config.vocab_size - 1, (1, 8))
         with torch.no_grad():
-            past = compiled(input_ids=ids, logits_to_keep=1).past_key_values
+            past = compiled(input_ids=ids, logits_to_keep=1)[CACHE_ARG]
             with torch.profiler.profile() as prof:
                 for _ in range(steps):
-                    compiled(input_ids=ids[:, :1], past_key_values=past)
+                    compiled(input_ids=ids[:, :1], **cache_kwargs(past))
     kernels = [e for e in prof.key_averages() if "cpp_fused" in e.key]
     total_us = sum(e.self_cpu_time_total for e in kernels) / steps
     x = torch.randn(1, 64).to(torch.bfloat16)

@@ -9,6 +9,8 @@ import pytest
 
 import torch
 
+from tilefx.models.runtime import cache_kwargs
+
 CLOSE_LOGPROB_NATS = 0.1  # vLLM's close-logprobs rule for near-tied bf16 logits
 
 
@@ -139,7 +141,8 @@ def run(model, cache, ids, backend):
     positions = torch.arange(seq).expand(batch, seq).contiguous()
     fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     with torch.no_grad():
-        return fn(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        return fn(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                  **cache_kwargs(cache)).logits
 
 
 

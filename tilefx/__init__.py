@@ -133,9 +133,11 @@ def compile_model(
 
 def _warm_up(model, batch: int) -> None:
     """One prefill and one decode step, called as generate() calls them: compiles both graphs."""
+    from tilefx.models.runtime import CACHE_ARG, cache_kwargs
+
     ids = torch.ones(batch, 2, dtype=torch.long)
     out = model(input_ids=ids, logits_to_keep=1)
-    model(input_ids=ids[:, :1], past_key_values=out.past_key_values)
+    model(input_ids=ids[:, :1], **cache_kwargs(out[CACHE_ARG]))
     model.tilefx.cache.reset()
 
 

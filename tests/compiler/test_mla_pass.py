@@ -12,6 +12,7 @@ from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
+from tilefx.models.runtime import cache_kwargs
 
 
 def is_linear(n):
@@ -66,7 +67,7 @@ def test_decode_over_a_prefix_equals_eager():
         for start, stop in ((0, 7), (7, 8)):
             mask[:, :stop] = 1
             out = fn(input_ids=ids[:, start:stop], attention_mask=mask.clone(),
-                     position_ids=torch.arange(start, stop)[None], past_key_values=cache, use_cache=True)
+                     position_ids=torch.arange(start, stop)[None], use_cache=True, **cache_kwargs(cache))
             cache.advance(stop - start)
     assert [r.rewritten for r in backend.results if r.name == "mla"] == [2, 2]  # prefill and decode graphs
     got = out.logits[:, -1]

@@ -7,7 +7,7 @@ import torch
 
 from tilefx.compiler import CompileOptions
 from tilefx.custom_ops import weights
-from tilefx.models.packing import pack_model, plan
+from tilefx.models.packing import narrow_exact_routers, pack_model, plan
 from tilefx.models.presets import build_model
 
 
@@ -54,12 +54,28 @@ def test_moe_and_mla_plans():
                for n in names)
 
 
+def test_routers_held_in_fp32_go_back_to_bf16_only_when_exact():
+    """transformers 5.24 holds DeepSeek's router weights in fp32; the hub ships them in bf16."""
+    model = build_model("tiny-deepseek-v2")
+    routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    for router in routers:
+        router.weight.data = router.weight.data.float()  # as transformers 5.24 loads a hub checkpoint
+    exact = routers[0].weight.detach().clone()
+    with torch.no_grad():
+        routers[-1].weight.add_(torch.rand_like(routers[-1].weight) * 1e-4 + 1e-6)  # fp32 values bf16 cannot hold
+    assert narrow_exact_routers(model) == len(routers) - 1
+    assert routers[0].weight.dtype == torch.bfloat16 and torch.equal(routers[0].weight.float(), exact)
+    assert routers[-1].weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-mixtral", "tiny-deepseek-v2"])
 def test_pack_model_releases_every_source_and_round_trips(family):
-    model = build_model(family, seed=2)
+    model, fresh = build_model(family, seed=2), build_model(family, seed=2)
+    for m in (model, fresh):
+        narrow_exact_routers(m)  # pack_model's first step, so that the plan of `fresh` is the one it packs
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
     summary = pack_model(model, CompileOptions(), progress=False)
-    planned = [g for _, groups in plan(build_model(family, seed=2), CompileOptions()) for g in groups]
+    planned = [g for _, groups in plan(fresh, CompileOptions()) for g in groups]
     assert summary.tensors == len(planned)
     assert summary.released_bytes == sum(reference[n].nbytes for g in planned for n in g.names)
     params = dict(model.named_parameters())
