@@ -59,8 +59,9 @@ struct LinearProblem {
   const uint32_t* x_quads = nullptr;
   int64_t ldq = 0;
   const float* x_scales = nullptr;
-  // The AVX2 unit's int8 decode (M <= 2): x per row as int16 pairs, [M, ldx / 2], x[2p] in the
-  // low half of element p, x ~= x_word_scales[m] * q (quantize_words_avx2). nullptr: fp32 x.
+  // Weight-only int8 decode (M <= 2) on the units that read it (ops.h reads_words): x per row as
+  // int16 pairs, [M, ldx / 2], x[2p] in the low half of element p, x ~= x_word_scales[m] * q
+  // (quantize_words_*). nullptr: x as the unit reads it otherwise (fp32 or bf16 pairs).
   const uint32_t* x_words = nullptr;
   const float* x_word_scales = nullptr;
 };
@@ -83,6 +84,11 @@ inline int64_t linear_scratch_floats(const LinearProblem& p) {
   const int64_t rows = p.M > 2 ? p.M : 2;
   return 2 * rows * kBlockN + (p.format != WeightFormat::bf16 && p.M > 2 ? p.K_pairs * kBlockN : 0);
 }
+
+// Rows of bf16 x ([rows, ldx], ldx a multiple of 2) as LinearProblem::x_words, as
+// quantize_words_avx2 makes them from fp32 (the AVX512 units read bf16 activations).
+void quantize_words_avx512(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
+void quantize_words_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
 // linear_scratch_floats(p) floats.

@@ -50,6 +50,21 @@ void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int
   }
 }
 
+bool reads_words(LinearUnit unit, WeightFormat format) {
+  static const bool vnni = cpu_has("avx512_vnni");
+  if (format != WeightFormat::int8) return false;
+  return unit == LinearUnit::avx2 || unit == LinearUnit::avx512_emulated || (unit == LinearUnit::avx512 && vnni);
+}
+
+void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, uint32_t* words, float* scales) {
+  if (unit == LinearUnit::avx2) return quantize_words_avx2(static_cast<const float*>(rows), count, ldx, words, scales);
+  const uint16_t* bf16 = static_cast<const uint16_t*>(rows);
+#ifdef TILEFX_AVX512_EMULATION
+  if (unit == LinearUnit::avx512_emulated) return quantize_words_avx512_emulated(bf16, count, ldx, words, scales);
+#endif
+  quantize_words_avx512(bf16, count, ldx, words, scales);
+}
+
 WeightFormat weight_format(const at::Tensor& packed) {
   switch (packed.scalar_type()) {
     case at::kBFloat16: return WeightFormat::bf16;
@@ -150,15 +165,6 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
-  if (rows <= 2 && reads_words(unit, p.format)) {
-    thread_local std::vector<uint32_t> words;
-    thread_local std::vector<float> word_scales;
-    words.resize(rows * ldx / 2);
-    word_scales.resize(rows);
-    quantize_words_avx2(p.x, rows, ldx, words.data(), word_scales.data());
-    p.x_words = words.data();
-    p.x_word_scales = word_scales.data();
-  }
   if (p.format == WeightFormat::int8 && rows <= 2 && unit != LinearUnit::avx2 && int8_activations()) {
     static const bool vnni = cpu_has("avx512_vnni");
     if (unit == LinearUnit::avx512_emulated || vnni) {  // W8A8 (dispatch.h): x as unsigned bytes, per-row scales
@@ -177,6 +183,16 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
       p.ldq = ldq;
       p.x_scales = x_scales.data();
     }
+  }
+  if (rows <= 2 && p.x_quads == nullptr && reads_words(unit, p.format)) {  // weight-only int8 over int16 x
+    thread_local std::vector<uint32_t> words;
+    thread_local std::vector<float> word_scales;
+    words.resize(rows * ldx / 2);
+    word_scales.resize(rows);
+    quantize_words(unit, unit == LinearUnit::avx2 ? static_cast<const void*>(p.x) : p.x_pairs, rows, ldx,
+                   words.data(), word_scales.data());
+    p.x_words = words.data();
+    p.x_word_scales = word_scales.data();
   }
   const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
   const size_t scratch_floats = linear_scratch_floats(p);

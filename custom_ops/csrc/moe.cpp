@@ -79,20 +79,22 @@ struct ExpertWeights {
   }
 };
 
-// Experts whose unit reads int16 x (reads_words: the AVX2 unit's int8) get every row quantized
-// once; otherwise nothing.
+// Experts whose unit reads int16 x (reads_words: int8 experts) get every row quantized once;
+// otherwise nothing. `rows` are the activations as the unit reads them (fp32 or bf16).
 struct ExpertWords {
   std::vector<uint32_t> words;
   std::vector<float> scales;
   int64_t ldw = 0;
 
-  ExpertWords(LinearUnit unit, const ExpertWeights& experts, const float* rows, int64_t count, int64_t ldx) {
+  ExpertWords(LinearUnit unit, const ExpertWeights& experts, const void* rows, int64_t count, int64_t ldx) {
     if (!reads_words(unit, experts.whole.format)) return;
     ldw = ldx / 2;
     words.resize(count * ldw);
     scales.resize(count);
+    const int64_t row_bytes = ldx * (unit == LinearUnit::avx2 ? sizeof(float) : sizeof(uint16_t));
     at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
-      quantize_words_avx2(rows + begin * ldx, end - begin, ldx, words.data() + begin * ldw, scales.data() + begin);
+      quantize_words(unit, static_cast<const char*>(rows) + begin * row_bytes, end - begin, ldx,
+                     words.data() + begin * ldw, scales.data() + begin);
     });
   }
 
@@ -162,7 +164,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
   const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
-  const ExpertWords x_words(unit, w13_experts, static_cast<const float*>(xs), pairs, ldx);
+  const ExpertWords x_words(unit, w13_experts, xs, pairs, ldx);
   for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
@@ -172,7 +174,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     return p;
   });
   const at::Tensor act_rows = pairs_unit ? act_tensor.to(at::kBFloat16) : act_tensor;
-  const ExpertWords act_words(unit, w2_experts, act, pairs, ld_act);
+  const ExpertWords act_words(unit, w2_experts, act_rows.data_ptr(), pairs, ld_act);
 
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
