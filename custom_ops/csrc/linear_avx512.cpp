@@ -578,22 +578,28 @@ struct Avx512Unit {
   }
 };
 
+// The largest |x| of a bf16 row of n values: the per-row scale of quantize_activations / quantize_words.
+static float row_absmax(const uint16_t* row, int64_t n) {
+  __m512 peak = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(load_bf16x16(row + k)));
+  float amax = _mm512_reduce_max_ps(peak);
+  for (; k < n; ++k) amax = std::max(amax, std::fabs(bf16_to_float(row[k])));
+  return amax;
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(quantize_activations)(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in,
                                                 uint32_t* quads, int64_t ldq, float* scales) {
   for (int64_t m = 0; m < rows; ++m) {
     const uint16_t* row = x + m * ldx_in;
-    __m512 peak = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(load_bf16x16(row + k)));
-    float amax = _mm512_reduce_max_ps(peak);
-    for (; k < K; ++k) amax = std::max(amax, std::fabs(bf16_to_float(row[k])));
+    const float amax = row_absmax(row, K);
     const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
     scales[m] = scale;
     const __m512 inverse = _mm512_set1_ps(1.0f / scale);
     uint8_t* out = reinterpret_cast<uint8_t*>(quads + m * ldq);
-    k = 0;
+    int64_t k = 0;
     for (; k + 16 <= K; k += 16) {  // round to nearest even, |q| <= 127; as a byte, q + 128 = q ^ 0x80: 1..255
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(row + k), inverse));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
@@ -608,16 +614,12 @@ void TILEFX_AVX512_ENTRY(quantize_words)(const uint16_t* x, int64_t rows, int64_
                                           float* scales) {
   for (int64_t m = 0; m < rows; ++m) {
     const uint16_t* row = x + m * ldx;
-    __m512 peak = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= ldx; k += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(load_bf16x16(row + k)));
-    float amax = _mm512_reduce_max_ps(peak);
-    for (; k < ldx; ++k) amax = std::max(amax, std::fabs(bf16_to_float(row[k])));
+    const float amax = row_absmax(row, ldx);
     const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
     scales[m] = scale;
     const __m512 inverse = _mm512_set1_ps(1.0f / scale);
     int16_t* out = reinterpret_cast<int16_t*>(words + m * (ldx / 2));
-    k = 0;
+    int64_t k = 0;
     for (; k + 16 <= ldx; k += 16) {  // round to nearest even, |q| <= 32767
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(row + k), inverse));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(q));

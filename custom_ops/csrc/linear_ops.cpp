@@ -50,10 +50,14 @@ void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int
   }
 }
 
-bool reads_words(LinearUnit unit, WeightFormat format) {
+// Whether `unit` has the AVX512-VNNI integer dot products (the emulated unit always does).
+static bool has_vnni(LinearUnit unit) {
   static const bool vnni = cpu_has("avx512_vnni");
-  if (format != WeightFormat::int8) return false;
-  return unit == LinearUnit::avx2 || unit == LinearUnit::avx512_emulated || (unit == LinearUnit::avx512 && vnni);
+  return unit == LinearUnit::avx512_emulated || (unit == LinearUnit::avx512 && vnni);
+}
+
+bool reads_words(LinearUnit unit, WeightFormat format) {
+  return format == WeightFormat::int8 && (unit == LinearUnit::avx2 || has_vnni(unit));
 }
 
 void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, uint32_t* words, float* scales) {
@@ -165,24 +169,22 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   attach_weight(p, packed, scales);
   at::Tensor activations;
   prepare_activations(x2, rows, unit, p, activations);
-  if (p.format == WeightFormat::int8 && rows <= 2 && unit != LinearUnit::avx2 && int8_activations()) {
-    static const bool vnni = cpu_has("avx512_vnni");
-    if (unit == LinearUnit::avx512_emulated || vnni) {  // W8A8 (dispatch.h): x as unsigned bytes, per-row scales
-      const int64_t ldq = (k_pairs + 1) / 2;
-      thread_local std::vector<uint32_t> quads;
-      thread_local std::vector<float> x_scales;
-      quads.resize(rows * ldq);
-      x_scales.resize(rows);
+  if (p.format == WeightFormat::int8 && rows <= 2 && has_vnni(unit) && int8_activations()) {
+    // W8A8 (dispatch.h): x as unsigned bytes, per-row scales
+    const int64_t ldq = (k_pairs + 1) / 2;
+    thread_local std::vector<uint32_t> quads;
+    thread_local std::vector<float> x_scales;
+    quads.resize(rows * ldq);
+    x_scales.resize(rows);
 #ifdef TILEFX_AVX512_EMULATION
-      auto quantize = unit == LinearUnit::avx512 ? quantize_activations_avx512 : quantize_activations_avx512_emulated;
+    auto quantize = unit == LinearUnit::avx512 ? quantize_activations_avx512 : quantize_activations_avx512_emulated;
 #else
-      auto quantize = quantize_activations_avx512;
+    auto quantize = quantize_activations_avx512;
 #endif
-      quantize(bf16_bits(x2), rows, in_features, in_features, quads.data(), ldq, x_scales.data());
-      p.x_quads = quads.data();
-      p.ldq = ldq;
-      p.x_scales = x_scales.data();
-    }
+    quantize(bf16_bits(x2), rows, in_features, in_features, quads.data(), ldq, x_scales.data());
+    p.x_quads = quads.data();
+    p.ldq = ldq;
+    p.x_scales = x_scales.data();
   }
   if (rows <= 2 && p.x_quads == nullptr && reads_words(unit, p.format)) {  // weight-only int8 over int16 x
     thread_local std::vector<uint32_t> words;
