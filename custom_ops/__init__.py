@@ -9,12 +9,12 @@ import functools
 import hashlib
 import pathlib
 
-from tilefx.custom_ops import attention, collectives, isa, linear, moe, weights  # noqa: F401  (importing defines the ops)
+from tilefx.custom_ops import attention, collectives, isa, linear, moe, tuning, weights  # noqa: F401  (importing defines the ops)
 
 if isa.native is not None:
     isa.native.register_cpu_kernels()  # after the schemas above are defined
 
-__all__ = ["attention", "collectives", "isa", "linear", "moe", "source_hash", "weights"]
+__all__ = ["attention", "collectives", "isa", "linear", "moe", "source_hash", "tuning", "weights"]
 
 
 @functools.cache
@@ -22,8 +22,8 @@ def source_hash() -> str:
     """Hash of every op definition and native kernel source, for compiled-graph cache keys."""
     root = pathlib.Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted([*root.glob("*.py"), *root.glob("csrc/**/*")]):
+    for path in sorted([*root.glob("**/*.py"), *root.glob("csrc/**/*")]):
         if path.is_file():
-            digest.update(path.name.encode())
+            digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

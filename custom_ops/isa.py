@@ -12,12 +12,6 @@ runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
 
-``TILEFX_INT8_ACTIVATIONS=1`` (or ``int8_activations(True)`` for a block) turns on W8A8
-decode for the whole process: int8-weight linears of up to 2 rows quantize their
-activations per row to int8 and multiply on AVX512-VNNI (``vpdpbusd``), on the AVX512
-units; ``int8_activations_reason()`` says why it would not run (the AVX2 unit and the
-prefill GEMMs keep bf16 activations; so do the experts of ``fused_moe``).
-
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
 code runs, slowly, on CPUs without AVX512. It is never chosen by default.
@@ -135,24 +129,6 @@ def define_native_op(lib, name: str, schema: str, reference, fake) -> None:
         torch.library.register_fake(f"tilefx::{op}", fake, lib=lib)
 
 
-HUGE_PAGE_MIN_BYTES = 2 << 20  # below this a 2 MiB page would waste more than it saves
-
-
-def huge_page_empty(shape, dtype) -> "torch.Tensor":
-    """An uninitialized tensor in transparent huge pages where it pays (large, native library built).
-
-    Decode streams packed weights and the KV cache every token; with 4 KiB pages their
-    page walks cost measurably (csrc/memory.cpp). Small tensors use the ordinary allocator.
-    """
-    import math
-
-    import torch
-
-    if native is None or math.prod(shape) * dtype.itemsize < HUGE_PAGE_MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    return native.huge_page_empty(list(shape), dtype)
-
-
 def _native_stream_read() -> bool:
     return native is not None and native.cpu_has("avx2")
 
@@ -171,10 +147,11 @@ def stream_probe(size_mib: int = 1024):
 
     import torch
 
-    buffer = huge_page_empty((size_mib * 2**20 // 4,), torch.float32).fill_(1.0)  # as the weights are held
-    if _native_stream_read():
+    if _native_stream_read():  # in huge pages, as the weights are held
+        buffer = native.huge_page_empty([size_mib * 2**20 // 4], torch.float32).fill_(1.0)
         streams = itertools.cycle((1, 2))
         return lambda: native.stream_read_gbps(buffer, next(streams))
+    buffer = torch.ones(size_mib * 2**20 // 4)
 
     def fp32_sum_pass() -> float:
         start = time.perf_counter()
@@ -200,35 +177,3 @@ def stream_read_gbps(size_mib: int = 1024, repeats: int = 5) -> float:
         return max(probe() for _ in range(repeats))
     return max(probe() for _ in range(2 * repeats))  # the patterns alternate: `repeats` passes of each
 
-
-def int8_activations_reason(path: str | None = None) -> str | None:
-    """Why W8A8 decode cannot run on ``path`` (default: the current one), or None when it can."""
-    path = path or _current
-    if native is None or not hasattr(native, "set_int8_activations"):
-        return "the native library is not built"
-    # The unit of the decode linears on this path (the native table; "linear" adds amx's GEMMs above 4 rows).
-    unit = kernel_units(path).get("linear_float")
-    if unit not in ("avx512_bf16", EMULATED_AVX512):
-        return f"the {path} path's linear unit ({unit or 'PyTorch'}) has no W8A8 kernel (the AVX512 units only)"
-    return None if unit == EMULATED_AVX512 or native.cpu_has("avx512_vnni") else "this CPU lacks AVX512-VNNI"
-
-
-def int8_activations_on() -> bool:
-    return native is not None and hasattr(native, "int8_activations") and native.int8_activations()
-
-
-@contextlib.contextmanager
-def int8_activations(on: bool = True):
-    """W8A8 decode on (or off) for a block."""
-    if native is None:
-        raise RuntimeError(f"int8 activations: the native library is not built ({NATIVE_IMPORT_ERROR})")
-    previous = native.int8_activations()
-    native.set_int8_activations(on)
-    try:
-        yield
-    finally:
-        native.set_int8_activations(previous)
-
-
-if native is not None and os.environ.get("TILEFX_INT8_ACTIVATIONS", "").strip() == "1":
-    native.set_int8_activations(True)

@@ -21,17 +21,18 @@ from __future__ import annotations
 import torch
 
 from tilefx.custom_ops import isa
-from tilefx.custom_ops.weights import (
+from tilefx.custom_ops.weights import layouts
+from tilefx.custom_ops.weights.formats import FP8_GROUP, check_scales, dequantize, format_of
+from tilefx.custom_ops.weights.layouts import (
     BLOCK_N,
-    FP8_GROUP,
-    check_scales,
-    dequantize,
-    format_of,
+    gate_up_shape,
+    in_features_of,
     packed_shape,
     unpack_expert_down_weight,
     unpack_gate_up_weight,
     unpack_linear_weight,
 )
+
 
 def linear_reference(x, packed_weight, bias, out_features, scales=None):
     """The specification: ``x @ W.T + bias`` in fp32, rounded to x's dtype."""
@@ -67,7 +68,7 @@ def linear_per_head_reference(x, packed_weight, out_features):
 
 
 def _check_per_head(x, packed_weight, out_features) -> None:
-    torch._check(packed_weight.dim() == 5 and packed_weight.shape[3:] == (BLOCK_N, 2),
+    torch._check(layouts.is_per_head_packing(packed_weight.shape),
                  lambda: f"tilefx.linear_per_head: weight is not packed per head (shape {tuple(packed_weight.shape)})")
     torch._check(x.dim() >= 3 and x.shape[-3] == packed_weight.shape[0]
                  and packed_weight.shape[1:] == packed_shape(out_features, x.shape[-1]),
@@ -77,7 +78,7 @@ def _check_per_head(x, packed_weight, out_features) -> None:
 
 def _check(x, packed_weight, bias, out_features, scales=None) -> None:
     check_scales("linear", packed_weight, scales)
-    torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2),
+    torch._check(layouts.is_linear_packing(packed_weight.shape),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
                          "use tilefx.custom_ops.weights.pack_linear_weight")
     torch._check(packed_weight.shape == packed_shape(out_features, x.shape[-1]),
@@ -87,8 +88,7 @@ def _check(x, packed_weight, bias, out_features, scales=None) -> None:
 
 def _check_gate_up(x, packed_gate_up, out_features, scales=None) -> None:
     check_scales("linear_silu_mul", packed_gate_up, scales)
-    blocks, pairs, _, _ = packed_shape(out_features, x.shape[-1])
-    torch._check(packed_gate_up.dim() == 4 and tuple(packed_gate_up.shape) == (2 * blocks, pairs, BLOCK_N, 2),
+    torch._check(tuple(packed_gate_up.shape) == gate_up_shape(out_features, x.shape[-1]),
                  lambda: f"tilefx.linear_silu_mul: packed weight {tuple(packed_gate_up.shape)} does not fit "
                          f"x [..., {x.shape[-1]}] -> {out_features} features; use pack_gate_up_weight")
 
@@ -126,12 +126,12 @@ def packed_embedding_reference(ids, packed_weight, embedding_dim, scales=None):
             per_pair = scales[block].repeat_interleave(FP8_GROUP // 2, dim=-1)[..., :pairs]
             rows = rows.float() * per_pair[..., None]
         rows = rows.to(torch.bfloat16)
-    return rows.reshape(*ids.shape, 2 * pairs)[..., :embedding_dim]
+    return rows.reshape(*ids.shape, in_features_of(packed_weight.shape))[..., :embedding_dim]
 
 
 def _packed_embedding_fake(ids, packed_weight, embedding_dim, scales=None):
-    torch._check(packed_weight.dim() == 4 and packed_weight.shape[2:] == (BLOCK_N, 2)
-                 and 2 * packed_weight.shape[1] >= embedding_dim,
+    torch._check(layouts.is_linear_packing(packed_weight.shape)
+                 and in_features_of(packed_weight.shape) >= embedding_dim,
                  lambda: f"tilefx.packed_embedding: weight {tuple(packed_weight.shape)} is not a packed "
                          f"[vocab, {embedding_dim}] weight")
     check_scales("packed_embedding", packed_weight, scales)

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 
 from tilefx.custom_ops import isa
 from tilefx.custom_ops import weights as packed_weights
-from tilefx.custom_ops.weights import BLOCK_N, unpack_expert_down_weight, unpack_expert_gate_up_weight
+from tilefx.custom_ops.weights.layouts import (
+    expert_down_shape,
+    expert_gate_up_shape,
+    expert_intermediate,
+    unpack_expert_down_weight,
+    unpack_expert_gate_up_weight,
+)
 
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -179,11 +185,12 @@ def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=Non
     torch._check(hidden_states.dim() == 2,
                  lambda: f"tilefx.fused_moe: hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
     hidden = hidden_states.shape[1]
-    torch._check(w13.dim() == 5 and w13.shape[2:] == (-(-hidden // 2), BLOCK_N, 2) and w13.shape[1] % 2 == 0,
+    torch._check(w13.dim() == 5 and w13.shape[1] % 2 == 0
+                 and tuple(w13.shape) == expert_gate_up_shape(w13.shape[0], expert_intermediate(w13.shape), hidden),
                  lambda: f"tilefx.fused_moe: w13 {tuple(w13.shape)} is not a packed gate_up_proj for hidden size "
                          f"{hidden}; use tilefx.custom_ops.weights.pack_expert_gate_up_weight")
-    experts, intermediate = w13.shape[0], w13.shape[1] // 2 * BLOCK_N
-    torch._check(w2.dim() == 5 and w2.shape == (experts, -(-hidden // BLOCK_N), -(-intermediate // 2), BLOCK_N, 2),
+    experts, intermediate = w13.shape[0], expert_intermediate(w13.shape)
+    torch._check(tuple(w2.shape) == expert_down_shape(experts, hidden, intermediate),
                  lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
                          f"hidden {hidden}, intermediate {intermediate}; use pack_expert_down_weight")
     for name, packed, scales in (("w13", w13, w13_scales), ("w2", w2, w2_scales)):
@@ -226,7 +233,7 @@ def _run_experts(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
 def fused_moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=None, w2_scales=None):
     """``experts_reference`` on the unpacked experts (quantized: dequantized to fp32 first)."""
     _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales)
-    hidden, intermediate = hidden_states.shape[1], w13.shape[1] // 2 * BLOCK_N
+    hidden, intermediate = hidden_states.shape[1], expert_intermediate(w13.shape)
     if w13.dtype != hidden_states.dtype:
         w13, w2 = packed_weights.dequantize(w13, w13_scales), packed_weights.dequantize(w2, w2_scales)
     gate_up_proj = unpack_expert_gate_up_weight(w13, hidden)

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from tilefx.custom_ops import weights
+
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
     """Cache buffers on the CPU live in huge pages: decode reads the whole valid prefix every token."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    from tilefx.custom_ops import isa
-
-    return isa.huge_page_empty(shape, dtype).zero_()
+    return weights.huge_page_empty(shape, dtype).zero_()
 
 
 class TilefxCacheLayer(CacheLayerMixin):

@@ -122,7 +122,7 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
                 group = [linears.get(s) for s in siblings]
                 if None in group or len(_bias_state(group)) != 1:
                     continue
-                order = sorted(range(len(group)), key=lambda i: group[i].out_features % weights.BLOCK_N != 0)
+                order = sorted(range(len(group)), key=lambda i: not weights.layouts.is_block_aligned(group[i].out_features))
                 params = [group[i].weight for i in order]
                 if weights.can_pack("linear", params) is None and not any(id(p) in taken for p in params):
                     taken.update(id(p) for p in params)

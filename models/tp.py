@@ -142,7 +142,7 @@ def plan_for(config, tp: int) -> Plan:
     problems += [f"{field} {width} is not divisible by {tp}" for field, width in widths.items() if width % tp]
     if adapter.moe is not None and not problems:
         field = adapter.moe.expert_size_field
-        if widths[field] // tp % weights.BLOCK_N:
+        if not weights.layouts.is_block_aligned(widths[field] // tp):
             problems.append(f"{field} {widths[field]} gives each rank {widths[field] // tp} columns of every expert; "
                             f"the fused experts take multiples of {weights.BLOCK_N}")
     if quantized and not problems:

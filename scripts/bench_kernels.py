@@ -4,7 +4,6 @@
     python scripts/bench_kernels.py                        # every dense preset
     python scripts/bench_kernels.py --presets llama-3.2-1b --json kernels.json
     python scripts/bench_kernels.py --weights int8,fp8     # quantized linears next to bf16 (default)
-    python scripts/bench_kernels.py --weights int8,w8a8    # w8a8: int8 weights, int8 activations (VNNI)
 
 For each op: relative error against the reference implementation (fresh random
 bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
@@ -18,7 +17,6 @@ gate/up with SiLU-and-mul as one op), and also unfused for comparison.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -57,7 +55,7 @@ def cold_copies(tensor: torch.Tensor, at_least_bytes: int = 256 * 2**20,
     count = max(1, min(64, -(-at_least_bytes // tensor.nbytes)))
     if not huge_pages:
         return [tensor.clone() for _ in range(count)]
-    return [isa.huge_page_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(count)]
+    return [packed_weights.huge_page_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(count)]
 
 
 def median_seconds_per_copy(fn, copies, repeats: int) -> float:
@@ -190,10 +188,7 @@ def bench_quantized_linears(presets, formats, repeats: int, prefill_rows: int, s
         sources = [(torch.randn(n, k) / k**0.5).to(torch.bfloat16) for _ in range(2 if case.gate_up else 1)]
         x, xp = torch.randn(1, k).to(torch.bfloat16), torch.randn(prefill_rows, k).to(torch.bfloat16)
         for format in formats:
-            # w8a8: the int8 weights with the decode activations quantized too (isa.int8_activations); its error
-            # includes the activations' rounding
-            activations = isa.int8_activations(True) if format == "w8a8" else contextlib.nullcontext()
-            format, label = ("int8", format) if format == "w8a8" else (format, format)
+            label = format
             if case.gate_up:
                 packed = packed_weights.pack_gate_up_weight(*sources, format)
                 scales = packed_weights.packed_scales(packed)
@@ -205,16 +200,15 @@ def bench_quantized_linears(presets, formats, repeats: int, prefill_rows: int, s
                 op = lambda x, w: linear_ops.linear(x, w, None, n, scales)  # noqa: E731
                 reference = lambda x, w: linear_ops.linear_reference(x, w, None, n, scales)  # noqa: E731
             nbytes = packed.nbytes + scales.nbytes
-            with activations:
-                err = relative_error(op(x, packed), reference(x, packed))
-                kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
-                                             repeats)
-                t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
+            err = relative_error(op(x, packed), reference(x, packed))
+            kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
+                                         repeats)
+            t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
             best, gbps = max(kernel), max(stream)
-            rows.append({"preset": preset, "linear": case.name, "format": label, "N": packed.shape[0] * 32,
+            rows.append({"preset": preset, "linear": case.name, "format": label, "N": packed.shape[0] * packed_weights.BLOCK_N,
                          "K": k, "rel_err": err, "bytes": nbytes, "tilefx_gbps": best, "stream_gbps": gbps,
                          "fraction_of_stream": best / gbps, "tilefx_us": nbytes / best / 1e3,
-                         "prefill_tilefx_gflops": 2 * prefill_rows * packed.shape[0] * 32 * k / t_prefill / 1e9})
+                         "prefill_tilefx_gflops": 2 * prefill_rows * packed.shape[0] * packed_weights.BLOCK_N * k / t_prefill / 1e9})
             print(f"  {label} {case.name} {n}x{k}: {best:.1f} GB/s ({best / gbps:.0%} of {gbps:.1f})", flush=True)
     return rows
 

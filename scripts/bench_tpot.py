@@ -5,7 +5,6 @@
     python scripts/bench_tpot.py --preset qwen3-1.7b --layers 8 --json out.json --plot out.png
     python scripts/bench_tpot.py --path ./my-checkpoint
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
-    python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,w8a8  # w8a8: int8 activations too (VNNI)
     torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
@@ -30,7 +29,6 @@ timed generate() calls.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import os
@@ -141,13 +139,6 @@ def stock_compile(model, max_seq_len: int):
     return dict(cache_implementation="static", max_cache_len=max_seq_len)
 
 
-W8A8 = "w8a8"  # a --weights entry: int8 weights, the decode linears' activations quantized too
-
-
-def activations(mode: str):
-    """Int8 decode activations (process-wide, custom_ops/isa.py) while the w8a8 row runs."""
-    return isa.int8_activations(True) if mode == f"tilefx {W8A8}" else contextlib.nullcontext()
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -162,8 +153,7 @@ def main(argv=None) -> int:
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--weights", default=None,
-                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8, and w8a8: int8 "
-                             "weights with int8 decode activations, isa.int8_activations): one tilefx row each "
+                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8): one tilefx row each "
                              "(default: bf16 for a preset, auto for --path: what the checkpoint holds)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
@@ -175,10 +165,8 @@ def main(argv=None) -> int:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     formats = [f for f in (args.weights or ("auto" if args.path else "bf16")).split(",") if f]
-    if unknown := set(formats) - {"auto", *weights.FORMATS, W8A8}:
-        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {('auto', *weights.FORMATS, W8A8)}")
-    if W8A8 in formats and (reason := isa.int8_activations_reason()) is not None:
-        parser.error(f"w8a8: {reason}")
+    if unknown := set(formats) - {"auto", *weights.FORMATS}:
+        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {('auto', *weights.FORMATS)}")
     if "tilefx" in modes:  # one tilefx row per format: "tilefx" (bf16), "tilefx int8", ...
         at = modes.index("tilefx")
         modes[at : at + 1] = ["tilefx" if f == "bf16" else f"tilefx {f}" for f in formats]
@@ -211,7 +199,7 @@ def main(argv=None) -> int:
             format = mode.split()[1] if " " in mode else "bf16"
             source = args.path if args.path else model
             model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=1,
-                                         weights="int8" if format == W8A8 else format)
+                                         weights=format)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -222,15 +210,13 @@ def main(argv=None) -> int:
     long_context = args.long_context > 0
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
-            with activations(mode):
-                timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
+            timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
         samples = {mode: [] for mode in modes}
         long_samples, bandwidth = [], []
         bandwidth.append(isa.stream_read_gbps())
         for _ in range(args.runs):
             for mode in modes:
-                with activations(mode):
-                    ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
+                ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
                 bandwidth.append(isa.stream_read_gbps())  # each sample's floor: the probes just before and after it
                 samples[mode].append((ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2))
             if long_context:

@@ -167,8 +167,8 @@ def test_weights_are_packed_as_they_load_and_held_once(pair, monkeypatch):
 
     _, compiled = pair
     fills = []
-    original = weights._fill  # what every packing ends in
-    monkeypatch.setattr(weights, "_fill", lambda *a: fills.append(a[0]) or original(*a))
+    original = weights.fill.fill  # what every packing ends in
+    monkeypatch.setattr(weights.fill, "fill", lambda *a, **k: fills.append(a[0]) or original(*a, **k))
     ids, mask = padded_batch([_prompt(6, 3)])
     compiled.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert fills == []  # the graphs read the packed tensors made at load

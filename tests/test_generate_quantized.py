@@ -52,23 +52,6 @@ def test_quantized_on_the_avx512_unit_matches_eager(quantized_pair):
     assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=8) >= 12
 
 
-@pytest.mark.parametrize("path", ["avx512_bf16", "avx512_bf16_emulated"])
-def test_int8_activations_match_dequantized_eager(quantized_pair, path):
-    """W8A8 decode (TILEFX_INT8_ACTIVATIONS): the same compiled int8 graphs, activations quantized per row in the
-    decode linears, still agree with eager over the dequantized weights (close-logprobs rule)."""
-    from tilefx.custom_ops import isa
-
-    reference, compiled, format = quantized_pair
-    if format != "int8":
-        pytest.skip("W8A8 needs int8 weights")
-    reason = isa.unsupported_reason(path) or isa.int8_activations_reason(path)
-    if reason is not None:
-        pytest.skip(f"{path}: {reason}")
-    with isa.forced(path), isa.int8_activations(True):
-        assert_generates_like(reference, compiled)
-        assert "decode activations: int8" in tilefx.explain(compiled)
-
-
 def test_rejects_an_unknown_format():
     with pytest.raises(ValueError, match="weights='int4'"):
         tilefx.compile_model(build_model("tiny-llama", seed=1), weights="int4")

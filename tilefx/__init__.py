@@ -141,17 +141,8 @@ def _warm_up(model, batch: int) -> None:
     model.tilefx.cache.reset()
 
 
-def _activations_line() -> str:
-    """What the int8 linears multiply: bf16 activations, or int8 (W8A8), which is process-wide (custom_ops/isa.py)."""
-    from tilefx.custom_ops import isa
-
-    if not isa.int8_activations_on():
-        return "decode activations: bf16 (weight-only int8; TILEFX_INT8_ACTIVATIONS=1 quantizes them: W8A8)"
-    reason = isa.int8_activations_reason()
-    if reason is not None:
-        return f"decode activations: bf16 (TILEFX_INT8_ACTIVATIONS is on, but {reason})"
-    return ("decode activations: int8 in the int8 linears of up to 2 rows (W8A8: per-row scales, AVX512-VNNI); "
-            "bf16 in the prefill GEMMs and the experts")
+_INT8_ACTIVATIONS_LINE = ("decode activations: the int8 linears of up to 2 rows read x rounded to int16 per row "
+                          "(one scale each, 15 bits); prefill dequantizes the weights and reads bf16")
 
 
 def explain(model) -> str:
@@ -168,7 +159,7 @@ def explain(model) -> str:
         f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
-        *([_activations_line()] if "int8" in report.packing.formats else []),
+        *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
         report.startup_line(),
         *([report.graph_cache.line()] if report.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),

@@ -45,7 +45,7 @@ from tilefx.compiler.passes.graph_utils import (
     LINEAR, example_value, is_parameter, linear_args, model_parameter, packing_node, replace,
 )
 from tilefx.custom_ops import weights as packed_weights
-from tilefx.custom_ops.weights import BLOCK_N
+from tilefx.custom_ops.weights import layouts
 
 
 
@@ -141,11 +141,11 @@ class LinearPass(TilefxPass):
         groups, taken = [], set()
         for gate in nodes:
             up = _gated_partner(gate)
-            if up in nodes and up not in taken and gate not in taken and example_value(gate).shape[-1] % BLOCK_N == 0:
+            if up in nodes and up not in taken and gate not in taken and layouts.is_block_aligned(example_value(gate).shape[-1]):
                 groups.append(("gate_up", [gate, up]))
                 taken |= {gate, up}
         rest = [n for n in nodes if n not in taken]
-        aligned = [n for n in rest if example_value(n).shape[-1] % BLOCK_N == 0]
+        aligned = [n for n in rest if layouts.is_block_aligned(example_value(n).shape[-1])]
         ragged = [n for n in rest if n not in aligned]
         if len(aligned) > 1 or (aligned and ragged):
             groups.append(("fused", aligned + ragged[:1]))
@@ -187,7 +187,7 @@ class LinearPass(TilefxPass):
         with graph.inserting_before(first):
             packed, scales = packing_node(graph, packed_weights.pack_gate_up_weight, (gate, up), gate)
             both = graph.call_function(torch.ops.tilefx.linear.default, (x, packed, None, 2 * width, *scales))
-            blocks = graph.call_method("unflatten", (both, -1, (width // BLOCK_N, 2, BLOCK_N)))
+            blocks = graph.call_method("unflatten", (both, -1, layouts.gate_up_columns(width)))
             for node in group:
                 part = graph.call_method("flatten", (graph.call_method("select", (blocks, -2, _packed_index(node))),
                                                      -2))

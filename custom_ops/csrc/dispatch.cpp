@@ -11,7 +11,6 @@ namespace tilefx {
 namespace {
 
 std::atomic<int> current_path{static_cast<int>(Path::reference)};
-std::atomic<bool> w8a8{false};
 
 }  // namespace
 
@@ -33,17 +32,15 @@ void set_path(const std::string& name) {
 
 Path path() { return static_cast<Path>(current_path.load(std::memory_order_relaxed)); }
 
-void set_int8_activations(bool on) { w8a8 = on; }
-
-bool int8_activations() { return w8a8.load(std::memory_order_relaxed); }
-
 bool cpu_has(const std::string& feature) {
   __builtin_cpu_init();
   if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                       __builtin_cpu_supports("f16c");
-  if (feature == "avx512_bf16") {  // with VBMI (its byte tables decode quantized weights): Zen 4+, Ice Lake+
+  if (feature == "avx512_bf16") {
+    // with VBMI (its byte tables decode fp8) and VNNI (int8 decode, vpdpwssd): Zen 4+, Sapphire Rapids+
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("f16c");
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("f16c");
   }
   if (feature == "avx512_vnni") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
   if (feature == "amx") return amx_available();

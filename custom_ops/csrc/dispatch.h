@@ -27,12 +27,6 @@ Path path();
 // Whether this CPU runs the given kernel ISA: "avx2", "avx512_bf16", "avx512_vnni" or "amx".
 bool cpu_has(const std::string& feature);
 
-// W8A8: int8-weight decode linears (M <= 2) quantize their activations per row to int8
-// and run on VNNI (linear_avx512.cpp, w8a8_gemv), on the AVX512 units; elsewhere, and
-// off (the default), activations stay bf16. Process-wide, like the path.
-void set_int8_activations(bool on);
-bool int8_activations();
-
 // The unit that computes a linear's column blocks (linear_blocks, ops.h). It reads
 // the activations as fp32 (avx2) or bf16 pairs (the AVX512-BF16 units).
 enum class LinearUnit { avx2, avx512, avx512_emulated };

@@ -31,47 +31,44 @@ constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized
 // times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;
 
+// The forms a linear's activations take (activations.h picks one per problem):
+//   fp32:        [M, ldx] floats, columns [K, ldx) zero (the AVX2 unit's base form);
+//   bf16_pairs:  [M, ldx / 2] uint32, x[2p] in the low half of element p, x[2p + 1] in the high
+//                half (what `vdpbf16ps` broadcasts; the AVX512-BF16 units' base form);
+//   int16_words: the same pairs as int16, x ~= x_scales[m] * q, one scale per row (15 bits):
+//                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`).
+enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2 };
+
 struct LinearProblem {
-  const float* x;         // [M, ldx] fp32 activations; columns [K, ldx) are zero
+  const void* x;          // activations in form x_form (below)
   const uint16_t* w;      // packed weight (bf16 bits)
   const uint16_t* bias;   // [N] bf16 bits, or nullptr
   uint16_t* y;            // [M, ldy] bf16 bits, or nullptr when yf is set
   int64_t M, N, K_pairs;  // K_pairs = padded K / 2
-  int64_t ldx;
+  int64_t ldx;            // values per row of x (padded K)
   float* yf;              // [M, ldy] fp32 output instead of y (fused MoE keeps its intermediates fp32)
   int64_t ldy;
   // Gate/up epilogue: the packed weight interleaves blocks of a gate and an up
   // projection (block 2j = gate columns [32j, 32j + 32), block 2j + 1 = the same
   // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).
   bool silu_mul;
-  // x as bf16 pairs for the AVX512-BF16 unit instead of `x`: [M, ldx / 2], x[2p] in the
-  // low half of element p, x[2p + 1] in the high half (what `vdpbf16ps` broadcasts).
-  const uint32_t* x_pairs = nullptr;
-  // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and
-  // their scales; the activations as for bf16 (x or x_pairs, per unit).
+  ActivationForm x_form = ActivationForm::fp32;
+  const float* x_scales = nullptr;  // int16_words: one per row
+  // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and their scales.
   WeightFormat format = WeightFormat::bf16;
   const uint8_t* wq = nullptr;
   const float* scales = nullptr;
   int64_t k_groups = 0;  // fp8: scales per block
-  // W8A8 decode (int8 weights, M <= 2, the AVX512 unit with VNNI): x quantized per row,
-  // x_quads[m * ldq + g] = the unsigned bytes q(x[4g .. 4g + 3]) + 128, x ~= x_scales[m] * q
-  // (quantize_activations). nullptr: the activations stay bf16 (weight-only int8).
-  const uint32_t* x_quads = nullptr;
-  int64_t ldq = 0;
-  const float* x_scales = nullptr;
-  // Weight-only int8 decode (M <= 2) on the units that read it (ops.h reads_words): x per row as
-  // int16 pairs, [M, ldx / 2], x[2p] in the low half of element p, x ~= x_word_scales[m] * q
-  // (quantize_words_*). nullptr: x as the unit reads it otherwise (fp32 or bf16 pairs).
-  const uint32_t* x_words = nullptr;
-  const float* x_word_scales = nullptr;
-};
+  // How a decode walk (M <= 2) streams the weight, per machine (tuning.h): for M = 1 a thread
+  // reads `streams` blocks at once (2, or 1 where the unit has one quantized stream), and each
+  // stream prefetches `prefetch_bytes` ahead of its loads (0: at its own row, i.e. none).
+  int64_t streams = 2;
+  int64_t prefetch_bytes = 1024;
 
-// Rows of bf16 x (row m at x + m * ldx_in, K values) as LinearProblem::x_quads: per row the
-// scale max|x| / 127 and round(x / scale) + 128 as bytes, zero-padded (128) to ldq quads.
-void quantize_activations_avx512(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in, uint32_t* quads,
-                                 int64_t ldq, float* scales);
-void quantize_activations_avx512_emulated(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in,
-                                          uint32_t* quads, int64_t ldq, float* scales);
+  const float* x_fp32() const { return static_cast<const float*>(x); }
+  const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }
+  const uint32_t* x_words() const { return static_cast<const uint32_t*>(x); }
+};
 
 // The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).
 inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
@@ -85,8 +82,8 @@ inline int64_t linear_scratch_floats(const LinearProblem& p) {
   return 2 * rows * kBlockN + (p.format != WeightFormat::bf16 && p.M > 2 ? p.K_pairs * kBlockN : 0);
 }
 
-// Rows of bf16 x ([rows, ldx], ldx a multiple of 2) as LinearProblem::x_words, as
-// quantize_words_avx2 makes them from fp32 (the AVX512 units read bf16 activations).
+// Rows of bf16 x ([rows, ldx], ldx a multiple of 2) as int16 words (ActivationForm::int16_words),
+// as quantize_words_avx2 makes them from fp32 (the AVX512 units read bf16 activations).
 void quantize_words_avx512(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 void quantize_words_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 
@@ -94,7 +91,7 @@ void quantize_words_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx
 // linear_scratch_floats(p) floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
-// The same over `x_pairs`, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports
+// The same over bf16 pairs, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports
 // AVX512F and AVX512-BF16), and that unit built on SIMDe's portable intrinsics (any CPU;
 // only in builds with TILEFX_AVX512_EMULATION, for the tests).
 void linear_blocks_avx512(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
@@ -102,7 +99,7 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
-// Rows of fp32 x ([rows, ldx], ldx a multiple of 2) as LinearProblem::x_words: per row the scale
+// Rows of fp32 x ([rows, ldx], ldx a multiple of 2) as int16 words: per row the scale
 // max|x| / 32767 and round(x / scale) as int16 (15 bits against bf16's 8 of the largest values).
 void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 

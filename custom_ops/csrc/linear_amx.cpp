@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 
 namespace tilefx {
@@ -18,7 +19,7 @@ bool amx_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                       int64_t out_features) {
   TORCH_CHECK(amx_available(), "tilefx linear: the AMX path needs a CPU with AMX-BF16 (set TILEFX_ISA to another path)");
-  const int64_t k_pairs = packed.size(1), in_features = x.size(-1);
+  const int64_t k_pairs = packed_pairs(packed), in_features = x.size(-1);
   at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
   if (2 * k_pairs > in_features) x2 = at::constant_pad_nd(x2, {0, 2 * k_pairs - in_features});
   const int64_t rows = x2.size(0);
@@ -29,7 +30,7 @@ at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   const at::BFloat16* b = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, packed_blocks(packed), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> c(rows * kBlockN);
     for (int64_t nb = begin; nb < end; ++nb) {
       at::native::cpublas::brgemm(rows, kBlockN, 2 * k_pairs, 2 * k_pairs, kBlockN, kBlockN, false, a,

@@ -3,16 +3,14 @@
 //
 // Decode (M <= 2) is a GEMV: it must stream the weight at memory speed, so each
 // block of kBlockN columns is read once, front to back, with every row of x
-// applied to it. For M = 1 each thread walks two blocks at once, from the two
+// applied to it. For M = 1 a thread may walk two blocks at once, from the two
 // halves of its range: two concurrent streams per core keep more DRAM requests in
-// flight than one (measured here: ~78% of the streaming-read probe with one
-// stream, ~100% with two). Each stream also prefetches 1 KiB ahead of its loads:
-// the FMAs between the loads leave fewer demand misses in flight than the probe
-// has; in same-process A/Bs the prefetch gained 1-10%, most on the small weights
-// (2048 x 2048 and under), while Llama-3.2-1B's decode TPOT did not move
-// measurably. Prefill (M > 2) is a blocked GEMM: the weight panel of one block
-// and kKChunk pairs of K (16 KiB) stays in L1 while every 4-row tile of x passes
-// over it.
+// flight than one. Each stream also prefetches ahead of its loads: the FMAs between
+// the loads leave fewer demand misses in flight than a plain streaming read has.
+// How many streams and how far ahead pay differs between CPUs, so both are tuned
+// per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 2)
+// is a blocked GEMM: the weight panel of one block and kKChunk pairs of K (16 KiB)
+// stays in L1 while every 4-row tile of x passes over it.
 #include <algorithm>
 #include <cmath>
 
@@ -32,27 +30,23 @@ constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a b
 constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel (GEMM)
 constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
-// GEMV prefetch distance, in bf16 elements of one stream: 1 KiB, i.e. 8 K pairs of a
-// block ahead. 512 B and 1 KiB measured best; 2 and 4 KiB into L1 slower than none.
-// Non-temporal, so the streamed weight does not evict x (fp32, up to 32 KiB) from
-// the caches. Near a block's end it prefetches the next block, which a stream
+// GEMV software prefetch: `ahead` bf16 elements of one stream (LinearProblem::prefetch_bytes,
+// tuned per machine). Non-temporal, so the streamed weight does not evict x (fp32, up to
+// 32 KiB) from the caches. Near a block's end it prefetches the next block, which a stream
 // reads next; past the buffer's end it is a no-op (prefetches never fault).
-constexpr int64_t kPrefetchElems = 512;
-
-// Prefetches one K pair row of a block (128 bytes, two lines) kPrefetchElems ahead.
-static inline void prefetch_ahead(const uint16_t* row) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems + 32), _MM_HINT_NTA);
+static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_NTA);
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 32), _MM_HINT_NTA);
 }
 
 // One row of x against a whole block, every K pair: 2 accumulators per column
 // vector (k even / k odd) so FMA latency never limits the stream.
-static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, float* c) {
+static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m256 acc_even[kVecs], acc_odd[kVecs];
   for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row);
+    prefetch_ahead(row, ahead);
     const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
     const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
 #pragma GCC unroll 4
@@ -68,14 +62,15 @@ static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, float
 
 // One row of x against two blocks at once (two streams; see the top of the file).
 static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
+                                int64_t ahead,
                                 float* c_a, float* c_b) {
   __m256 acc_a[kVecs], acc_b[kVecs];
   for (int j = 0; j < kVecs; ++j) acc_a[j] = acc_b[j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row_a = block_a + p * kPairStride;
     const uint16_t* row_b = block_b + p * kPairStride;
-    prefetch_ahead(row_a);
-    prefetch_ahead(row_b);
+    prefetch_ahead(row_a, ahead);
+    prefetch_ahead(row_b, ahead);
     const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
     const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
 #pragma GCC unroll 4
@@ -94,13 +89,13 @@ static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const u
 }
 
 // Two rows of x against a whole block (batch-2 decode): the weight is still read once.
-static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t pairs, float* c) {
+static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m256 acc[2][kVecs];
   for (int m = 0; m < 2; ++m)
     for (int j = 0; j < kVecs; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row);
+    prefetch_ahead(row, ahead);
     const __m256 a0 = _mm256_broadcast_ss(x + 2 * p), a1 = _mm256_broadcast_ss(x + 2 * p + 1);
     const __m256 b0 = _mm256_broadcast_ss(x + ldx + 2 * p), b1 = _mm256_broadcast_ss(x + ldx + 2 * p + 1);
 #pragma GCC unroll 4
@@ -143,7 +138,7 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
     const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
     for (int64_t m = 0; m < p.M; m += kTileRows) {
-      const float* x = p.x + m * p.ldx;
+      const float* x = p.x_fp32() + m * p.ldx;
       float* cm = c + m * kBlockN;
       for (int vec0 = 0; vec0 < kVecs; vec0 += kTileVecs) {
         switch (p.M - m < kTileRows ? p.M - m : kTileRows) {
@@ -206,8 +201,6 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
 
 // -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
 
-constexpr int64_t kQPrefetchBytes = 1024;
-
 // 16 values (8 columns x one K pair, in packed order) of a quantized block as two fp32
 // vectors (4 columns x 2 each). e4m3 goes through fp16 as in linear_avx512.cpp: exact,
 // subnormals included, the value times 2^-8.
@@ -234,24 +227,23 @@ static inline __m256 group_scale(const LinearProblem& p, int64_t block, int64_t 
   }
 }
 
-// One row of x against one quantized block (8 accumulators of 4 columns x 2: one stream
-// per thread, two would spill), scales applied, into c[0, kBlockN).
-template <WeightFormat F>
-static void quantized_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
+// One row of x against one fp8 block (8 accumulators of 4 columns x 2: one stream per
+// thread, two would spill), scales applied, into c[0, kBlockN). (int8 decode reads x as
+// int16 words instead: int8_word_gemv.)
+static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
+  constexpr WeightFormat F = WeightFormat::fp8;
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
-  const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
-  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
-    const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
+    const int64_t g1 = g0 + kFp8GroupPairs < p.K_pairs ? g0 + kFp8GroupPairs : p.K_pairs;
     const __m256 scale = group_scale<F>(p, block, g0);
     for (int64_t q = g0; q < g1; ++q) {
       const uint8_t* row = w + q * kQPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
       double pair;
       __builtin_memcpy(&pair, x + 2 * q, sizeof pair);
-      __m256 xs = _mm256_castpd_ps(_mm256_set1_pd(pair));  // x[2q], x[2q + 1] repeated
-      if (F == WeightFormat::fp8) xs = _mm256_mul_ps(xs, scale);
+      const __m256 xs = _mm256_mul_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), scale);  // x[2q], x[2q + 1] repeated
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m256 lo, hi;
@@ -263,13 +255,13 @@ static void quantized_gemv_row(const LinearProblem& p, const float* x, int64_t b
   }
   // acc[i] lanes (2t, 2t + 1) are column 4i + t's halves: hadd pairs them, the permute restores column order.
   for (int i = 0; i < 8; i += 2) {
-    __m256 sum = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i], acc[i + 1])), 0xD8));
-    if constexpr (F == WeightFormat::int8) sum = _mm256_mul_ps(sum, _mm256_loadu_ps(p.scales + block * kBlockN + 4 * i));
+    const __m256 sum =
+        _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(acc[i], acc[i + 1])), 0xD8));
     _mm256_storeu_ps(c + 4 * i, sum);
   }
 }
 
-// int8 decode over x as int16 (LinearProblem::x_words): 16 weight bytes (8 columns x one K
+// int8 decode over x as int16 words (ActivationForm::int16_words): 16 weight bytes (8 columns x one K
 // pair, the packed order) sign-extend to int16 in one instruction and `vpmaddwd` multiplies
 // them by the broadcast (x[2q], x[2q + 1]) and adds each column's two products: 3
 // instructions per 16 weights, against 8 for widening them to fp32 for FMAs, which kept the
@@ -291,13 +283,13 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
       for (auto& a : row) a = _mm256_setzero_si256();
     for (int64_t q = g0; q < g1; ++q) {
       const uint8_t* row = w + q * kQPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
       __m256i words[4];
       for (int j = 0; j < 4; ++j) {
         words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
       }
       for (int r = 0; r < Rows; ++r) {
-        const __m256i xq = _mm256_set1_epi32(static_cast<int>(p.x_words[r * ldw + q]));
+        const __m256i xq = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
       }
     }
@@ -306,7 +298,7 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   }
   const float* column_scales = p.scales + block * kBlockN;
   for (int r = 0; r < Rows; ++r) {
-    const __m256 x_scale = _mm256_set1_ps(p.x_word_scales[r]);
+    const __m256 x_scale = _mm256_set1_ps(p.x_scales[r]);
     for (int j = 0; j < 4; ++j) {
       const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(column_scales + 8 * j), x_scale);
       _mm256_storeu_ps(c + r * kBlockN + 8 * j, _mm256_mul_ps(total[r][j], scale));
@@ -332,30 +324,28 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
   }
 }
 
-// The AVX2 micro-kernels as linear_walk.h calls them (over LinearProblem::x).
+// The AVX2 micro-kernels as linear_walk.h calls them (over fp32 x, or int16 words for int8 decode).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
-  static constexpr bool kW8A8 = false;  // weight-only int8 (no AVX-VNNI kernel yet)
-  template <int Rows, int Blocks>
-  static void w8a8_blocks(const LinearProblem&, const int64_t*, float* const*) {}
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
     if constexpr (F == WeightFormat::int8) {
-      if (p.x_words != nullptr) return int8_word_gemv<Rows>(p, blocks[0], c[0]);
+      int8_word_gemv<Rows>(p, blocks[0], c[0]);
+    } else {
+      for (int r = 0; r < Rows; ++r) fp8_gemv_row(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
     }
-    for (int r = 0; r < Rows; ++r) quantized_gemv_row<F>(p, p.x + r * p.ldx, blocks[0], c[0] + r * kBlockN);
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
     dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x, a, b, p.K_pairs, c_a, c_b);
+    gemv_row_two_blocks(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes / 2, c_a, c_b);
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x, block, p.K_pairs, c);
-    if (p.M == 2) return gemv_two_rows(p.x, p.ldx, block, p.K_pairs, c);
+    if (p.M == 1) return gemv_row(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes / 2, c);
+    if (p.M == 2) return gemv_two_rows(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes / 2, c);
     gemm_block(p, block, c);
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }

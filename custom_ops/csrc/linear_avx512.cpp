@@ -2,11 +2,12 @@
 // is. One 64-byte load is 16 columns x one K pair, and one instruction multiplies it by
 // a broadcast pair of x values and adds both products into 16 fp32 accumulators: no
 // widening, half the instructions per weight byte of the AVX2 unit. x comes as bf16
-// pairs (LinearProblem::x_pairs), the accumulation and epilogues are fp32.
+// pairs (ActivationForm::bf16_pairs), the accumulation and epilogues are fp32.
 //
 // The structure is the AVX2 unit's (linear_avx2.cpp explains the choices; both walk
-// the blocks with linear_walk.h): decode (M <= 2) streams each block once, M = 1 as
-// two streams per thread with a 1 KiB non-temporal prefetch; prefill is a blocked GEMM
+// the blocks with linear_walk.h): decode (M <= 2) streams each block once, M = 1 as one or
+// two streams per thread with a non-temporal prefetch (both tuned per machine, tuning.h);
+// prefill is a blocked GEMM
 // over an L1-resident panel of one block and kKChunk K pairs, here with micro-tiles of
 // 8 rows x 32 columns (16 zmm accumulators).
 //
@@ -38,7 +39,6 @@ namespace {
 constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a block: two zmm
 constexpr int64_t kKChunk = 128;              // K pairs per L1-resident weight panel (GEMM): 16 KiB
 constexpr int kTileRows = 8;                  // rows of x per GEMM micro-tile (x 2 zmm accumulators)
-constexpr int64_t kPrefetchElems = 512;       // GEMV prefetch distance: 1 KiB of one stream
 
 static inline __m512bh as_pairs(__m512i v) {
   __m512bh r;
@@ -52,9 +52,10 @@ static inline __m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_lo
 // x[2p], x[2p + 1] in every lane.
 static inline __m512bh broadcast_pair(uint32_t pair) { return as_pairs(_mm512_set1_epi32(static_cast<int>(pair))); }
 
-static inline void prefetch_ahead(const uint16_t* row) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchElems + 32), _MM_HINT_NTA);
+// GEMV software prefetch: `ahead` bf16 elements of one stream (LinearProblem::prefetch_bytes, tuned).
+static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_NTA);
+  _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 32), _MM_HINT_NTA);
 }
 
 static inline __m512 load_bf16x16(const uint16_t* p) {
@@ -99,11 +100,11 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 
 // One row of x against one block, every K pair.
-static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, float* c) {
+static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row);
+    prefetch_ahead(row, ahead);
     const __m512bh xp = broadcast_pair(x[p]);
     lo = _mm512_dpbf16_ps(lo, load_pairs(row), xp);
     hi = _mm512_dpbf16_ps(hi, load_pairs(row + 32), xp);
@@ -114,14 +115,15 @@ static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, fl
 
 // One row of x against two blocks at once (two streams).
 static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
+                                int64_t ahead,
                                 float* c_a, float* c_b) {
   __m512 a_lo = _mm512_setzero_ps(), a_hi = _mm512_setzero_ps();
   __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row_a = block_a + p * kPairStride;
     const uint16_t* row_b = block_b + p * kPairStride;
-    prefetch_ahead(row_a);
-    prefetch_ahead(row_b);
+    prefetch_ahead(row_a, ahead);
+    prefetch_ahead(row_b, ahead);
     const __m512bh xp = broadcast_pair(x[p]);
     a_lo = _mm512_dpbf16_ps(a_lo, load_pairs(row_a), xp);
     a_hi = _mm512_dpbf16_ps(a_hi, load_pairs(row_a + 32), xp);
@@ -135,12 +137,13 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
 }
 
 // Two rows of x against one block (batch-2 decode): the weight is still read once.
-static void gemv_two_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, float* c) {
+static void gemv_two_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, int64_t ahead,
+                          float* c) {
   __m512 acc[2][2];
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row);
+    prefetch_ahead(row, ahead);
     const __m512bh lo = load_pairs(row), hi = load_pairs(row + 32);
     for (int m = 0; m < 2; ++m) {
       const __m512bh xp = broadcast_pair(x[m * ldp + p]);
@@ -185,7 +188,7 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
     const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
     for (int64_t m = 0; m < p.M; m += kTileRows) {
-      const uint32_t* x = p.x_pairs + m * ldp;
+      const uint32_t* x = p.x_pairs() + m * ldp;
       float* cm = c + m * kBlockN;
       switch (p.M - m < kTileRows ? p.M - m : kTileRows) {
         case 1: gemm_tile<1>(x, ldp, block, p0, p1, cm); break;
@@ -250,13 +253,6 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
 
 // -- quantized weights (kernels.h): fp32 FMAs over values widened in registers --------
 
-// GEMV prefetch distance of one quantized stream. 4 KiB, where bf16 uses 1 KiB: measured on
-// Zen 5 (cold 8192 x 2048 GEMVs, int8 over bf16 GB/s in one process), a 1 KiB distance left
-// the 1-byte formats at 0.79 of bf16's bandwidth on one thread (0.92 on two), below even no
-// software prefetch at all (0.90); 4 KiB brought them to 0.97-1.01. bf16 moved by less than
-// the noise from 1 to 16 KiB. (One K pair row of a quantized block is one cache line, so
-// 1 KiB was only 16 rows ahead; bf16's two lines per row put the same distance 8 rows ahead.)
-constexpr int64_t kQPrefetchBytes = 4096;
 
 // Decode reads 1-byte values straight into `vdpbf16ps`: every e4m3 value and every int8
 // magnitude is exact in bf16, so a 128-entry table maps a byte's low 7 bits to its bf16
@@ -347,20 +343,20 @@ static inline void load_quantized_pairs(const uint8_t* p, const Tables& t, __m51
 alignas(64) constexpr int32_t kColumnOrder[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
                                                      {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
 
-// `Rows` rows of x (bf16 pairs) against `Blocks` quantized blocks, every K pair; c[b] (rows of
-// kBlockN) gets block b's result with its scales applied: fp8's per 128 inputs to partial sums
-// at the end of each group, int8's per column to the total.
-template <WeightFormat F, int Rows, int Blocks>
-static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+// `Rows` rows of x (bf16 pairs) against `Blocks` fp8 blocks, every K pair; c[b] (rows of
+// kBlockN) gets block b's result with its scales applied per 128 inputs to the partial sums at
+// the end of each group. (int8 decode reads x as int16 words instead: int8_word_gemv.)
+template <int Rows, int Blocks>
+static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+  constexpr WeightFormat F = WeightFormat::fp8;
   const Tables tables = load_tables<F>();
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
   const int64_t ldp = p.ldx / 2;
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
-  const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;
-  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {
-    const int64_t g1 = g0 + group < p.K_pairs ? g0 + group : p.K_pairs;
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
+    const int64_t g1 = g0 + kFp8GroupPairs < p.K_pairs ? g0 + kFp8GroupPairs : p.K_pairs;
     // Even and odd K pair rows accumulate apart: twice the independent vdpbf16ps chains.
     __m512 acc[Rows * Blocks][2], odd[Rows * Blocks][2];
     for (auto& a : acc) a[0] = a[1] = _mm512_setzero_ps();
@@ -368,11 +364,11 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
     auto add_row = [&](int64_t q, __m512 (&into)[Rows * Blocks][2]) {
       for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kQPairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
         __m512i lo, hi;
         load_quantized_pairs<F>(row, tables, lo, hi);
         for (int r = 0; r < Rows; ++r) {
-          const __m512bh xp = broadcast_pair(p.x_pairs[r * ldp + q]);
+          const __m512bh xp = broadcast_pair(p.x_pairs()[r * ldp + q]);
           into[r * Blocks + b][0] = _mm512_dpbf16_ps(into[r * Blocks + b][0], as_pairs(lo), xp);
           into[r * Blocks + b][1] = _mm512_dpbf16_ps(into[r * Blocks + b][1], as_pairs(hi), xp);
         }
@@ -387,14 +383,9 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
     for (int i = 0; i < Rows * Blocks; ++i) {
       acc[i][0] = _mm512_add_ps(acc[i][0], odd[i][0]);
       acc[i][1] = _mm512_add_ps(acc[i][1], odd[i][1]);
-      if constexpr (F == WeightFormat::fp8) {
-        const __m512 scale = _mm512_set1_ps(fp8_scale(p, blocks[i % Blocks], g0));
-        total[i][0] = _mm512_fmadd_ps(acc[i][0], scale, total[i][0]);
-        total[i][1] = _mm512_fmadd_ps(acc[i][1], scale, total[i][1]);
-      } else {
-        total[i][0] = acc[i][0];
-        total[i][1] = acc[i][1];
-      }
+      const __m512 scale = _mm512_set1_ps(fp8_scale(p, blocks[i % Blocks], g0));
+      total[i][0] = _mm512_fmadd_ps(acc[i][0], scale, total[i][0]);
+      total[i][1] = _mm512_fmadd_ps(acc[i][1], scale, total[i][1]);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -402,69 +393,13 @@ static void quantized_gemv(const LinearProblem& p, const int64_t* blocks, float*
       const __m512* t = total[r * Blocks + b];
       float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
       for (int h = 0; h < 2; ++h) {
-        __m512 sum = _mm512_permutex2var_ps(t[0], _mm512_loadu_si512(kColumnOrder[h]), t[1]);
-        if constexpr (F == WeightFormat::int8) {
-          sum = _mm512_mul_ps(sum, _mm512_loadu_ps(p.scales + blocks[b] * kBlockN + 16 * h));
-        }
-        _mm512_storeu_ps(out + 16 * h, sum);
+        _mm512_storeu_ps(out + 16 * h, _mm512_permutex2var_ps(t[0], _mm512_loadu_si512(kColumnOrder[h]), t[1]));
       }
     }
   }
 }
 
-// W8A8 decode: int8 weights against x quantized per row (LinearProblem::x_quads), on
-// `vpdpbusd` (AVX512-VNNI): 4 unsigned x bytes times 4 signed weight bytes summed into
-// each int32 lane. Two K pair rows of a block (2 x 64 bytes) interleaved by 16-bit units
-// hold 4 consecutive K values per column in each 32-bit lane, columns in the lanes of the
-// bf16 path's (a, b) (so kColumnOrder applies): 2 unpacks + 2 vpdpbusd per 128 weight bytes
-// and row of x, plus 2 more for the column sums sum_k w that remove the +128 offset of x
-// (y = s_x s_w (sum (q + 128) w - 128 sum w)), against 9 instructions per 64 bytes for the
-// bf16 table decode. An odd last K pair row pairs with zeros.
-template <int Rows, int Blocks>
-static void w8a8_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
-  const uint8_t* w[Blocks];
-  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc[Rows * Blocks][2], wsum[Blocks][2];
-  for (auto& a : acc) a[0] = a[1] = _mm512_setzero_si512();
-  for (auto& a : wsum) a[0] = a[1] = _mm512_setzero_si512();
-  const int64_t quads = (p.K_pairs + 1) / 2;
-  for (int64_t g = 0; g < quads; ++g) {
-    const bool pair = 2 * g + 1 < p.K_pairs;
-    for (int b = 0; b < Blocks; ++b) {
-      const uint8_t* row = w[b] + 2 * g * kQPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
-      _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes + kQPairBytes), _MM_HINT_NTA);
-      const __m512i r0 = _mm512_loadu_si512(row);
-      const __m512i r1 = pair ? _mm512_loadu_si512(row + kQPairBytes) : _mm512_setzero_si512();
-      const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
-      wsum[b][0] = _mm512_dpbusd_epi32(wsum[b][0], ones, lo);
-      wsum[b][1] = _mm512_dpbusd_epi32(wsum[b][1], ones, hi);
-      for (int r = 0; r < Rows; ++r) {
-        const __m512i xq = _mm512_set1_epi32(static_cast<int>(p.x_quads[r * p.ldq + g]));
-        acc[r * Blocks + b][0] = _mm512_dpbusd_epi32(acc[r * Blocks + b][0], xq, lo);
-        acc[r * Blocks + b][1] = _mm512_dpbusd_epi32(acc[r * Blocks + b][1], xq, hi);
-      }
-    }
-  }
-  for (int r = 0; r < Rows; ++r) {
-    for (int b = 0; b < Blocks; ++b) {
-      __m512 t[2];
-      for (int h = 0; h < 2; ++h) {
-        t[h] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r * Blocks + b][h], _mm512_slli_epi32(wsum[b][h], 7)));
-      }
-      float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
-      const __m512 x_scale = _mm512_set1_ps(p.x_scales[r]);
-      for (int h = 0; h < 2; ++h) {
-        const __m512 sum = _mm512_permutex2var_ps(t[0], _mm512_loadu_si512(kColumnOrder[h]), t[1]);
-        const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(p.scales + blocks[b] * kBlockN + 16 * h), x_scale);
-        _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(sum, scale));
-      }
-    }
-  }
-}
-
-// Weight-only int8 decode over x as int16 (LinearProblem::x_words, 15 bits per row): the
+// int8 decode over x as int16 words (ActivationForm::int16_words, 15 bits per row): the
 // half of a K pair row that holds 16 columns (32 bytes) sign-extends to int16 in one
 // `vpmovsxbw`, and one `vpdpwssd` (AVX512-VNNI) multiplies it by the broadcast
 // (x[2q], x[2q + 1]) and adds each column's two products into its int32 lane: 4
@@ -490,11 +425,11 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
     auto add_row = [&](int64_t q, __m512i (&into)[Rows * Blocks][2]) {
       for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kQPairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + kQPrefetchBytes), _MM_HINT_NTA);
+        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
         const __m512i lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
         const __m512i hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)));
         for (int r = 0; r < Rows; ++r) {
-          const __m512i xw = _mm512_set1_epi32(static_cast<int>(p.x_words[r * ldw + q]));
+          const __m512i xw = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
           into[r * Blocks + b][0] = _mm512_dpwssd_epi32(into[r * Blocks + b][0], lo, xw);
           into[r * Blocks + b][1] = _mm512_dpwssd_epi32(into[r * Blocks + b][1], hi, xw);
         }
@@ -513,7 +448,7 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    const __m512 x_scale = _mm512_set1_ps(p.x_word_scales[r]);
+    const __m512 x_scale = _mm512_set1_ps(p.x_scales[r]);
     for (int b = 0; b < Blocks; ++b) {
       float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
       for (int h = 0; h < 2; ++h) {
@@ -545,31 +480,27 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
   }
 }
 
-// The AVX512-BF16 micro-kernels as linear_walk.h calls them (over LinearProblem::x_pairs).
+// The AVX512-BF16 micro-kernels as linear_walk.h calls them (over bf16 pairs, or int16 words for int8 decode).
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
-  static constexpr bool kW8A8 = true;
-  template <int Rows, int Blocks>
-  static void w8a8_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
-    w8a8_gemv<Rows, Blocks>(p, blocks, c);
-  }
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     if constexpr (F == WeightFormat::int8) {
-      if (p.x_words != nullptr) return int8_word_gemv<Rows, Blocks>(p, blocks, c);
+      int8_word_gemv<Rows, Blocks>(p, blocks, c);
+    } else {
+      fp8_gemv<Rows, Blocks>(p, blocks, c);
     }
-    quantized_gemv<F, Rows, Blocks>(p, blocks, c);
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
     dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x_pairs, a, b, p.K_pairs, c_a, c_b);
+    gemv_row_two_blocks(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes / 2, c_a, c_b);
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x_pairs, block, p.K_pairs, c);
-    if (p.M == 2) return gemv_two_rows(p.x_pairs, p.ldx / 2, block, p.K_pairs, c);
+    if (p.M == 1) return gemv_row(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes / 2, c);
+    if (p.M == 2) return gemv_two_rows(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes / 2, c);
     gemm_block(p, block, c);
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
@@ -578,7 +509,7 @@ struct Avx512Unit {
   }
 };
 
-// The largest |x| of a bf16 row of n values: the per-row scale of quantize_activations / quantize_words.
+// The largest |x| of a bf16 row of n values: the per-row scale of quantize_words.
 static float row_absmax(const uint16_t* row, int64_t n) {
   __m512 peak = _mm512_setzero_ps();
   int64_t k = 0;
@@ -589,26 +520,6 @@ static float row_absmax(const uint16_t* row, int64_t n) {
 }
 
 }  // namespace
-
-void TILEFX_AVX512_ENTRY(quantize_activations)(const uint16_t* x, int64_t rows, int64_t K, int64_t ldx_in,
-                                                uint32_t* quads, int64_t ldq, float* scales) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const uint16_t* row = x + m * ldx_in;
-    const float amax = row_absmax(row, K);
-    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-    scales[m] = scale;
-    const __m512 inverse = _mm512_set1_ps(1.0f / scale);
-    uint8_t* out = reinterpret_cast<uint8_t*>(quads + m * ldq);
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {  // round to nearest even, |q| <= 127; as a byte, q + 128 = q ^ 0x80: 1..255
-      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16(row + k), inverse));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                       _mm_xor_si128(_mm512_cvtsepi32_epi8(q), _mm_set1_epi8(static_cast<char>(0x80))));
-    }
-    for (; k < K; ++k) out[k] = static_cast<uint8_t>(std::nearbyint(bf16_to_float(row[k]) * (1.0f / scale)) + 128.0f);
-    for (; k < 4 * ldq; ++k) out[k] = 128;
-  }
-}
 
 void TILEFX_AVX512_ENTRY(quantize_words)(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words,
                                           float* scales) {

@@ -11,10 +11,13 @@
 #include <cstring>
 #include <vector>
 
+#include "activations.h"
 #include "dispatch.h"
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 #include "parallel.h"
+#include "tuning.h"
 
 namespace tilefx {
 
@@ -28,45 +31,6 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
 #endif
       break;  // unreachable: set_path refuses the emulated path in builds without it
   }
-}
-
-void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row) {
-  if (unit == LinearUnit::avx2) {
-    float* dst = static_cast<float*>(rows) + row * ldx;
-    bf16_to_float_avx2(src, dst, n);
-    if (ldx > n) dst[n] = 0.0f;
-  } else {
-    uint16_t* dst = static_cast<uint16_t*>(rows) + row * ldx;
-    std::memcpy(dst, src, n * sizeof(uint16_t));
-    if (ldx > n) dst[n] = 0;
-  }
-}
-
-void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row) {
-  if (unit == LinearUnit::avx2) {
-    p.x = static_cast<const float*>(rows) + row * p.ldx;
-  } else {
-    p.x_pairs = static_cast<const uint32_t*>(rows) + row * p.ldx / 2;
-  }
-}
-
-// Whether `unit` has the AVX512-VNNI integer dot products (the emulated unit always does).
-static bool has_vnni(LinearUnit unit) {
-  static const bool vnni = cpu_has("avx512_vnni");
-  return unit == LinearUnit::avx512_emulated || (unit == LinearUnit::avx512 && vnni);
-}
-
-bool reads_words(LinearUnit unit, WeightFormat format) {
-  return format == WeightFormat::int8 && (unit == LinearUnit::avx2 || has_vnni(unit));
-}
-
-void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, uint32_t* words, float* scales) {
-  if (unit == LinearUnit::avx2) return quantize_words_avx2(static_cast<const float*>(rows), count, ldx, words, scales);
-  const uint16_t* bf16 = static_cast<const uint16_t*>(rows);
-#ifdef TILEFX_AVX512_EMULATION
-  if (unit == LinearUnit::avx512_emulated) return quantize_words_avx512_emulated(bf16, count, ldx, words, scales);
-#endif
-  quantize_words_avx512(bf16, count, ldx, words, scales);
 }
 
 WeightFormat weight_format(const at::Tensor& packed) {
@@ -85,14 +49,14 @@ void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::option
     p.w = bf16_bits(packed);
     return;
   }
-  // [..., blocks, pairs, 32, 2] -> scales [..., blocks, 32] (int8) or [..., blocks, ceil(2 * pairs / 128)] (fp8)
-  const int64_t pairs = packed.size(-3);
-  const int64_t per_block = p.format == WeightFormat::int8 ? kBlockN : (pairs + kFp8GroupPairs - 1) / kFp8GroupPairs;
+  // [..., blocks, pairs, 32, 2] -> scales [..., blocks, scales_per_block]
+  const int64_t pairs = packed_pairs(packed);
+  const int64_t per_block = scales_per_block(p.format, pairs);
   TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
                   scales->dim() == packed.dim() - 2 && scales->size(-1) == per_block &&
-                  scales->numel() == packed.numel() / (pairs * kBlockN * 2) * per_block,
+                  scales->numel() == packed.numel() / block_values(pairs) * per_block,
               "tilefx: a ", packed.scalar_type(), " weight ", packed.sizes(), " needs contiguous fp32 scales [..., ",
-              packed.size(-4), ", ", per_block, "] (weights.packed_scales)");
+              packed_blocks(packed), ", ", per_block, "] (weights.packed_scales)");
   p.wq = static_cast<const uint8_t*>(packed.data_ptr());
   p.scales = scales->data_ptr<float>();
   p.k_groups = p.format == WeightFormat::fp8 ? per_block : 0;
@@ -106,12 +70,12 @@ int64_t rows_of(const at::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / 
 void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tilefx linear: x must be bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 2 && packed.is_contiguous(),
+  TORCH_CHECK(is_packing(packed, 0) && packed.is_contiguous(),
               "tilefx linear: weight must be packed by pack_linear_weight ([N/", kBlockN, ", K/2, ", kBlockN,
               ", 2]), got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(x.size(-1) <= 2 * packed.size(1) && x.size(-1) > 2 * packed.size(1) - 2,
-              "tilefx linear: x has ", x.size(-1), " features, the packed weight ", 2 * packed.size(1));
-  TORCH_CHECK(out_features > packed.size(0) * kBlockN - kBlockN && out_features <= packed.size(0) * kBlockN,
+  TORCH_CHECK(pairs_of(x.size(-1)) == packed_pairs(packed),
+              "tilefx linear: x has ", x.size(-1), " features, the packed weight ", 2 * packed_pairs(packed));
+  TORCH_CHECK(blocks_of(out_features) == packed_blocks(packed),
               "tilefx linear: out_features ", out_features, " does not match the packed weight");
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == out_features &&
@@ -120,38 +84,13 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
-// x as the unit reads it (write_activation_row), in a reused thread-local buffer when
-// small, else in `storage`. bf16 x with even K already is the AVX512-BF16 unit's pairs.
-void prepare_activations(const at::Tensor& x2, int64_t rows, LinearUnit unit, LinearProblem& p, at::Tensor& storage) {
-  const int64_t in_features = x2.size(-1), ldx = p.ldx;
-  const uint16_t* x_bits = bf16_bits(x2);
-  const bool pairs = unit != LinearUnit::avx2;
-  if (pairs && ldx == in_features && reinterpret_cast<uintptr_t>(x_bits) % alignof(uint32_t) == 0) {
-    return attach_activations(p, unit, x_bits, 0);
-  }
-  constexpr int64_t kReusedBytes = 1 << 18;
-  const int64_t bytes = rows * ldx * (pairs ? sizeof(uint16_t) : sizeof(float));
-  thread_local std::vector<float> reused;
-  void* buffer;
-  if (bytes <= kReusedBytes) {
-    reused.resize(kReusedBytes / sizeof(float));
-    buffer = reused.data();
-  } else {
-    storage = at::empty({rows, ldx}, x2.options().dtype(pairs ? at::kBFloat16 : at::kFloat));
-    buffer = storage.data_ptr();
-  }
-  for (int64_t m = 0; m < rows; ++m) write_activation_row(unit, x_bits + m * in_features, in_features, ldx, buffer, m);
-  attach_activations(p, unit, buffer, 0);
-}
-
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
-// here (decode makes ~100 calls of 20-150 us each): x is converted into a reused
-// thread-local buffer, not an ATen temporary.
+// here (decode makes ~100 calls of 20-150 us each): no ATen temporaries but the result.
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit,
                          const c10::optional<at::Tensor>& scales) {
   const int64_t in_features = x.size(-1);
-  const int64_t k_pairs = packed.size(1), ldx = 2 * k_pairs;
+  const int64_t k_pairs = packed_pairs(packed), ldx = 2 * k_pairs;
   // No dispatcher round trips before the weight stream starts: a decode call spends
   // a few us in them (reshape and at::empty, measured 3 and 3 us with caches cold
   // after the previous weight's stream), ~4% of a 1536 x 1536 GEMV.
@@ -167,36 +106,10 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
                   float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   attach_weight(p, packed, scales);
-  at::Tensor activations;
-  prepare_activations(x2, rows, unit, p, activations);
-  if (p.format == WeightFormat::int8 && rows <= 2 && has_vnni(unit) && int8_activations()) {
-    // W8A8 (dispatch.h): x as unsigned bytes, per-row scales
-    const int64_t ldq = (k_pairs + 1) / 2;
-    thread_local std::vector<uint32_t> quads;
-    thread_local std::vector<float> x_scales;
-    quads.resize(rows * ldq);
-    x_scales.resize(rows);
-#ifdef TILEFX_AVX512_EMULATION
-    auto quantize = unit == LinearUnit::avx512 ? quantize_activations_avx512 : quantize_activations_avx512_emulated;
-#else
-    auto quantize = quantize_activations_avx512;
-#endif
-    quantize(bf16_bits(x2), rows, in_features, in_features, quads.data(), ldq, x_scales.data());
-    p.x_quads = quads.data();
-    p.ldq = ldq;
-    p.x_scales = x_scales.data();
-  }
-  if (rows <= 2 && p.x_quads == nullptr && reads_words(unit, p.format)) {  // weight-only int8 over int16 x
-    thread_local std::vector<uint32_t> words;
-    thread_local std::vector<float> word_scales;
-    words.resize(rows * ldx / 2);
-    word_scales.resize(rows);
-    quantize_words(unit, unit == LinearUnit::avx2 ? static_cast<const void*>(p.x) : p.x_pairs, rows, ldx,
-                   words.data(), word_scales.data());
-    p.x_words = words.data();
-    p.x_word_scales = word_scales.data();
-  }
-  const int64_t units = silu_mul ? packed.size(0) / 2 : packed.size(0);
+  apply_tuning(p, unit);
+  const Activations activations(unit, p.format, bf16_bits(x2), rows, in_features, in_features, ldx);
+  activations.attach(p, 0);
+  const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
   const size_t scratch_floats = linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
@@ -212,7 +125,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
 // value half. Work units are (row group, head, column block), in contiguous ranges.
 at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                                   LinearUnit isa) {
-  const int64_t heads = packed.size(0), blocks = packed.size(1), k_pairs = packed.size(2), ldx = 2 * k_pairs;
+  const int64_t heads = packed.size(0), blocks = packed_blocks(packed), k_pairs = packed_pairs(packed), ldx = 2 * k_pairs;
   const int64_t seq = x.size(-2), in_features = x.size(-1);
   const at::Tensor x4 = x.reshape({-1, heads, seq, in_features});
   const int64_t groups = x4.size(0);
@@ -221,21 +134,16 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
   at::Tensor y = at::empty(out_shape, x.options());
   if (x4.numel() == 0) return y;
 
-  // Activations [groups, H, S, ldx], K padded to even: fp32 (AVX2) or bf16 pairs (AVX512-BF16).
-  const at::Tensor xa_tensor =
-      at::empty({groups, heads, seq, ldx}, x.options().dtype(isa == LinearUnit::avx2 ? at::kFloat : at::kBFloat16));
-  void* xa = xa_tensor.data_ptr();
+  // Activations [groups, H, S, ldx], K padded to even, in the unit's base form (bf16 weights).
   const uint16_t* x_bits = bf16_bits(x4);
-  at::parallel_for(0, groups * heads * seq, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
-      write_activation_row(isa, x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2), in_features, ldx,
-                           xa, row);
-    }
-  });
+  const Activations xa(isa, WeightFormat::bf16, groups * heads * seq, in_features, ldx, /*every_row_words=*/false,
+                       [&](int64_t row) {
+                         const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
+                         return x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2);
+                       });
   uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   const uint16_t* w_bits = bf16_bits(packed);
-  const int64_t head_weight = blocks * k_pairs * kBlockN * 2;
+  const int64_t head_weight = blocks * block_values(k_pairs);
   const size_t scratch_floats = 2 * std::max<int64_t>(seq, 2) * kBlockN;
   at::parallel_for(0, groups * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
@@ -246,7 +154,8 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
       const int64_t h = matrix % heads;
       LinearProblem p{/*x=*/nullptr, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features, seq,
                       out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
-      attach_activations(p, isa, xa, matrix * seq);
+      apply_tuning(p, isa);
+      xa.attach(p, matrix * seq);
       linear_blocks(isa, p, first, last, scratch.data());
       unit += last - first;
     }
@@ -292,17 +201,17 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
                                const c10::optional<at::Tensor>& scales) {
   const KernelUnits units = current_units();
   if (x.scalar_type() == at::kBFloat16 && units.native) {
-    const int64_t blocks = (out_features + kBlockN - 1) / kBlockN;
-    TORCH_CHECK(packed.dim() == 4 && packed.size(0) == 2 * blocks,
-                "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", 2 * blocks,
+    const int64_t blocks = gate_up_blocks(out_features);
+    TORCH_CHECK(is_packing(packed, 0) && packed_blocks(packed) == blocks,
+                "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", blocks,
                 " blocks for ", out_features, " features), got ", packed.sizes());
-    check_packed(x, packed, c10::nullopt, 2 * blocks * kBlockN);
+    check_packed(x, packed, c10::nullopt, blocks * kBlockN);
     if (weight_format(packed) != WeightFormat::bf16 || !use_amx(units, rows_of(x))) {
       return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false,
                            units.linear, scales);
     }
     // AMX, prefill: one GEMM over the interleaved blocks, then the epilogue in ATen.
-    const at::Tensor both = linear_amx(x, packed, c10::nullopt, 2 * blocks * kBlockN).unflatten(-1, {blocks, 2, kBlockN});
+    const at::Tensor both = linear_amx(x, packed, c10::nullopt, blocks * kBlockN).unflatten(-1, {blocks / 2, 2, kBlockN});
     const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
     return (at::silu(gate) * up).flatten(-2).narrow(-1, 0, out_features).to(at::kBFloat16);
   }
@@ -316,14 +225,13 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
 at::Tensor linear_per_head_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   const KernelUnits units = current_units();
   if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && units.native) {
-    TORCH_CHECK(packed.dim() == 5 && packed.size(3) == kBlockN && packed.size(4) == 2 && packed.is_contiguous(),
+    TORCH_CHECK(is_packing(packed, 1) && packed.is_contiguous(),
                 "tilefx linear_per_head: weight must be packed per head ([H, N/", kBlockN, ", K/2, ", kBlockN,
                 ", 2]), got ", packed.sizes());
     TORCH_CHECK(x.dim() >= 3 && x.size(-3) == packed.size(0) && x.stride(-1) == 1,
                 "tilefx linear_per_head: x must be [..., ", packed.size(0), " heads, S, K] with contiguous rows, got ",
                 x.sizes());
-    TORCH_CHECK(x.size(-1) <= 2 * packed.size(2) && x.size(-1) > 2 * packed.size(2) - 2 &&
-                    out_features > (packed.size(1) - 1) * kBlockN && out_features <= packed.size(1) * kBlockN,
+    TORCH_CHECK(pairs_of(x.size(-1)) == packed_pairs(packed) && blocks_of(out_features) == packed_blocks(packed),
                 "tilefx linear_per_head: x ", x.sizes(), " -> ", out_features, " features does not fit the packed ",
                 packed.sizes());
     return linear_per_head_native(x, packed, out_features, units.per_head);

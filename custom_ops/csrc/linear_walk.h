@@ -30,7 +30,7 @@ int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t blo
   return block_begin + 2 * half;
 }
 
-// `Unit` supplies, over the activations it reads (LinearProblem::x or x_pairs):
+// `Unit` supplies, over the activations in the form it reads (LinearProblem::x_form, activations.h):
 //   two_blocks(p, block_a, block_b, c_a, c_b)  M = 1 against two blocks at once (two streams)
 //   one_block(p, block, c)                     every row against one block (GEMV, or GEMM for M > 2)
 //   store(p, col0, c)                          bias and the output conversion
@@ -45,7 +45,7 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     // (gate j, up j, gate j + 1, ...; see silu_mul_halves).
     float* gate = scratch;
     float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
-    if (p.M == 1) {
+    if (p.M == 1 && p.streams == 2) {
       auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
         Unit::two_blocks(p, p.w + a * block_elems, p.w + b * block_elems, c_a, c_b);
       };
@@ -53,7 +53,7 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     }
     for (int64_t j = block_begin; j < block_end; ++j) {
       const uint16_t* w_gate = p.w + 2 * j * block_elems;
-      if (p.M == 1) {
+      if (p.M == 1 && p.streams == 2) {
         Unit::two_blocks(p, w_gate, w_gate + block_elems, gate, up);
       } else {
         Unit::one_block(p, w_gate, gate);
@@ -63,7 +63,7 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     }
     return;
   }
-  if (p.M == 1) {  // blocks from the two halves of the range, as two streams
+  if (p.M == 1 && p.streams == 2) {  // blocks from the two halves of the range, as two streams
     const int64_t half = (block_end - block_begin) / 2;
     float* other = scratch + kBlockN;
     for (int64_t i = 0; i < half; ++i) {
@@ -84,28 +84,18 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2:
 //                                             two streams, Rows = 1 only), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
-//   kW8A8, w8a8_blocks<Rows, Blocks>         (units with VNNI) int8 decode over LinearProblem::x_quads
-// Decode widens the 1-byte values in registers (q_blocks); a GEMM dequantizes each block
-// into scratch once and runs one_block over it, then applies int8's column scales.
+// Decode reads the 1-byte values in registers (q_blocks; int8 against x as int16 words); a GEMM
+// dequantizes each block into scratch once and runs one_block over it, then applies int8's column scales.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const int64_t rows = p.M > 2 ? p.M : 2;
   float* first = scratch;
   float* second = scratch + rows * kBlockN;
   uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
-  // W8A8: int8 weights against x quantized per row (LinearProblem::x_quads), where the unit has it.
-  bool w8a8 = false;
-  if constexpr (Unit::kW8A8 && F == WeightFormat::int8) w8a8 = p.x_quads != nullptr && p.M <= 2;
   auto one = [&](int64_t block, float* c) {
     if (p.M <= 2) {
       float* out[1] = {c};
       const int64_t which[1] = {block};
-      if constexpr (Unit::kW8A8) {
-        if (w8a8) {
-          return p.M == 1 ? Unit::template w8a8_blocks<1, 1>(p, which, out)
-                          : Unit::template w8a8_blocks<2, 1>(p, which, out);
-        }
-      }
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }
@@ -117,14 +107,12 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
         for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
     }
   };
+  const bool two_streams = Unit::kTwoStreams && p.M == 1 && p.streams == 2;
   auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
     if constexpr (Unit::kTwoStreams) {
-      if (p.M == 1) {
+      if (two_streams) {
         float* out[2] = {c_a, c_b};
         const int64_t which[2] = {a, b};
-        if constexpr (Unit::kW8A8) {
-          if (w8a8) return Unit::template w8a8_blocks<1, 2>(p, which, out);
-        }
         return Unit::template q_blocks<F, 1, 2>(p, which, out);
       }
     }
@@ -133,16 +121,14 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
   };
   if (p.silu_mul) {
     // (a unit that streams one quantized block at a time reads gate j, up j in memory order already)
-    if constexpr (Unit::kTwoStreams) {
-      if (p.M == 1) block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, first, second, two);
-    }
+    if (two_streams) block_begin = silu_mul_halves<Unit>(p, block_begin, block_end, first, second, two);
     for (int64_t j = block_begin; j < block_end; ++j) {
       two(2 * j, 2 * j + 1, first, second);
       Unit::store_silu_mul(p, j * kBlockN, first, second);
     }
     return;
   }
-  if (p.M == 1) {
+  if (two_streams) {
     const int64_t half = (block_end - block_begin) / 2;
     for (int64_t i = 0; i < half; ++i) {
       const int64_t a = block_begin + i, b = block_begin + half + i;

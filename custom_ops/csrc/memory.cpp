@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 
 namespace tilefx {
@@ -58,15 +59,15 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dty
 // cache line at a time and writes its pairs in order, on every thread. `out` is [blocks, pairs, 32, 2]
 // with each block contiguous (blocks may be strided: gate/up interleave theirs).
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
-  TORCH_CHECK(out.dim() == 4 && out.size(2) == kBlockN && out.size(3) == 2, "pack_vnni_blocks: out must be [blocks, pairs, ",
+  TORCH_CHECK(is_packing(out, 0), "pack_vnni_blocks: out must be [blocks, pairs, ",
               kBlockN, ", 2], got ", out.sizes());
   TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == 2 && out.stride(1) == 2 * kBlockN,
               "pack_vnni_blocks: each block of out must be contiguous");
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "pack_vnni_blocks: weight must be 2-D with contiguous rows");
   TORCH_CHECK(out.element_size() == 2 && weight.scalar_type() == out.scalar_type(),
               "pack_vnni_blocks: weight and out must share a 16-bit dtype");
-  const int64_t blocks = out.size(0), pairs = out.size(1), n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(n <= blocks * kBlockN && k <= 2 * pairs, "pack_vnni_blocks: weight ", weight.sizes(),
+  const int64_t blocks = packed_blocks(out), pairs = packed_pairs(out), n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(blocks_of(n) <= blocks && pairs_of(k) <= pairs, "pack_vnni_blocks: weight ", weight.sizes(),
               " does not fit ", out.sizes());
   const auto* src = static_cast<const uint16_t*>(weight.data_ptr());
   auto* dst = static_cast<uint16_t*>(out.data_ptr());

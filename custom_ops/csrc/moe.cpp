@@ -2,8 +2,8 @@
 //
 // Tokens are sorted by expert (counting sort of the (token, slot) pairs), so each
 // selected expert's weights are read once per step whatever number of its tokens:
-//   1. gather: the rows of x routed to each expert, one after another (fp32 for the
-//      AVX2 unit, bf16 pairs for the AVX512-BF16 unit);
+//   1. gather: the rows of x routed to each expert, one after another, in the form the
+//      unit reads (activations.h);
 //   2. gate/up: per expert, silu(x_e @ gate_e^T) * (x_e @ up_e^T) -> act_e (fp32),
 //      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp,
 //      linear_avx512.cpp);
@@ -20,9 +20,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "activations.h"
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 #include "parallel.h"
+#include "tuning.h"
 
 namespace tilefx {
 
@@ -79,32 +82,6 @@ struct ExpertWeights {
   }
 };
 
-// Experts whose unit reads int16 x (reads_words: int8 experts) get every row quantized once;
-// otherwise nothing. `rows` are the activations as the unit reads them (fp32 or bf16).
-struct ExpertWords {
-  std::vector<uint32_t> words;
-  std::vector<float> scales;
-  int64_t ldw = 0;
-
-  ExpertWords(LinearUnit unit, const ExpertWeights& experts, const void* rows, int64_t count, int64_t ldx) {
-    if (!reads_words(unit, experts.whole.format)) return;
-    ldw = ldx / 2;
-    words.resize(count * ldw);
-    scales.resize(count);
-    const int64_t row_bytes = ldx * (unit == LinearUnit::avx2 ? sizeof(float) : sizeof(uint16_t));
-    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
-      quantize_words(unit, static_cast<const char*>(rows) + begin * row_bytes, end - begin, ldx,
-                     words.data() + begin * ldw, scales.data() + begin);
-    });
-  }
-
-  void attach(LinearProblem& p, int64_t row) const {
-    if (words.empty()) return;
-    p.x_words = words.data() + row * ldw;
-    p.x_word_scales = scales.data() + row;
-  }
-};
-
 }  // namespace
 
 // Arguments checked by the caller (moe_ops.cpp): hidden [T, H] bf16; w13 [E, 2 * I/32, H/2 (padded), 32, 2]
@@ -116,8 +93,8 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
                             const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales,
                             LinearUnit unit) {
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
-  const int64_t num_experts = w13.size(0), inter = w13.size(1) / 2 * kBlockN;
-  const int64_t h_pairs = w13.size(2), i_pairs = w2.size(2);
+  const int64_t num_experts = w13.size(0), inter = expert_intermediate(w13);
+  const int64_t h_pairs = packed_pairs(w13), i_pairs = packed_pairs(w2);
   const int64_t ldx = 2 * h_pairs, ld_act = 2 * i_pairs;
   at::Tensor y = at::empty({tokens, hidden_size}, hidden.options());
   if (tokens == 0) return y;
@@ -148,43 +125,38 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     max_rows = std::max(max_rows, count);
   }
 
-  // 1. gather the routed rows of x, K padded to even with zeros: fp32 (AVX2) or bf16 pairs.
-  const bool pairs_unit = unit != LinearUnit::avx2;
+  // 1. gather the routed rows of x in the form the experts' unit reads (int8 experts: as words too, for
+  // the experts that get at most kWordRows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  at::Tensor xs_tensor = at::empty({pairs, ldx}, hidden.options().dtype(pairs_unit ? at::kBFloat16 : at::kFloat));
-  void* xs = xs_tensor.data_ptr();
-  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      write_activation_row(unit, x_bits + (sorted[r] / top_k) * hidden_size, hidden_size, ldx, xs, r);
-    }
-  });
+  const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
+  const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, /*every_row_words=*/true,
+                       [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
   // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
-  const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
-  const ExpertWords x_words(unit, w13_experts, xs, pairs, ldx);
   for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
     w13_experts.attach(p, r.expert);
-    attach_activations(p, unit, xs, r.begin);
-    x_words.attach(p, r.begin);
+    apply_tuning(p, unit);
+    xs.attach(p, r.begin);
     return p;
   });
-  const at::Tensor act_rows = pairs_unit ? act_tensor.to(at::kBFloat16) : act_tensor;
-  const ExpertWords act_words(unit, w2_experts, act_rows.data_ptr(), pairs, ld_act);
+  // The down projection reads act as its unit does (the AVX512-BF16 units: rounded to bf16, as HF's
+  // bf16 experts compute it).
+  const Activations act_rows(unit, w2_experts.whole.format, act, pairs, ld_act, /*every_row_words=*/true);
 
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
   float* out = out_tensor.data_ptr<float>();
-  for_expert_blocks(unit, active, w2.size(1), max_rows, [&](const ExpertRows& r) {
+  for_expert_blocks(unit, active, packed_blocks(w2), max_rows, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
                     out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
     w2_experts.attach(p, r.expert);
-    attach_activations(p, unit, act_rows.data_ptr(), r.begin);
-    act_words.attach(p, r.begin);
+    apply_tuning(p, unit);
+    act_rows.attach(p, r.begin);
     return p;
   });
 

@@ -4,6 +4,7 @@
 
 #include "dispatch.h"
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 
 namespace tilefx {
@@ -13,17 +14,16 @@ void check_moe(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor
                const at::Tensor& topk_ids) {
   TORCH_CHECK(hidden.dim() == 2, "tilefx fused_moe: hidden must be [tokens, hidden_size], got ", hidden.sizes());
   const int64_t hidden_size = hidden.size(1);
-  TORCH_CHECK(w13.dim() == 5 && w13.is_contiguous() && w13.size(1) % 2 == 0 &&
-                  w13.size(3) == kBlockN && w13.size(4) == 2 && w13.size(2) == (hidden_size + 1) / 2,
+  TORCH_CHECK(is_packing(w13, 1) && w13.is_contiguous() && packed_blocks(w13) % 2 == 0 &&
+                  packed_pairs(w13) == pairs_of(hidden_size),
               "tilefx fused_moe: w13 must be pack_expert_gate_up_weight's [E, 2 * I/", kBlockN, ", ",
-              (hidden_size + 1) / 2, ", ", kBlockN, ", 2], got ", w13.scalar_type(), " ", w13.sizes());
-  const int64_t inter = w13.size(1) / 2 * kBlockN;
-  TORCH_CHECK(w2.scalar_type() == w13.scalar_type() && w2.dim() == 5 && w2.is_contiguous() && w2.size(0) == w13.size(0) &&
-                  w2.size(1) == (hidden_size + kBlockN - 1) / kBlockN && w2.size(2) == (inter + 1) / 2 &&
-                  w2.size(3) == kBlockN && w2.size(4) == 2,
-              "tilefx fused_moe: w2 must be pack_expert_down_weight's [", w13.size(0), ", ",
-              (hidden_size + kBlockN - 1) / kBlockN, ", ", (inter + 1) / 2, ", ", kBlockN, ", 2], got ",
-              w2.scalar_type(), " ", w2.sizes());
+              pairs_of(hidden_size), ", ", kBlockN, ", 2], got ", w13.scalar_type(), " ", w13.sizes());
+  const int64_t inter = expert_intermediate(w13);
+  TORCH_CHECK(w2.scalar_type() == w13.scalar_type() && is_packing(w2, 1) && w2.is_contiguous() &&
+                  w2.size(0) == w13.size(0) && packed_blocks(w2) == blocks_of(hidden_size) &&
+                  packed_pairs(w2) == pairs_of(inter),
+              "tilefx fused_moe: w2 must be pack_expert_down_weight's [", w13.size(0), ", ", blocks_of(hidden_size),
+              ", ", pairs_of(inter), ", ", kBlockN, ", 2], got ", w2.scalar_type(), " ", w2.sizes());
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == hidden.size(0) && topk_ids.scalar_type() == at::kInt,
               "tilefx fused_moe: topk_ids must be int32 [tokens, k] (the router ops' ids), got ", topk_ids.scalar_type(), " ",
               topk_ids.sizes());

@@ -19,21 +19,8 @@ inline const uint16_t* bf16_bits(const at::Tensor& t) {
 }
 
 // Column blocks [block_begin, block_end) of `p` on `unit` (linear_ops.cpp; moe.cpp runs
-// its experts through it too). The activations must be in the form `unit` reads: `x`
-// for avx2, `x_pairs` for the AVX512-BF16 units.
+// its experts through it too). `p`'s activations come from activations.h in the form `unit` reads.
 void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
-// Row `row` of activations `rows` (ldx per row, even) from n bf16 values, as `unit`
-// reads it: fp32 for avx2, bf16 (pairs) otherwise; K padded to ldx with a zero.
-void write_activation_row(LinearUnit unit, const uint16_t* src, int64_t n, int64_t ldx, void* rows, int64_t row);
-// Points `p` (p.ldx set) at rows [row, ...) of such activations: p.x or p.x_pairs.
-void attach_activations(LinearProblem& p, LinearUnit unit, const void* rows, int64_t row);
-// Whether `unit` decodes `format` weights over x as int16 pairs (LinearProblem::x_words) where a
-// problem has at most 2 rows: int8, on the AVX2 unit and on the AVX512 units with AVX512-VNNI
-// (`vpdpwssd`; every AVX512-BF16 CPU so far has it, and the emulated unit always does).
-bool reads_words(LinearUnit unit, WeightFormat format);
-// `count` rows of activations in the form `unit` reads them (fp32 for avx2, bf16 otherwise; ldx
-// per row) as x_words rows (ldx / 2 words each) and their scales, for a unit that reads_words.
-void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, uint32_t* words, float* scales);
 // The format of a packed weight (its dtype), and `p` pointed at it: p.w (bf16) or p.wq and
 // its `scales` (checked against the packed shape).
 WeightFormat weight_format(const at::Tensor& packed);

@@ -9,6 +9,7 @@
 
 #include "dispatch.h"
 #include "ops.h"
+#include "tuning.h"
 
 namespace tilefx {
 namespace {
@@ -57,9 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
         "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx");
-  m.def("set_int8_activations", &tilefx::set_int8_activations,
-        "W8A8: int8-weight decode linears quantize their activations per row (AVX512 units with VNNI)");
-  m.def("int8_activations", &tilefx::int8_activations, "whether W8A8 decode is on");
+  m.def("set_walk_tuning", &tilefx::set_walk_tuning,
+        "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes");
+  m.def("get_walk_tuning", &tilefx::get_walk_tuning, "(streams, prefetch bytes) of a linear unit and weight format");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tilefx.custom_ops import linear as linear_ops
-from tilefx.custom_ops import weights
+from tilefx.custom_ops import isa, weights
 
 
 def _bf16(*shape, seed=0):
@@ -28,20 +28,20 @@ def test_fused_siblings_round_trip_and_each_reads_its_own_slice():
     assert weights.pack_fused_linear_weight([q, k, v]) is fused
 
 
-@pytest.mark.skipif(weights.isa.native is None, reason="native library not built")
+@pytest.mark.skipif(isa.native is None, reason="native library not built")
 @pytest.mark.parametrize("n, k", [(64, 40), (45, 33), (7, 1), (96, 130)])
 def test_native_block_writer_equals_the_layout(n, k):
     """csrc pack_vnni_blocks against the layout's definition: ragged rows and an odd last pair zero padded,
     rows read through a stride (a column slice), blocks written through a stride (gate/up interleave)."""
     wide = _bf16(n, k + 6, seed=n + k)
     weight = wide[:, 3 : 3 + k]
-    want = weights._linear_order(weight)
+    want = weights.layouts.linear_order(weight)
     blocks, pairs = want.shape[:2]
     out = torch.full((blocks, 2, pairs, 32, 2), float("nan"), dtype=torch.bfloat16).transpose(0, 1)[0]
-    weights.isa.native.pack_vnni_blocks(out, weight)
+    isa.native.pack_vnni_blocks(out, weight)
     assert torch.equal(out, want)
     with pytest.raises(RuntimeError, match="does not fit"):
-        weights.isa.native.pack_vnni_blocks(out[:, : pairs - 1], weight)
+        isa.native.pack_vnni_blocks(out[:, : pairs - 1], weight)
 
 
 def test_gate_up_round_trip():
@@ -118,11 +118,11 @@ def test_file_backed_source_pages_are_dropped_and_still_readable(tmp_path):
     values = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
     values.tofile(path)
     mapped = torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r"))
-    assert any(lo <= mapped.data_ptr() < hi for lo, hi in weights._file_mappings())
-    weights._drop_file_pages(mapped, weights._file_mappings())
+    assert any(lo <= mapped.data_ptr() < hi for lo, hi in weights.memory.file_mappings())
+    weights.memory.drop_file_pages(mapped, weights.memory.file_mappings())
     assert torch.equal(mapped, torch.from_numpy(values))
     anonymous = torch.from_numpy(values.copy())
-    weights._drop_file_pages(anonymous, weights._file_mappings())  # not file-backed: left alone (dropping would zero it)
+    weights.memory.drop_file_pages(anonymous, weights.memory.file_mappings())  # not file-backed: left alone (dropping would zero it)
     assert torch.equal(anonymous, torch.from_numpy(values))
 
 

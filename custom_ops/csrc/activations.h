@@ -1,0 +1,71 @@
+// How a linear's activations reach its unit: the one place that picks the form a problem's
+// x takes (per unit, weight format and rows) and prepares it, shared by the linear ops
+// (linear_ops.cpp) and fused_moe's experts (moe.cpp). The units read whatever form
+// LinearProblem::x_form names (kernels.h) and never convert x themselves.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dispatch.h"
+#include "kernels.h"
+
+namespace tilefx {
+
+// Rows up to which int8 weights are read against x as int16 words (the decode GEMVs);
+// above it the GEMM dequantizes a block to bf16 and reads the unit's base form.
+constexpr int64_t kWordRows = 2;
+
+// The form a unit reads x in for a problem of `rows` rows over `format` weights:
+// int16 words for int8 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
+// the AVX512-BF16 units).
+ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
+
+// `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
+// problems over `format` weights on `unit`: in the unit's base form and, where a problem
+// of up to kWordRows rows will read words, as words too. A problem's `attach` points it
+// at its rows in the form activation_form gives for its p.M.
+class Activations {
+ public:
+  // From bf16 rows: row r at src + r * src_stride (n values each). `every_row_words`:
+  // problems of any row count may read words (fused_moe, whose experts each take some
+  // rows); otherwise words are made only where `count` itself is a decode.
+  Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n, int64_t src_stride,
+              int64_t ldx, bool every_row_words = false);
+  // From bf16 rows that `row(r)` returns (gathered or strided sources).
+  template <class RowOf>
+  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t n, int64_t ldx, bool every_row_words,
+              const RowOf& row)
+      : Activations(unit, format, count, ldx) {
+    base_.resize(count * row_elems());
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) write_row(r, row(r), n);
+    });
+    make_words(every_row_words);
+  }
+  // From fp32 rows [count, ldx] (fused_moe's SiLU-and-mul result): read as they are by the
+  // AVX2 unit, rounded to bf16 pairs for the AVX512-BF16 units.
+  Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
+              bool every_row_words);
+
+  // Points p (p.M and p.ldx set) at rows [row, row + p.M).
+  void attach(LinearProblem& p, int64_t row) const;
+
+ private:
+  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t ldx)
+      : unit_(unit), format_(format), count_(count), ldx_(ldx) {}
+  int64_t row_elems() const;  // uint32 elements per base row
+  void write_row(int64_t r, const uint16_t* src, int64_t n);
+  void make_words(bool every_row_words);
+
+  LinearUnit unit_;
+  WeightFormat format_;
+  int64_t count_, ldx_;
+  const void* rows_ = nullptr;   // the base form: base_, or the caller's bf16 rows where they already are pairs
+  std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
+  std::vector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
+  std::vector<float> word_scales_;
+};
+
+}  // namespace tilefx

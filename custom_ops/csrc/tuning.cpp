@@ -1,0 +1,81 @@
+// The walk tuning table (tuning.h).
+#include "tuning.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+
+namespace tilefx {
+namespace {
+
+constexpr int kUnits = 3, kFormats = 3;
+
+// The defaults, before (or without) tuning: what measured best on AMD Zen 3 and Zen 5 (docs/PERFORMANCE.md).
+// The AVX2 unit streams one quantized block at a time (two would spill its registers); quantized
+// rows are one cache line per K pair where bf16's are two, so their distance is longer in bytes.
+constexpr WalkTuning default_tuning(int unit, int format) {
+  if (format == static_cast<int>(WeightFormat::bf16)) return {2, 1024};
+  if (unit == static_cast<int>(LinearUnit::avx2)) return {1, 1024};
+  return {2, 4096};
+}
+
+struct Slot {
+  std::atomic<int64_t> streams, prefetch_bytes;
+};
+
+Slot* table() {
+  static Slot slots[kUnits][kFormats] = {};
+  static const bool filled = [] {
+    for (int u = 0; u < kUnits; ++u) {
+      for (int f = 0; f < kFormats; ++f) {
+        const WalkTuning t = default_tuning(u, f);
+        slots[u][f].streams = t.streams;
+        slots[u][f].prefetch_bytes = t.prefetch_bytes;
+      }
+    }
+    return true;
+  }();
+  (void)filled;
+  return &slots[0][0];
+}
+
+LinearUnit parse_unit(const std::string& name) {
+  if (name == "avx2") return LinearUnit::avx2;
+  if (name == "avx512_bf16") return LinearUnit::avx512;
+  if (name == "avx512_bf16_emulated") return LinearUnit::avx512_emulated;
+  TORCH_CHECK(false, "tilefx tuning: unknown linear unit '", name, "' (avx2, avx512_bf16, avx512_bf16_emulated)");
+}
+
+WeightFormat parse_format(const std::string& name) {
+  if (name == "bf16") return WeightFormat::bf16;
+  if (name == "int8") return WeightFormat::int8;
+  if (name == "fp8") return WeightFormat::fp8;
+  TORCH_CHECK(false, "tilefx tuning: unknown weight format '", name, "' (bf16, int8, fp8)");
+}
+
+Slot& slot(LinearUnit unit, WeightFormat format) {
+  return table()[static_cast<int>(unit) * kFormats + static_cast<int>(format)];
+}
+
+}  // namespace
+
+WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
+  const Slot& s = slot(unit, format);
+  return {s.streams.load(std::memory_order_relaxed), s.prefetch_bytes.load(std::memory_order_relaxed)};
+}
+
+void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes) {
+  TORCH_CHECK(streams == 1 || streams == 2, "tilefx tuning: streams must be 1 or 2, got ", streams);
+  TORCH_CHECK(prefetch_bytes >= 0 && prefetch_bytes <= 65536 && prefetch_bytes % 64 == 0,
+              "tilefx tuning: prefetch_bytes must be a multiple of 64 in [0, 65536], got ", prefetch_bytes);
+  Slot& s = slot(parse_unit(unit), parse_format(format));
+  s.streams = streams;
+  s.prefetch_bytes = prefetch_bytes;
+}
+
+std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format) {
+  const WalkTuning t = walk_tuning(parse_unit(unit), parse_format(format));
+  return {t.streams, t.prefetch_bytes};
+}
+
+}  // namespace tilefx

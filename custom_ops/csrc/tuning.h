@@ -1,0 +1,33 @@
+// How the decode walks stream a weight on this machine: streams per thread and software
+// prefetch distance, per (unit, weight format). The same walk streamed at 90-100% of the
+// bandwidth on AMD Zen and at ~40% on an Intel Xeon 6 (docs/PERFORMANCE.md), so these are
+// not constants: custom_ops/tuning.py times the candidates on the machine that runs (once,
+// cached by CPU) and sets the winners here. Every op call reads them once (apply_tuning).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include "dispatch.h"
+#include "kernels.h"
+
+namespace tilefx {
+
+struct WalkTuning {
+  int64_t streams;         // M = 1: weight blocks a thread reads at once (1 or 2)
+  int64_t prefetch_bytes;  // software prefetch distance of each stream (0: none)
+};
+
+WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
+// `unit` and `format` by the names isa.kernel_units and weights.FORMATS use; refuses others and
+// values outside what the kernels take (streams 1 or 2; prefetch 0..65536 bytes, a multiple of 64).
+void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes);
+std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format);
+
+inline void apply_tuning(LinearProblem& p, LinearUnit unit) {
+  const WalkTuning t = walk_tuning(unit, p.format);
+  p.streams = t.streams;
+  p.prefetch_bytes = t.prefetch_bytes;
+}
+
+}  // namespace tilefx

@@ -1,0 +1,131 @@
+"""Writing weights into a packed layout, a chunk of rows at a time, quantizing or dequantizing as they go.
+
+No copy of a whole weight is ever made: pages of a source mapped from a file are dropped as soon as
+they are packed, so packing a lazily loaded weight holds it about once, not twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilefx.custom_ops import isa
+from tilefx.custom_ops.weights import formats, layouts, memory
+from tilefx.custom_ops.weights.layouts import BLOCK_N
+
+CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's pages are dropped after each
+
+
+def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
+    """``out [blocks, pairs, 32, 2] = rows [n, k]`` in ``linear`` order (zero padded): the native copy
+    (csrc/memory.cpp, every thread) where it applies, else torch's copy of the permuted view."""
+    if (native and isa.native is not None and rows.element_size() == 2 and rows.stride(-1) == 1
+            and out.stride()[1:] == (2 * BLOCK_N, 2, 1)):
+        isa.native.pack_vnni_blocks(out, rows)
+    else:
+        out.copy_(layouts.linear_order(rows))
+
+
+def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
+                 source_scales=None) -> None:
+    """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
+    rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is an fp8
+    checkpoint's, with these 128 x 128 block scales: copied as they are into an fp8 packing, else dequantized a
+    chunk at a time."""
+    fp8_source = source_scales is not None
+    if fp8_source:
+        formats.check_checkpoint_scales(weight, source_scales)
+    step = formats.FP8_GROUP if scales is not None or fp8_source else BLOCK_N  # chunks never split a scale block
+    row_bytes = weight[0].numel() * (4 if fp8_source else weight.element_size())  # fp8: dequantized in fp32
+    rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes) // step) * step
+    for row in range(0, weight.shape[0], rows_per_chunk):
+        source = weight[row : row + rows_per_chunk]
+        block = row // BLOCK_N
+        blocks = layouts.blocks_of(source.shape[0])
+        values, row_scales = source, None
+        if fp8_source:
+            formats.refuse_nan_codes(source)
+            groups = source_scales[row // formats.FP8_GROUP : -(-(row + source.shape[0]) // formats.FP8_GROUP)]
+            if formats.format_of(out) == "fp8":  # the checkpoint's own values and scales
+                row_scales = groups
+            else:
+                values = formats.dequantize_blocks(source, groups)
+        if scales is not None and row_scales is None:
+            values, row_scales = formats.quantize_rows(values, formats.format_of(out))
+        if scales is None:
+            write_blocks(out[block : block + blocks], values, native)
+        else:
+            write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
+            formats.write_scales(scales[block : block + blocks], row_scales)
+        memory.drop_file_pages(source, mapped)
+
+
+def _per_expert_scales(weight: torch.Tensor) -> list:
+    scales = formats.checkpoint_scales(weight)
+    return [None] * weight.shape[0] if scales is None else list(scales)
+
+
+def _halves(groups):
+    return (None, None) if groups is None else groups.chunk(2)
+
+
+def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True, scales=None) -> torch.Tensor:
+    """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time. ``native=False``: torch
+    copies only (the reference). ``scales``: a quantized packing's scales, written with its values."""
+    mapped = memory.file_mappings()
+    if layout == "linear":
+        start = 0
+        for weight in weights:
+            blocks = layouts.blocks_of(weight.shape[0])
+            part = None if scales is None else scales[start : start + blocks]
+            _fill_linear(out[start : start + blocks], weight, mapped, native, part, formats.checkpoint_scales(weight))
+            start += blocks
+    elif layout == "gate_up":
+        pairs = layouts.gate_up_halves(out)
+        scale_pairs = None if scales is None else layouts.gate_up_halves(scales)
+        for i in (0, 1):
+            _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i],
+                         formats.checkpoint_scales(weights[i]))
+    elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
+        source_scales = _per_expert_scales(weights[0])
+        halves = layouts.expert_gate_up_halves(out)
+        scale_halves = [None] * out.shape[0] if scales is None else layouts.expert_gate_up_halves(scales)
+        for expert, source, groups, expert_scales in zip(halves, weights[0], source_scales, scale_halves):
+            for i, (half, half_groups) in enumerate(zip(source.chunk(2), _halves(groups))):
+                _fill_linear(expert[:, i], half, mapped, native, None if expert_scales is None else expert_scales[:, i],
+                             half_groups)
+    elif layout == "expert_down":
+        expert_scales = [None] * out.shape[0] if scales is None else scales
+        for expert, source, groups, part in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales):
+            _fill_linear(expert, source, mapped, native, part, groups)
+    elif layout in ("mla_key", "mla_value"):
+        out.copy_(layouts.linear_order(layouts.mla_part(weights[0], *args, value=layout == "mla_value")))
+    else:
+        raise ValueError(f"unknown packed layout {layout!r}")
+    return out
+
+
+def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
+    """The specification of ``layout``: a new (ordinary) tensor holding ``weights`` packed."""
+    layouts.check_sources(layout, weights)
+    shape = layouts.layout_shape(layout, weights, args)
+    return fill(layout, weights, args, torch.zeros(shape, dtype=weights[0].dtype), native=False)
+
+
+def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> None:
+    """Turn an fp8 checkpoint weight that no packing reads into ``dtype`` in place (one 2-D slice at a time
+    alongside the result)."""
+    scales = formats.checkpoint_scales(weight)
+    if scales is None:
+        return
+    values = weight.data
+    out = torch.empty(values.shape, dtype=dtype)
+    flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
+    halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
+    for v, s, o in zip(flat_values, flat_scales, flat_out):
+        for part_v, part_s, part_o in zip(v.chunk(halves), s.chunk(halves), o.chunk(halves)):
+            formats.check_checkpoint_scales(part_v, part_s)
+            formats.refuse_nan_codes(part_v)
+            part_o.copy_(formats.dequantize_blocks(part_v, part_s, dtype))
+    weight.data = out
+    formats.forget_checkpoint_scales(weight)
+    memory.drop_file_pages(values, memory.file_mappings())

@@ -1,0 +1,193 @@
+"""Weight formats: what a packed tensor's values mean, and fp8 checkpoints' block scales.
+
+``FORMATS``: ``bf16``; ``int8`` (symmetric, one fp32 scale per output channel); ``fp8``
+(e4m3, one fp32 scale per 128 x 128 block of the source, the hub's ``weight_scale_inv``:
+``W = q * scale``). A quantized packing holds its 1-byte values in the same element order
+as bf16 (``[blocks, K/2, 32, 2]``) and its scales in packed-block order, ``[blocks, 32]``
+(int8: per packed column) or ``[blocks, K/128]`` (fp8: per block and 128 inputs), so
+kernels never map a block back to its source rows and gate/up interleaving or sibling
+fusion need no scale bookkeeping of their own. ``quantize_rows`` is the specification of
+quantizing, ``dequantize`` of reading a packed tensor back.
+
+An fp8 checkpoint's weight arrives quantized: ``attach_checkpoint_scales`` records its
+block scales (in this module's table, keyed by the parameter), and packing reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from tilefx.custom_ops.weights import layouts
+from tilefx.custom_ops.weights.layouts import BLOCK_N
+
+# format -> the packed tensor's dtype (the kernels read the format from it)
+FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+FP8_GROUP = 128  # fp8 scale blocks: 128 output channels x 128 inputs (the hub's weight_block_size)
+FP8_MAX = 448.0  # largest finite e4m3 value
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# what the quantized kernels read (MLA's per-head halves: bf16); "experts" is can_pack's name for the pair
+QUANTIZED_LAYOUTS = ("linear", "gate_up", "experts", "expert_gate_up", "expert_down")
+
+
+def format_of(packed: torch.Tensor) -> str:
+    """The format of a packed tensor (its dtype)."""
+    for name, dtype in FORMATS.items():
+        if packed.dtype == dtype:
+            return name
+    raise ValueError(f"{packed.dtype} is not a packed weight format ({', '.join(FORMATS)})")
+
+
+def check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"unknown weight format {format!r}; expected one of {', '.join(FORMATS)}")
+
+
+def scales_shape(packed_shape: tuple[int, ...], format: str) -> tuple[int, ...]:
+    """The scales of a packing of ``packed_shape`` (``[..., blocks, pairs, 32, 2]``) in ``format``: int8
+    ``[..., blocks, 32]``, fp8 ``[..., blocks, ceil(K / 128)]``; bf16 has none (``()``)."""
+    *lead, blocks, pairs, _, _ = packed_shape
+    if format == "int8":
+        return (*lead, blocks, BLOCK_N)
+    if format == "fp8":
+        return (*lead, blocks, -(-2 * pairs // FP8_GROUP))
+    return ()
+
+
+def check_scales(op: str, packed: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """The scales an op was given for ``packed``: none for an unquantized weight, else ``packed_scales``'
+    fp32 ``scales_shape``."""
+    if packed.dtype not in QUANTIZED_DTYPES:
+        torch._check(scales is None, lambda: f"tilefx.{op}: a {packed.dtype} weight takes no scales")
+        return
+    format = format_of(packed)
+    want = scales_shape(tuple(packed.shape), format)
+    torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == want,
+                 lambda: f"tilefx.{op}: a {format} weight needs its fp32 scales {list(want)} (packed_scales), got "
+                         f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+
+
+def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [n, k]`` quantized: ``(values, scales)`` with ``weight ~ values * scales``.
+
+    int8: symmetric per row, ``scale = max|w| / 127``, values rounded to nearest in [-127, 127], scales ``[n]``.
+    fp8: e4m3 per 128 x 128 block, ``scale = max|w| / 448`` (the hub's ``weight_scale_inv``), values
+    rounded to nearest e4m3, scales ``[ceil(n / 128), ceil(k / 128)]``. All-zero rows or blocks get scale 1.
+    """
+    w = weight.float()
+    n, k = w.shape
+    if format == "int8":
+        scale = w.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    if format != "fp8":
+        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8)")
+    rows, cols = -(-n // FP8_GROUP), -(-k // FP8_GROUP)
+    blocks = torch.nn.functional.pad(w, (0, cols * FP8_GROUP - k, 0, rows * FP8_GROUP - n))
+    blocks = blocks.view(rows, FP8_GROUP, cols, FP8_GROUP)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(rows * FP8_GROUP, cols * FP8_GROUP)[:n, :k], scale
+
+
+def write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:
+    """``quantize_rows``' scales of some rows into their blocks' packed-order scales ``out``."""
+    if row_scales.dim() == 1:  # int8: one per row (padding rows: 0, their values are 0)
+        padded = torch.zeros(out.shape[0] * BLOCK_N)
+        padded[: row_scales.shape[0]] = row_scales
+        out.copy_(padded.view(-1, BLOCK_N))
+    else:  # fp8: a 128-row scale block covers 4 packed blocks
+        out.copy_(row_scales.repeat_interleave(FP8_GROUP // BLOCK_N, dim=0)[: out.shape[0]])
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """A packed tensor's values in fp32, same shape and order (the references' first step; bf16: widened)."""
+    if packed.dtype == torch.bfloat16:
+        return packed.float()
+    values = packed.float()
+    if format_of(packed) == "int8":  # scales [..., blocks, 32]: per column of the block
+        return values * scales[..., :, None, :, None]
+    pairs = packed.shape[-3]  # fp8, scales [..., blocks, groups]: pair p lies in group 2p // 128
+    per_pair = scales.repeat_interleave(FP8_GROUP // 2, dim=-1)[..., :pairs]
+    return values * per_pair[..., None, None]
+
+
+# -- fp8 checkpoints: weights that arrive quantized ----------------------------------------------------------
+
+# parameter -> its fp8 checkpoint block scales (held by the parameter object's identity, not on the tensor)
+_checkpoint_scales = WeakTensorKeyDictionary()
+
+
+def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """Mark ``weight`` (e4m3 values as an fp8 checkpoint holds them) with its ``weight_scale_inv``: one fp32 per
+    128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``; 3-D experts ``[E, ...]`` per expert, and a fused
+    gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of its own rows). ``pack`` then reads it as is
+    (fp8) or dequantizes it a chunk at a time (other formats), so no bf16 copy of it ever exists whole."""
+    if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
+        raise ValueError(f"an fp8 checkpoint weight is float8_e4m3fn with float32 scales, got {weight.dtype} "
+                         f"with {scale_inv.dtype}")
+    if scale_inv.dim() != weight.dim() or scale_inv.shape[:-2] != weight.shape[:-2] or \
+            scale_inv.shape[-1] != -(-weight.shape[-1] // FP8_GROUP):
+        raise ValueError(f"weight_scale_inv {tuple(scale_inv.shape)} does not hold 128 x 128 blocks of a weight "
+                         f"{tuple(weight.shape)}")
+    _checkpoint_scales[weight] = scale_inv
+
+
+def checkpoint_scales(weight: torch.Tensor) -> torch.Tensor | None:
+    """The block scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight)."""
+    return _checkpoint_scales.get(weight)
+
+
+def forget_checkpoint_scales(weight: torch.Tensor) -> None:
+    """``weight`` no longer holds checkpoint values (dequantized, or released after packing)."""
+    _checkpoint_scales.pop(weight, None)
+
+
+def check_checkpoint_scales(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    expected = (-(-weight.shape[0] // FP8_GROUP), -(-weight.shape[1] // FP8_GROUP))
+    if tuple(scales.shape) != expected:
+        raise ValueError(f"fp8 weight {tuple(weight.shape)}: weight_scale_inv is {tuple(scales.shape)}, expected "
+                         f"{expected} (one per 128 x 128 block)")
+
+
+def refuse_nan_codes(values: torch.Tensor) -> None:
+    """e4m3 has two NaN codes (0x7F, 0xFF): no quantizer writes them, a corrupt checkpoint might. The kernels
+    decode every other code, so a checkpoint weight holding one is refused rather than poisoning outputs.
+    Checked 1 MiB at a time: temporaries the size of a whole chunk would stay in malloc's heap once freed."""
+    flat = values.reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), 1 << 20):
+        if ((flat[start : start + (1 << 20)] & 0x7F) == 0x7F).any():
+            raise ValueError("an fp8 checkpoint weight holds NaN e4m3 codes (0x7F / 0xFF): the checkpoint is "
+                             "corrupt or not e4m3")
+
+
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """``values [n, k]`` (e4m3) times their 128 x 128 block ``scales``, in ``dtype``: ``q * scale_inv`` in fp32,
+    rounded once, as transformers dequantizes an fp8 checkpoint."""
+    n, k = values.shape
+    per_row = scales.repeat_interleave(FP8_GROUP, dim=0)[:n].repeat_interleave(FP8_GROUP, dim=1)[:, :k]
+    return (values.float() * per_row).to(dtype)
+
+
+def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: str = "bf16") -> str | None:
+    """Why ``weights`` (tensors or example values) cannot be packed in ``layout`` and ``format``, or None when
+    they can.
+
+    Passes and the loader ask this instead of checking dtypes and block sizes themselves.
+    """
+    weights = list(weights)
+    if any(w is None for w in weights):
+        return "weight value unknown"
+    check_format(format)
+    if format != "bf16" and layout not in QUANTIZED_LAYOUTS:
+        return f"{format} weights: the {layout} kernels read bf16 only"
+    dtypes = {w.dtype for w in weights}
+    if any(w.dtype != torch.bfloat16 and checkpoint_scales(w) is None for w in weights):
+        return (f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 or from an fp8 checkpoint's "
+                f"weights (with their scales)")
+    if len(dtypes) > 1 and layout != "experts":  # experts: gate_up and down are packed apart
+        return f"siblings of different dtypes {sorted(map(str, dtypes))}"
+    if x_dtype is not None and x_dtype != torch.bfloat16:
+        return f"activations are {x_dtype}: packed linears take bf16 activations"
+    return layouts.shape_problem(layout, weights)
