@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections.abc import Iterator
 
 import torch
 from torch._inductor.compile_fx import compile_fx
@@ -11,7 +13,7 @@ from torch._inductor.compile_fx import compile_fx
 from tilefx.compiler.graph_cache import Saveable
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.pass_manager import CacheKey, PassManager, packings_as_inputs
-from tilefx.compiler.report import CompileReport
+from tilefx.compiler.report import CompileReport, GraphRecord
 
 
 class Backend:
@@ -21,7 +23,9 @@ class Backend:
     the report is complete and the packed weights are found), then its packing ops
     become inputs holding the packed tensors, which the returned function appends to
     Dynamo's arguments on every call. Inductor's compile caches see the rewritten graph
-    and, through ``CacheKey``, the passes' and options' ``uuid()``.
+    and, through ``CacheKey``, the passes' and options' ``uuid()``. The runtime runs its
+    compiled forward inside ``compiling``, which says what the graphs serve and hands back
+    what saving them in tilefx's graph cache needs.
     """
 
     def __init__(self, options: CompileOptions, report: CompileReport | None = None, moe_blocks: dict | None = None):
@@ -29,11 +33,20 @@ class Backend:
         self.report = report if report is not None else CompileReport()
         self.pass_manager = PassManager(options, self.report, moe_blocks=moe_blocks)
         self.cache_key = CacheKey(self.pass_manager.uuid())
-        # With tilefx's graph cache on (the runtime sets it), each compiled graph is bundled by AOT autograd so it
-        # can be saved, and what saving it needs is left in ``saveable`` for the runtime (compiler/graph_cache.py).
-        self.bundle = False
-        self.saveable: Saveable | None = None
-        self.not_saveable: str | None = None
+        self._compiling: tuple[str, bool, list[Saveable | str]] | None = None  # compiling()'s arguments and list
+
+    @contextlib.contextmanager
+    def compiling(self, phase: str, saveable: bool = False) -> Iterator[list[Saveable | str]]:
+        """The graphs Dynamo compiles inside the block: recorded as serving ``phase`` ("prefill", "decode") and,
+        with ``saveable`` (tilefx's graph cache on), compiled under AOT autograd's bundled cache so they can be
+        saved (compiler/graph_cache.py). Yields a list that gets, per graph compiled with ``saveable``, what
+        saving it needs or why it cannot be saved."""
+        compiled: list[Saveable | str] = []
+        self._compiling = (phase, saveable, compiled)
+        try:
+            yield compiled
+        finally:
+            self._compiling = None
 
     def inductor_config(self) -> dict:
         return {
@@ -49,22 +62,26 @@ class Backend:
         start = time.perf_counter()
         sources = [getattr(node.meta.get("grapharg"), "source", None) for node in gm.graph.find_nodes(op="placeholder")]
         outputs = gm.graph.output_node().args[0]
+        phase, saveable, kept = self._compiling if self._compiling is not None else ("unknown", False, [])
         gm = _own_copy(gm)
-        self.pass_manager(gm.graph)
+        record = self.pass_manager(gm.graph, phase)
         packed, fakes, recipes = packings_as_inputs(gm, torch._guards.detect_fake_mode(example_inputs))
-        with torch._functorch.config.patch(bundled_autograd_cache=self.bundle):
+        with torch._functorch.config.patch(bundled_autograd_cache=saveable):
             compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=self.inductor_config())
-        self.report.graphs[-1].compile_seconds = time.perf_counter() - start
-        self.saveable, self.not_saveable = None, None
-        if self.bundle:
-            if None in sources or recipes is None:
-                self.not_saveable = "an input Dynamo gave no source"
-            elif not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
-                count = len(outputs) if isinstance(outputs, (list, tuple)) else "not a list of"
-                self.not_saveable = f"{count} outputs (the graph cache calls graphs that return the logits only)"
-            else:
-                self.saveable = Saveable([source.name for source in sources], recipes, compiled, self.report.graphs[-1])
+        record.compile_seconds = time.perf_counter() - start
+        if saveable:
+            kept.append(_saveable(sources, outputs, recipes, compiled, record))
         return _with_inputs(compiled, packed)
+
+
+def _saveable(sources: list, outputs, recipes: list | None, compiled, record: GraphRecord) -> Saveable | str:
+    """What the graph cache needs to save a compiled graph, or why it cannot call it from sources."""
+    if None in sources or recipes is None:
+        return "an input Dynamo gave no source"
+    if not isinstance(outputs, (list, tuple)) or len(outputs) != 1:
+        count = len(outputs) if isinstance(outputs, (list, tuple)) else "not a list of"
+        return f"{count} outputs (the graph cache calls graphs that return the logits only)"
+    return Saveable([source.name for source in sources], recipes, compiled, record)
 
 
 _DYNAMO_ATTRIBUTES = ("_param_name_to_source", "_source_to_user_stacks", "_backend_id", "compile_subgraph_reason")

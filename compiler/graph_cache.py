@@ -18,9 +18,11 @@ tensors. So the backend's result for each call class is saved as
 
 A later process whose key matches loads these and calls the compiled functions itself:
 no Dynamo, no guards (the runtime chooses the graph; the key covers what the trace read).
-The key hashes tilefx's sources, torch's (``torch_key``), the CPU's flags and Inductor's
-vector ISA, transformers' version and the model class's source file, Inductor's config, the model's config, the names, shapes and dtypes of its
-parameters and buffers, the options, the kernel path and the Python version. Only graphs
+The key hashes tilefx's sources (the compiler's and the custom ops'; the caller names the
+directories of the code above them that shapes the graphs: the runtime's, the facade's),
+torch's (``torch_key``), the CPU's flags and Inductor's vector ISA, transformers' version and
+the model class's source file, Inductor's config, the model's config, the names, shapes and
+dtypes of its parameters and buffers, the options, the kernel path and the Python version. Only graphs
 that are safe to call this way are saved: one output (the logits) and a source for every
 input. Saving or loading that fails leaves the Dynamo path in charge, with the reason in
 ``tilefx.explain``. The cache lives in ``<Inductor cache dir>/tilefx/`` (``TILEFX_GRAPH_CACHE_DIR``
@@ -41,10 +43,17 @@ import pathlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
+import tilefx.custom_ops
+from tilefx.compiler.passes.base import PassResult
+from tilefx.compiler.report import GraphRecord
+
 FORMAT_VERSION = 1
+# The compiler's and the custom ops' sources are in every key; the code above them is named by the caller.
+OWN_SOURCES = (pathlib.Path(__file__).parent, pathlib.Path(tilefx.custom_ops.__file__).parent)
 
 
 def source_expression(expression: str):
@@ -67,8 +76,8 @@ class Saveable:
 
     inputs: list[str]  # Dynamo's inputs, in order: each one's source expression
     extras: list  # the packed inputs appended after them: ["pack", op name, args] or ["scales", index]
-    compiled: object  # compile_fx's result, compiled with AOT autograd's bundled cache on
-    record: object  # the report's GraphRecord
+    compiled: Callable  # compile_fx's result, compiled with AOT autograd's bundled cache on
+    record: GraphRecord
 
 
 class LoadedGraph:
@@ -129,14 +138,16 @@ class GraphCache:
         self.problems: list[str] = []  # why a graph was not saved or not loaded
 
     @classmethod
-    def open(cls, model, options, uuid: str) -> GraphCache | None:
+    def open(cls, model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> GraphCache | None:
+        """The cache for ``model`` (None where it is off). ``sources``: directories of the caller's code that
+        shapes the graphs, hashed into the key with the compiler's own (``model_key``)."""
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         if not options.graph_cache or options.freezing or not options.fullgraph:
             return None  # frozen graphs read weights as constants, not sources; graph breaks: several per call
         if torch.compiler.config.force_disable_caches:
             return None
-        key = model_key(model, options, uuid)
+        key = model_key(model, options, uuid, sources=sources)
         root = os.environ.get("TILEFX_GRAPH_CACHE_DIR") or os.path.join(cache_dir(), "tilefx")
         return cls(pathlib.Path(root) / key[:40], key)
 
@@ -210,14 +221,19 @@ class GraphCache:
             return
         self.saved.append(call)
 
+    def not_saved(self, call: str, why: str) -> None:
+        """``call``'s graph was compiled but cannot be saved (``why``: the backend's reason)."""
+        self.problems.append(f"{call}: not saved ({why})")
+
     def line(self) -> str:
         """For ``tilefx.explain``."""
         parts = [f"{len(self.loaded)} loaded", f"{len(self.saved)} saved"]
         return f"graph cache {self.directory}: " + ", ".join(parts) + "".join(f"; {p}" for p in self.problems)
 
 
-def model_key(model, options, uuid: str) -> str:
-    """Everything a captured graph depends on, hashed (see the module docstring)."""
+def model_key(model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> str:
+    """Everything a captured graph depends on, hashed (see the module docstring). ``sources``: directories of
+    the caller's code (their ``*.py`` files) hashed with ``OWN_SOURCES``."""
     import transformers
     from torch._inductor.codecache import torch_key
 
@@ -234,7 +250,7 @@ def model_key(model, options, uuid: str) -> str:
         digest.update(part.encode())
         digest.update(b"\0")
     digest.update(torch_key())
-    digest.update(_tilefx_sources_hash().encode())
+    digest.update(_sources_hash([*OWN_SOURCES, *sources]).encode())
     try:
         digest.update(pathlib.Path(inspect.getsourcefile(type(model))).read_bytes())
     except (OSError, TypeError):
@@ -252,15 +268,9 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _tilefx_sources_hash() -> str:
-    import tilefx
-    import tilefx.compiler
-    import tilefx.custom_ops
-    import tilefx.models
-
+def _sources_hash(roots: Sequence[pathlib.Path]) -> str:
     digest = hashlib.sha256()
-    for package in (tilefx, tilefx.compiler, tilefx.custom_ops, tilefx.models):
-        root = pathlib.Path(package.__file__).parent
+    for root in roots:
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
@@ -281,7 +291,7 @@ def _parameter_names(model) -> dict[int, str]:
     return names
 
 
-def _record_to_dict(record, model) -> dict:
+def _record_to_dict(record: GraphRecord, model) -> dict:
     names = _parameter_names(model)
     return {
         "phase": record.phase, "nodes": record.nodes, "tilefx_ops": record.tilefx_ops,
@@ -291,10 +301,7 @@ def _record_to_dict(record, model) -> dict:
     }
 
 
-def _record_from_dict(data: dict, model):
-    from tilefx.compiler.passes.base import PassResult
-    from tilefx.compiler.report import GraphRecord
-
+def _record_from_dict(data: dict, model) -> GraphRecord:
     ids = {name: key for key, name in _parameter_names(model).items()}
     passes = [PassResult(name=p["name"], rewritten=p["rewritten"], fallbacks=list(p["fallbacks"]),
                          packed_exclusively={ids[n] for n in p["packed_exclusively"]},

@@ -27,7 +27,7 @@ from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.passes.partition import PartitionPass
-from tilefx.compiler.report import CompileReport
+from tilefx.compiler.report import CompileReport, GraphRecord
 from tilefx.custom_ops import collectives, weights
 
 
@@ -166,7 +166,9 @@ class PassManager:
         self.passes = build_passes(options, moe_blocks) if passes is None else list(passes)
         self._dump_dir = os.environ.get("TILEFX_DUMP_GRAPHS")
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, graph: torch.fx.Graph, phase: str = "unknown") -> GraphRecord:
+        """Rewrites ``graph``; returns its record in the report (``phase``: what the graph serves, as its caller
+        knows it: "prefill" or "decode")."""
         start = time.perf_counter()
         results: list[PassResult] = []
         graph_index = len(self.report.graphs)
@@ -177,7 +179,7 @@ class PassManager:
             results.append(result)
             self._dump(graph, graph_index, f"{step}-after-{tilefx_pass.name}")
         check_released_weights_read_packed(graph)
-        self.report.record_graph(graph, results, passes_seconds=time.perf_counter() - start)
+        return self.report.record_graph(graph, results, phase, passes_seconds=time.perf_counter() - start)
 
     def uuid(self) -> str:
         digest = hashlib.sha256(self.options.key().encode())

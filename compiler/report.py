@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult
+
+if TYPE_CHECKING:
+    from tilefx.custom_ops.collectives import GlooCommunicator, ShmCommunicator
 
 
 @dataclasses.dataclass
@@ -49,7 +53,6 @@ class PackSummary:
 @dataclasses.dataclass
 class CompileReport:
     graphs: list[GraphRecord] = dataclasses.field(default_factory=list)
-    phase: str = "unknown"  # set by the runtime before each compiled call
     warmup_graphs: int = 0  # graphs compiled by compile_model's warm-up
     load_seconds: float = 0.0
     graph_breaks: int = 0
@@ -60,15 +63,15 @@ class CompileReport:
     warmup_seconds: float = 0.0  # compile_model's warm-up steps: Dynamo tracing, the backend, the steps themselves
     total_seconds: float = 0.0  # all of compile_model, its imports included
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
-    placement: object = None  # tensor parallel: this rank's models.placement.Placement
-    collectives: object = None  # tensor parallel: this rank's communicator (custom_ops/collectives.py)
-    graph_cache: object = None  # the model's compiler.graph_cache.GraphCache (None: off)
+    placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
+    collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator
 
-    def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], passes_seconds: float = 0.0) -> None:
-        self.graphs.append(
-            GraphRecord(phase=self.phase, nodes=len(graph.nodes), tilefx_ops=tilefx_op_counts(graph), passes=results,
-                        passes_seconds=passes_seconds)
-        )
+    def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], phase: str,
+                     passes_seconds: float = 0.0) -> GraphRecord:
+        record = GraphRecord(phase=phase, nodes=len(graph.nodes), tilefx_ops=tilefx_op_counts(graph), passes=results,
+                             passes_seconds=passes_seconds)
+        self.graphs.append(record)
+        return record
 
     @property
     def recompiles(self) -> int:
@@ -78,10 +81,10 @@ class CompileReport:
     def tp_line(self) -> str:
         """Tensor parallel: this rank's place and its collectives so far."""
         stats = self.collectives.stats() if self.collectives is not None else {}
-        where = (f"cpus {_cpu_ranges(self.placement.cpus)} ({self.placement.how})" if self.placement is not None
-                 else "not placed")
+        where = self.placement if self.placement is not None else "not placed"
+        kind = self.collectives.kind if self.collectives is not None else "none"
         waited = stats.get("wait_seconds")
-        return (f"tensor parallel: {where}; collectives {getattr(self.collectives, 'kind', 'none')}: "
+        return (f"tensor parallel: {where}; collectives {kind}: "
                 f"{stats.get('calls', 0)} calls, {stats.get('seconds', 0.0):.3f}s"
                 + (f" (waiting for peers {waited:.3f}s)" if waited is not None else ""))
 
@@ -135,14 +138,3 @@ def tilefx_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "tilefx":
             counts[f"tilefx.{target._opname}"] += 1
     return dict(counts)
-
-
-def _cpu_ranges(cpus) -> str:
-    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
-    ranges, cpus = [], sorted(cpus)
-    for cpu in cpus:
-        if ranges and cpu == ranges[-1][1] + 1:
-            ranges[-1][1] = cpu
-        else:
-            ranges.append([cpu, cpu])
-    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)

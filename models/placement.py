@@ -32,6 +32,10 @@ class Placement:
     node: int | None  # the NUMA node whose memory the rank binds to (None: the kernel's default policy)
     how: str  # where the choice came from, for the log
 
+    def describe(self) -> str:
+        """``"cpus 0-31 (NUMA node 0)"``: for the log and ``tilefx.explain``."""
+        return f"cpus {format_cpu_list(self.cpus)} ({self.how})"
+
 
 def parse_cpu_list(text: str) -> list[int]:
     """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's cpulist format)."""
@@ -45,6 +49,17 @@ def parse_cpu_list(text: str) -> list[int]:
         except ValueError:
             raise ValueError(f"CPU list {text!r}: {part!r} is neither N nor N-M") from None
     return cpus
+
+
+def format_cpu_list(cpus) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``: ``parse_cpu_list``'s inverse."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in ranges)
 
 
 def numa_nodes(root: pathlib.Path = NODES) -> dict[int, list[int]]:

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import pathlib
 import types
+from collections.abc import Sequence
 
 import torch
 from transformers import GenerationConfig
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tilefx.compiler import Backend, CompileOptions, CompileReport
-from tilefx.compiler.graph_cache import GraphCache
+from tilefx.compiler.graph_cache import GraphCache, Saveable
 from tilefx.models.kv_cache import TilefxCache
 
 # transformers 5.24 renamed the KV cache's keyword and output field from `past_key_values` to
@@ -62,7 +64,10 @@ def moe_blocks(config) -> dict:
 
 
 class TilefxRuntime:
-    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None, cache_config=None):
+    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None, cache_config=None,
+                 sources: Sequence[pathlib.Path] = ()):
+        """``sources``: directories of the code above the runtime that shapes its graphs (the facade's), for the
+        graph cache's key; the runtime adds its own package."""
         self.model = model
         self.options = options
         self.report = report if report is not None else CompileReport()
@@ -74,9 +79,8 @@ class TilefxRuntime:
         self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
         # Graphs saved by an earlier process with the same key run without Dynamo (compiler/graph_cache.py);
         # graphs Dynamo compiles here are saved for the next one.
-        self.graph_cache = GraphCache.open(model, options, self.backend.pass_manager.uuid())
-        self.report.graph_cache = self.graph_cache
-        self.backend.bundle = self.graph_cache is not None
+        self.graph_cache = GraphCache.open(model, options, self.backend.pass_manager.uuid(),
+                                           sources=(pathlib.Path(__file__).parent, *sources))
         self.loaded: dict[str, object] = {}  # call class -> LoadedGraph, or None: nothing to load
         # The model is tilefx's: its modules and weights do not change after compile_model (packed
         # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
@@ -171,7 +175,6 @@ class TilefxRuntime:
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.options.max_batch)
         if not continuing:
             cache.start(batch)
-        self.report.phase = "prefill" if seq > 1 else "decode"
         if seq == 1:
             logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
         arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
@@ -183,7 +186,7 @@ class TilefxRuntime:
             if self.loaded[call] is not None:
                 logits = self.loaded[call](arguments)
             else:
-                logits = self._dynamo_forward(call, arguments)
+                logits = self._dynamo_forward(call, "prefill" if seq > 1 else "decode", arguments)
         cache.advance(seq)
         if return_dict is False:
             return (logits, cache)
@@ -194,20 +197,21 @@ class TilefxRuntime:
         batches = "1" if batch == 1 else ("2" if self.options.max_batch == 2 else f"2-{self.options.max_batch}")
         return f"batch {batches}, {'prefill' if seq > 1 else 'decode'}, logits_to_keep {logits_to_keep}"
 
-    def _dynamo_forward(self, call: str, arguments: dict) -> torch.Tensor:
+    def _dynamo_forward(self, call: str, phase: str, arguments: dict) -> torch.Tensor:
         # Dynamo makes parameters graph attributes (not inputs) when freezing is on at trace time
         # (its prepare_freezing, or Inductor's freezing set by the caller for other models: the
         # bench's stock torch.compile row does): the backend's config patch comes too late for that.
-        self.backend.saveable = self.backend.not_saveable = None
-        with torch._dynamo.config.patch(prepare_freezing=self.options.freezing), \
+        with self.backend.compiling(phase, saveable=self.graph_cache is not None) as compiled, \
+                torch._dynamo.config.patch(prepare_freezing=self.options.freezing), \
                 torch._inductor.config.patch(freezing=self.options.freezing):
             out = self.compiled_forward(**arguments)
-        if self.graph_cache is not None:
-            if self.backend.saveable is not None:
-                self.graph_cache.save(call, self.backend.saveable, self.model)
-                self.loaded[call] = self.graph_cache.adopt(call, self.backend.saveable, self.model)
-            elif self.backend.not_saveable is not None:
-                self.graph_cache.problems.append(f"{call}: not saved ({self.backend.not_saveable})")
+        if self.graph_cache is not None and compiled:  # one graph: the graph cache is off without fullgraph
+            graph = compiled[-1]
+            if isinstance(graph, Saveable):
+                self.graph_cache.save(call, graph, self.model)
+                self.loaded[call] = self.graph_cache.adopt(call, graph, self.model)
+            else:
+                self.graph_cache.not_saved(call, graph)
         return out.logits
 
     def _full_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:

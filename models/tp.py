@@ -443,10 +443,8 @@ def log_placement(ctx: TPContext, placement, quiet: bool = False) -> None:
 
     import torch.distributed as dist
 
-    from tilefx.compiler.report import _cpu_ranges
-
     placements = [None] * ctx.world_size
-    dist.all_gather_object(placements, (os.uname().nodename, _cpu_ranges(placement.cpus), placement.how))
+    dist.all_gather_object(placements, (os.uname().nodename, placement.describe()))
     if ctx.rank == 0 and not quiet:
-        lines = [f"  rank {r}: {host} cpus {cpus} ({how})" for r, (host, cpus, how) in enumerate(placements)]
+        lines = [f"  rank {r}: {host} {where}" for r, (host, where) in enumerate(placements)]
         print(f"tilefx tp={ctx.world_size}:\n" + "\n".join(lines), file=sys.stderr)

@@ -88,24 +88,31 @@ def test_damaged_artifact_falls_back_to_dynamo_and_is_saved_again(tmp_path, monk
     assert len(third.tilefx.graph_cache.loaded) == 2
 
 
-def test_key_changes_with_options_shapes_and_config():
+def test_key_changes_with_options_shapes_config_and_the_callers_sources(tmp_path):
     model = build_model("tiny-llama", seed=0)
-    key = model_key(model, CompileOptions(max_seq_len=64), "uuid")
-    assert key == model_key(build_model("tiny-llama", seed=1), CompileOptions(max_seq_len=64), "uuid")  # values: inputs
-    assert key != model_key(model, CompileOptions(max_seq_len=128), "uuid")
-    assert key != model_key(model, CompileOptions(max_seq_len=64, weights="int8"), "uuid")
-    assert key != model_key(model, CompileOptions(max_seq_len=64), "another pass manager")
-    assert key != model_key(build_model("tiny-llama", layers=1), CompileOptions(max_seq_len=64), "uuid")
+    (tmp_path / "caller.py").write_text("STEPS = 1\n")
+
+    def key(model=model, options=CompileOptions(max_seq_len=64), uuid="uuid"):
+        return model_key(model, options, uuid, sources=[tmp_path])
+
+    first = key()
+    assert first == key(build_model("tiny-llama", seed=1))  # values: inputs
+    assert first != key(options=CompileOptions(max_seq_len=128))
+    assert first != key(options=CompileOptions(max_seq_len=64, weights="int8"))
+    assert first != key(uuid="another pass manager")
+    assert first != key(build_model("tiny-llama", layers=1))
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # compiled code differs
-        assert key != model_key(model, CompileOptions(max_seq_len=64), "uuid")
+        assert first != key()
+    (tmp_path / "caller.py").write_text("STEPS = 2\n")  # the code above the compiler that shapes the graphs
+    assert first != key()
 
 
 def test_cache_is_off_where_graphs_cannot_be_called_from_sources():
     model = build_model("tiny-llama", seed=0)
-    assert GraphCache.open(model, CompileOptions(graph_cache=False), "u") is None
-    assert GraphCache.open(model, CompileOptions(freezing=True), "u") is None  # weights become graph constants
+    assert GraphCache.open(model, CompileOptions(graph_cache=False), "u", sources=[]) is None
+    assert GraphCache.open(model, CompileOptions(freezing=True), "u", sources=[]) is None  # weights: constants
     with torch.compiler.config.patch(force_disable_caches=True):
-        assert GraphCache.open(model, CompileOptions(), "u") is None
+        assert GraphCache.open(model, CompileOptions(), "u", sources=[]) is None
 
 
 def test_source_expressions_only_index_and_read():

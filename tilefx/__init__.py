@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 import time
 
 import torch
@@ -102,8 +103,9 @@ def compile_model(
         from tilefx.models import placement
         from tilefx.models.load import load_shard
 
-        report.placement = placement.bind(tp_context.local_rank, tp_context.local_world_size)
-        tensor_parallel.log_placement(tp_context, report.placement, quiet=os.environ.get("TILEFX_QUIET") == "1")
+        placed = placement.bind(tp_context.local_rank, tp_context.local_world_size)
+        report.placement = placed.describe()
+        tensor_parallel.log_placement(tp_context, placed, quiet=os.environ.get("TILEFX_QUIET") == "1")
         model = load_shard(source, config, tp_plan, tp_context, dtype=dtype, revision=revision,
                            local_files_only=local_files_only)
         report.collectives = tensor_parallel.open_collectives(tp_context)
@@ -114,7 +116,8 @@ def compile_model(
     bar.set_postfix_str("pack weights")
     report.packing = pack_model(model, opts, progress=not bar.disable)
     bar.update()
-    runtime = TilefxRuntime(model, opts, report, cache_config=tp_plan.local_config if tp_plan else None)
+    runtime = TilefxRuntime(model, opts, report, cache_config=tp_plan.local_config if tp_plan else None,
+                            sources=[pathlib.Path(__file__).parent])  # in the graph cache's key
     runtime.install()
     counters_before, warmup_start = cache_counters(), time.perf_counter()
     for batch in warmup_batches:
@@ -161,7 +164,7 @@ def explain(model) -> str:
         report.packing.formats_line(),
         *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
         report.startup_line(),
-        *([report.graph_cache.line()] if report.graph_cache is not None else []),
+        *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tilefx.models.placement import cpus_for, numa_nodes, parse_cpu_list
+from tilefx.models.placement import Placement, cpus_for, format_cpu_list, numa_nodes, parse_cpu_list
 
 
 def fake_sysfs(root, nodes: dict[int, str]):
@@ -20,6 +20,12 @@ def test_parse_cpu_list():
     assert parse_cpu_list("5\n") == [5]
     with pytest.raises(ValueError, match="neither N nor N-M"):
         parse_cpu_list("0-x")
+
+
+def test_format_cpu_list_is_the_inverse():
+    assert format_cpu_list((5, 0, 1, 2, 10, 11)) == "0-2,5,10-11"
+    assert parse_cpu_list(format_cpu_list([3, 4, 7])) == [3, 4, 7]
+    assert Placement((0, 1, 2, 3), 0, "NUMA node 0").describe() == "cpus 0-3 (NUMA node 0)"
 
 
 def test_one_rank_per_numa_node(tmp_path):
