@@ -1,8 +1,8 @@
 """Compiled graphs kept on disk with how to call them: a warm start loads them and skips Dynamo.
 
-A warm start with Inductor's caches hot still spent about half its time in Dynamo,
+A warm start with Inductor's caches hot still spent much of its time in Dynamo,
 re-tracing every decoder layer to rebuild graphs whose compiled code the caches held
-(Llama-3.2-1B: ~7 of ~16 s). Nothing in that trace is needed again: the runtime already
+(docs/PERFORMANCE.md). Nothing in that trace is needed again: the runtime already
 picks which graph a call needs (its *call class*: batch 1 or the dynamic batch, prefill
 or decode, logits kept), and every input of a graph is either a tensor Dynamo names by an
 expression over the frame's locals (``L['kwargs']['input_ids']``,
@@ -188,7 +188,7 @@ class GraphCache:
 
     def adopt(self, call: str, saveable: Saveable, model) -> LoadedGraph | None:
         """A graph Dynamo just compiled, called as a loaded one from then on: the process that compiled it
-        skips Dynamo's guards and frame setup on every later call too (~0.5 ms per decode step), and runs
+        skips Dynamo's guards and frame setup on every later call too (a fixed cost per decode step), and runs
         the same path as the processes that load it. None where it cannot be (the reason in ``problems``)."""
         from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 

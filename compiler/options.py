@@ -19,7 +19,7 @@ class CompileOptions:
     attention: bool = True  # swap HF attention + cache update for tilefx attention ops
     mla: bool = True  # DeepSeek latent attention: weight-absorbed tilefx.mla_attention over the latent cache
     moe: bool = True  # swap each sparse MoE block's routing + experts for tilefx router ops + fused_moe
-    linear: bool = True  # swap every linear for tilefx.linear over a weight packed at compile time
+    linear: bool = True  # swap every linear for tilefx.linear over its packed weight (packed as the model loads)
     fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear
     # Inductor freezing (weights become constants of the compiled graphs). Off: packed weights are graph
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.

@@ -137,7 +137,7 @@ def stream_probe(size_mib: int = 1024):
     """A function that runs one streaming-read pass over a buffer allocated once, returning GB/s:
     for benchmarks that pair each kernel measurement with one.
 
-    Calls alternate one and two streams per thread (neither is reliably faster here),
+    Calls alternate one and two streams per thread (which is faster depends on the CPU),
     so a pass is one sample, as each kernel measurement it is paired with: taking the
     better of two passes every time would bias the probe's median upward. Without the
     native library a pass is an fp32 sum over the buffer.

@@ -1,7 +1,8 @@
 """Mixture of experts: router ops ``tilefx::topk_softmax`` / ``tilefx::grouped_topk`` and ``tilefx::fused_moe``.
 
 Each reference implementation computes exactly what transformers 5.x computes (checked
-on 5.23), with the same torch calls in the same order, so expert ids, their order
+on 5.24; tests/custom_ops/test_moe_ops.py compares them with the installed version's
+modules), with the same torch calls in the same order, so expert ids, their order
 within a row and tie-breaking (``torch.topk``'s) are HF's. Conventions:
 
 - ``router_logits`` ``[T, E]``: the router linear's output, one row per token, any float

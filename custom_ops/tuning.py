@@ -2,9 +2,9 @@
 
 A decode linear is a GEMV that must read its weight at the memory's speed. How a walk
 gets there depends on the CPU: two concurrent streams per thread and a short software
-prefetch read at 90-100% of the streaming bandwidth on AMD Zen, while the same walk read
-~40% on an Intel Xeon 6, where one block at a time without prefetch, or a different
-distance, does better (docs/PERFORMANCE.md). So the walk's parameters are not constants:
+prefetch read at the streaming bandwidth on AMD Zen, while the same walk keeps too few
+misses in flight on an Intel Xeon 6, where one block at a time without prefetch, or a
+different distance, does better (docs/PERFORMANCE.md). So the walk's parameters are not constants:
 ``ensure_tuned`` times every candidate (``CANDIDATES``: streams per thread x prefetch
 distance) on a decode-like pass over cold weights, once per CPU, thread count, kernel
 sources, linear unit and weight format, keeps the fastest in the native table

@@ -6,7 +6,8 @@ that give the attention dims, and what is special about the family's attention
 (MLA) and MoE blocks: which rule routes tokens (``ROUTING_RULES``), which layers
 are sparse (``SPARSE_LAYER_RULES``) and how shared experts are added.
 
-What the rows describe is transformers 5.x (checked on 5.23): every MoE block holds
+What the rows describe is transformers 5.x (read on 5.24; tests/custom_ops/test_moe_ops.py
+runs the installed version's routers and experts against tilefx's): every MoE block holds
 its experts as fused 3-D parameters, ``experts.gate_up_proj [E, 2I, H]`` (gate rows
 first, then up rows) and ``experts.down_proj [E, H, I]``; ``experts(x, ids, weights)``
 computes ``sum_k weights[:, k] * down(silu(gate(x)) * up(x))`` for the ids the

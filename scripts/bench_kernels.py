@@ -46,7 +46,8 @@ def median_seconds(fn, repeats: int) -> float:
 
 def cold_copies(tensor: torch.Tensor, at_least_bytes: int = 256 * 2**20,
                 huge_pages: bool = False) -> list[torch.Tensor]:
-    """Enough copies that cycling through them never hits in the 32 MiB L3: decode streams from DRAM.
+    """Copies to cycle through, ``at_least_bytes`` in all (64 at most), so that an L3 smaller than that
+    misses, as the decode weight stream does.
 
     ``huge_pages``: each copy in transparent huge pages, as the linear pass holds packed
     weights (and as the streaming-read probe's buffer is); PyTorch's own weights live
@@ -277,6 +278,17 @@ def bench_inductor_glue(preset: str, steps: int) -> dict:
             "top": [(e.key, e.self_cpu_time_total / steps) for e in sorted(kernels, key=lambda e: -e.self_cpu_time_total)[:5]]}
 
 
+def quantized_formats(text: str) -> str:
+    """``--weights``: the quantized formats to time, comma-separated. bf16 is always timed (the baseline
+    every quantized row is compared with), so naming it adds nothing; an unknown format is an error."""
+    names = [f for f in text.split(",") if f]
+    unknown = [f for f in names if f not in packed_weights.FORMATS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown weight format {', '.join(unknown)}: expected a comma-separated "
+                                         f"list of {', '.join(f for f in packed_weights.FORMATS if f != 'bf16')}")
+    return ",".join(dict.fromkeys(f for f in names if f != "bf16"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default=",".join(DENSE_PRESETS))
@@ -284,8 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-rows", type=int, default=128)
     parser.add_argument("--contexts", default="128,512,2048")
     parser.add_argument("--stream-mib", type=int, default=1024, help="buffer of the streaming-read probe")
-    parser.add_argument("--weights", default="int8,fp8",
-                        help="quantized formats to time next to bf16 (comma-separated; empty: none)")
+    parser.add_argument("--weights", default="int8,fp8", type=quantized_formats,
+                        help="quantized formats to time next to bf16, which is always timed (comma-separated; "
+                             "empty: none)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]

@@ -15,8 +15,8 @@ bandwidth measured in this run; for a tilefx row, the bytes its packed weights h
 in their format (quantized values and their scales), so each format is held to its
 own floor. The bandwidth is probed between samples, and "TPOT / floor" is the median
 of each sample's TPOT over the floor at the mean of the probes around it; the speedup columns are
-medians of each run's ratios. (A shared machine's bandwidth drifts by up to 2x within
-one run: against the run's median probe that drift would read as the kernels'.)
+medians of each run's ratios. (A shared machine's bandwidth drifts within one run:
+against the run's median probe that drift would read as the kernels'.)
 
 With ``--tp N`` (under torchrun) every rank compiles the model with ``tp=N`` (a preset is
 written to a temporary checkpoint by rank 0 first) and runs the same requests; rank 0
@@ -120,7 +120,7 @@ def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, 
         max_new_tokens=new_tokens,
         # exactly new_tokens from random weights: no end-of-sequence token at all. (min_new_tokens
         # would do it too, but its logits processor scans the whole vocabulary for EOS every
-        # step, ~0.5 ms per token at a 152K vocabulary, a cost a plain generate() never pays.)
+        # step, a cost a plain generate() never pays.)
         eos_token_id=None,
         do_sample=False,
         streamer=clock,
@@ -232,8 +232,8 @@ def main(argv=None) -> int:
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
         own_bytes = packed_decode_bytes(models[mode], context) if mode.startswith("tilefx") else step_bytes
         own_floor = own_bytes / (gbps * 1e9) * 1e3
-        # each sample against the bandwidth probed around it: this machine's bandwidth drifts by up
-        # to 2x within a run, which a ratio to the run's median probe would count as the kernels'
+        # each sample against the bandwidth probed around it: a shared machine's bandwidth drifts within
+        # a run, which a ratio to the run's median probe would count as the kernels'
         over_floor = statistics.median(s[1] * s[2] * 1e9 / own_bytes for s in samples[mode])
         rows.append({"mode": mode, "ttft_ms": ttft, "tpot_ms": tpot, "decode_gb": own_bytes / 1e9,
                      "floor_ms": own_floor, "tpot_over_floor": over_floor,
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     for row in rows:
         shown = {name: run_ratio(reference, row["mode"]) for name, reference in references.items()}
         row.update({name: value for name, value in shown.items() if value is not None})
-        # TTFT too, per run: one prefill is one moment of a drifting machine, and formats differ by a few %
+        # TTFT too, per run: one prefill is one moment of a drifting machine, and formats differ little in it
         ttft_vs_bf16 = run_ratio("tilefx", row["mode"], measure=0)
         if ttft_vs_bf16 is not None:
             row["ttft_speedup_vs_tilefx_bf16"] = ttft_vs_bf16

@@ -1,4 +1,4 @@
-"""Linear pass: every ``linear(x, W, b)`` -> ``tilefx.linear`` over a weight packed at compile time.
+"""Linear pass: every ``linear(x, W, b)`` -> ``tilefx.linear`` over a packed weight.
 
 Matches every ``torch._C._nn.linear`` / ``F.linear`` call of the Dynamo (Torch IR)
 graph. The packing op it inserts runs once, when the graph is compiled: the backend
