@@ -69,7 +69,7 @@ def check_released_weights_read_packed(graph: torch.fx.Graph) -> None:
 def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.Tensor], list[torch.Tensor], list]:
     """Each packing op in ``gm`` run now, on the model's weights; its packed tensor becomes a new graph input.
 
-    The packing ops serve the packings the loader made (or pack once, custom_ops/weights.py),
+    The packing ops serve the packings the loader made (or pack once, custom_ops/weights/),
     so this costs no copy. As inputs, packed weights are neither computed per call nor
     constants of the compiled graph: the graph is the same with or without Inductor's
     freezing, and the compile caches key it by the weights' shapes, never their values

@@ -1,5 +1,5 @@
 """``tilefx::linear`` (and ``linear_float``, its fp32 result), ``tilefx::linear_silu_mul`` and
-``tilefx::linear_per_head`` over packed weights (custom_ops/weights.py: layouts, packing,
+``tilefx::linear_per_head`` over packed weights (custom_ops/weights/: layouts, packing,
 the descriptor), and ``tilefx::packed_embedding``, the embedding lookup over a packed
 weight (an input embedding tied to the ``lm_head`` is held once, packed).
 
@@ -11,7 +11,7 @@ weight (an input embedding tied to the ``lm_head`` is held once, packed).
   ``x[..., h, :, :]`` (MLA's absorbed ``kv_b_proj``).
 
 ``linear``, ``linear_float``, ``linear_silu_mul`` and ``packed_embedding`` read any weight
-format (custom_ops/weights.py): a quantized packing comes with its ``scales``
+format (custom_ops/weights/): a quantized packing comes with its ``scales``
 (``packed_scales(packed)``), and the result is the fp32 product with the dequantized
 weight ``values * scales``, which the references compute as written.
 """

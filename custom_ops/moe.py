@@ -16,7 +16,7 @@ within a row and tie-breaking (``torch.topk``'s) are HF's. Conventions:
 - ``fused_moe(hidden [T, H], w13, w2, topk_weights [T, k], topk_ids [T, k])`` runs the
   HF experts ``gate_up_proj [E, 2I, H]`` (rows ``[:I]`` gate, ``[I:]`` up) and
   ``down_proj [E, H, I]`` packed once (``w13 = pack_expert_gate_up_weight(gate_up_proj)``,
-  ``w2 = pack_expert_down_weight(down_proj)``, custom_ops/weights.py: per expert the
+  ``w2 = pack_expert_down_weight(down_proj)``, custom_ops/weights/: per expert the
   layouts of ``tilefx.linear_silu_mul`` and ``tilefx.linear``); it returns
   ``sum_k topk_weights[:, k] * down(silu(gate(x)) * up(x))`` in ``hidden``'s dtype.
   ``experts_reference`` is the same on the unpacked HF parameters: the specification.

@@ -4,7 +4,7 @@ Matches every ``torch._C._nn.linear`` / ``F.linear`` call of the Dynamo (Torch I
 graph. The packing op it inserts runs once, when the graph is compiled: the backend
 turns it into a graph input holding the packed tensor (compiler/pass_manager.py,
 ``packings_as_inputs``), and the graphs of one model share it (packing is memoized,
-custom_ops/weights.py).
+custom_ops/weights/).
 
 Sibling linears, several weights applied to one input, become one call (``fuse``):
 decode then streams them as one weight, and small projections (k/v: 0.5-2 MB,
@@ -21,7 +21,7 @@ routers) -> ``tilefx.linear_float(x, pack_linear_weight(W))``: the same fp32
 products from the packed bf16 weight, result in fp32.
 
 Weights the loader packed already (models/packing.py) are grouped as they were
-packed: the pass asks custom_ops/weights.py how each is held (``packings_of``) and
+packed: the pass asks custom_ops/weights/ how each is held (``packings_of``) and
 reads it that way, in its format, so a graph never asks for a packing that memory
 does not hold. A quantized packing's scales come from ``tilefx.packed_scales`` of the
 packing op and go to the linear op as its ``scales``.

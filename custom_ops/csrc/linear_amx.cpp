@@ -1,7 +1,7 @@
 // tilefx::linear on AMX through oneDNN brgemm (at::native::cpublas). The packed
 // layout (kernels.h) is already brgemm's VNNI layout for B, one block of kBlockN
 // columns at a time. Only called where could_pack(kBFloat16) holds: elsewhere
-// brgemm is a reference loop (~0.4 GB/s) and the AVX2 / AVX512 units are used.
+// brgemm is a slow reference loop and the AVX2 / AVX512 units are used.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ATen.h>

@@ -265,7 +265,7 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
 // pair, the packed order) sign-extend to int16 in one instruction and `vpmaddwd` multiplies
 // them by the broadcast (x[2q], x[2q + 1]) and adds each column's two products: 3
 // instructions per 16 weights, against 8 for widening them to fp32 for FMAs, which kept the
-// fp32 kernel compute-bound (~18 GB/s per core on a Zen 5, forced to this unit). A sum of
+// fp32 kernel compute-bound (docs/PERFORMANCE.md). A sum of
 // kWordPairs pairs, each at most 2 * 127 * 32767, stays within int32 before it goes to fp32.
 constexpr int64_t kWordPairs = 128;
 

@@ -259,7 +259,7 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
 // magnitude (`vpermi2b` per result byte, AVX512-VBMI) and the sign comes from the byte's
 // top bit (int8 looks its absolute value up). A K pair row of a block (64 bytes) becomes
 // two vectors of bf16 pairs in 4 instructions plus 2 `vdpbf16ps`, against 20 for widening
-// to fp32 (the first version), which left fp8 decode compute-bound at ~1.5x the memory floor.
+// to fp32 (the first version), which left fp8 decode compute-bound (docs/PERFORMANCE.md).
 struct ByteTables {
   uint8_t lo[128], hi[128];  // low and high byte of the bf16 value of each 7-bit magnitude code
 };
@@ -404,9 +404,8 @@ static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const
 // `vpmovsxbw`, and one `vpdpwssd` (AVX512-VNNI) multiplies it by the broadcast
 // (x[2q], x[2q + 1]) and adds each column's two products into its int32 lane: 4
 // instructions per 64 weight bytes and row of x, in column order, against the table
-// decode's 9. The decode no longer runs out of instructions before the memory runs out of
-// bytes where bandwidth per core is high (the Zen 5 at 84 GB/s: int8 linears 60-70 GB/s,
-// bf16 76-78). As on the AVX2 unit, a sum of kWordPairs pairs, each at most 2 * 127 * 32767,
+// decode's 9, so it does not run out of instructions before the memory runs out of bytes
+// where bandwidth per core is high. As on the AVX2 unit, a sum of kWordPairs pairs, each at most 2 * 127 * 32767,
 // stays within int32 before it goes to fp32; even and odd K pair rows accumulate apart.
 constexpr int64_t kWordPairs = 128;
 

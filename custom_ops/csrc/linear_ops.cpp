@@ -85,15 +85,15 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 }
 
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
-// here (decode makes ~100 calls of 20-150 us each): no ATen temporaries but the result.
+// here (decode makes about a hundred short calls): no ATen temporaries but the result.
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit,
                          const c10::optional<at::Tensor>& scales) {
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed_pairs(packed), ldx = 2 * k_pairs;
-  // No dispatcher round trips before the weight stream starts: a decode call spends
-  // a few us in them (reshape and at::empty, measured 3 and 3 us with caches cold
-  // after the previous weight's stream), ~4% of a 1536 x 1536 GEMV.
+  // No dispatcher round trips before the weight stream starts: with the caches cold after
+  // the previous weight's stream, reshape and at::empty each cost microseconds, a share of a
+  // small GEMV (docs/PERFORMANCE.md).
   const at::Tensor x2 = x.is_contiguous() ? x : x.contiguous();
   const int64_t rows = in_features == 0 ? 0 : x2.numel() / in_features;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());

@@ -12,8 +12,8 @@ namespace {
 // stream a takes the first half of them and stream b the second, and each reads its
 // blocks in memory order, gate j then up j then gate j + 1, so neither stream jumps
 // and each one's prefetch past a block's end lands on what it reads next. (Pairing
-// gate j with up j instead restarts both streams at every block: measured, the
-// quantized gate/up GEMV then read 0.88-0.97 of a plain GEMV's GB/s over the same bytes.)
+// gate j with up j instead restarts both streams at every block, and the gate/up GEMV
+// read less than a plain GEMV over the same bytes: docs/PERFORMANCE.md.)
 // `two(a, b, c_a, c_b)` runs packed blocks a and b as two streams; `gate` and `up`
 // hold 2 * kBlockN floats each. Returns where the walk stopped: an odd block is left.
 template <class Unit, class Two>

@@ -40,7 +40,7 @@ double stream_read_gbps(const at::Tensor& buffer, int64_t streams) {
 // An uninitialized tensor in 2 MiB-aligned memory advised to be backed by transparent
 // huge pages. Decode streams every packed weight once per token: with 4 KiB pages that
 // is one TLB miss per 4 KiB, and a page walk whose entries other traffic (a long KV
-// cache) evicts from the caches; measured here, huge pages made decode ~15% faster.
+// cache) evicts from the caches (docs/PERFORMANCE.md has what huge pages save).
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{2} << 20;
   int64_t numel = 1;
@@ -54,8 +54,8 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dty
 }
 
 // out[b] = rows 32b .. 32b+31 of `weight` [n, k] in the packed (VNNI) order [k/2 pairs][32 rows][2],
-// zero where the rows or the last pair run past the weight. Loading packs every weight once: as a
-// torch copy of a permuted view this ran at ~3 GB/s on one core; here each block reads 32 rows a
+// zero where the rows or the last pair run past the weight. Loading packs every weight once: a
+// torch copy of a permuted view gathers element by element; here each block reads 32 rows a
 // cache line at a time and writes its pairs in order, on every thread. `out` is [blocks, pairs, 32, 2]
 // with each block contiguous (blocks may be strided: gate/up interleave theirs).
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {

@@ -15,10 +15,9 @@ namespace tilefx {
 // contiguous, so each still streams its weights front to back, and they shrink as
 // the range runs out (each takes a quarter of what is left, for 2 threads): the
 // first are long, and the last, which set how long one thread waits for the other
-// at the end, are `min_chunk` units. Measured on a 1536 x 1536 GEMV, the threads'
-// finish times were 8.5 us apart (median) with fixed chunks of 1/16 of the range and
-// 2.5 us apart with these. A chunk is at least `min_chunk` units (the M=1 GEMV reads
-// blocks in pairs, as two streams).
+// at the end, are `min_chunk` units: the threads finish closer together than with fixed
+// chunks (docs/PERFORMANCE.md). A chunk is at least `min_chunk` units (the M=1 GEMV may
+// read blocks in pairs, as two streams).
 template <typename F>
 void parallel_chunks(int64_t units, int64_t min_chunk, const F& fn) {
   if (units <= 0) return;

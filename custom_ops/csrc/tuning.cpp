@@ -10,7 +10,7 @@ namespace {
 
 constexpr int kUnits = 3, kFormats = 3;
 
-// The defaults, before (or without) tuning: what measured best on AMD Zen 3 and Zen 5 (docs/PERFORMANCE.md).
+// The defaults, before (or without) tuning: the walk the AMD Zen measurements chose (docs/PERFORMANCE.md).
 // The AVX2 unit streams one quantized block at a time (two would spill its registers); quantized
 // rows are one cache line per K pair where bf16's are two, so their distance is longer in bytes.
 constexpr WalkTuning default_tuning(int unit, int format) {

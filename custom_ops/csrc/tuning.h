@@ -1,6 +1,6 @@
 // How the decode walks stream a weight on this machine: streams per thread and software
-// prefetch distance, per (unit, weight format). The same walk streamed at 90-100% of the
-// bandwidth on AMD Zen and at ~40% on an Intel Xeon 6 (docs/PERFORMANCE.md), so these are
+// prefetch distance, per (unit, weight format). The same walk streamed near the bandwidth
+// on AMD Zen and far below it on an Intel Xeon 6 (docs/PERFORMANCE.md), so these are
 // not constants: custom_ops/tuning.py times the candidates on the machine that runs (once,
 // cached by CPU) and sets the winners here. Every op call reads them once (apply_tuning).
 #pragma once
