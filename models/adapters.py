@@ -4,7 +4,12 @@ Adding a family means adding a row to ``ADAPTERS``, not editing passes. An adapt
 names the HF classes that hold the regions the passes rewrite, the config fields
 that give the attention dims, and what is special about the family's attention
 (MLA) and MoE blocks: which rule routes tokens (``ROUTING_RULES``), which layers
-are sparse (``SPARSE_LAYER_RULES``) and how shared experts are added.
+are sparse (``SPARSE_LAYER_RULES``) and how shared experts are added. It also owns
+the model's structure as the loader, packing and tensor parallelism see it: where
+the decoder layers, the embedding and the ``lm_head`` live, what the checkpoint calls
+a tensor that transformers renames on load, the per-expert checkpoint tensors the
+fused experts are stacked from, and what tilefx splits beyond HF's tensor-parallel
+plan. ``compile_model`` resolves it once (``adapter_for``) and passes it down.
 
 What the rows describe is transformers 5.x (read on 5.24; tests/custom_ops/test_moe_ops.py
 runs the installed version's routers and experts against tilefx's): every MoE block holds
@@ -161,6 +166,10 @@ class MoeSpec:
     block_module: str = "mlp"  # attribute of the decoder layer holding the sparse block
     experts_module: str = "experts"  # attribute of the block holding the experts
     router_module: str = "gate"  # attribute of the block holding the router
+    # Each expert's (gate, up, down) tensors in a per-expert checkpoint, relative to the experts module as the
+    # checkpoint names it (after FamilyAdapter.checkpoint_renames); transformers stacks them into the fused 3-D
+    # gate_up_proj / down_proj on load, and so does tensor-parallel shard loading (models/shard_loading.py).
+    expert_keys: tuple[str, str, str] = ("{e}.gate_proj.weight", "{e}.up_proj.weight", "{e}.down_proj.weight")
 
     def shared_intermediate_size(self, config) -> int:
         if self.shared_experts == "none":
@@ -181,12 +190,25 @@ class FamilyAdapter:
     # Multi-head latent attention (DeepSeek): q/k heads are qk_nope + qk_rope wide, values
     # v_head_dim; HF caches only the normalized latent (kv_lora_rank) and the rope key.
     mla: bool = False
+    mla_absorbed: str = "kv_b_proj"  # with mla: the attention's linear the MLA pass absorbs per head
     moe: MoeSpec | None = None
     # Linears of one module that read the same input, packed as one weight (models/packing.py):
     # the first tuple whose names are all Linear children of a module applies to it.
     sibling_linears: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"),)
     # (gate, up) Linear children computed as silu(gate(x)) * up(x): packed interleaved for the epilogue.
     gated_linears: tuple[str, str] = ("gate_proj", "up_proj")
+    # -- structure: module paths from the causal LM (the names its parameters carry) ----------------------------
+    base_model: str = "model"  # HF's base_model_prefix: base_model_tp_plan's patterns are relative to it
+    layers: str = "model.layers"  # the decoder layers (a ModuleList): packing goes layer by layer
+    embedding: str = "model.embed_tokens"
+    lm_head: str = "lm_head"
+    kv_linears: tuple[str, ...] = ("k_proj", "v_proj")  # attention linears whose rows are KV heads
+    # (model name part, checkpoint name part): names transformers renames on load (its conversion mapping);
+    # a reader of the files themselves (tensor-parallel shard loading) looks a tensor up under the checkpoint's.
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Tensor parallel beyond HF's base_model_tp_plan: (module pattern relative to a decoder layer, HF style),
+    # used where the plan has no entry for it (models/tp.py).
+    tp_extras: tuple[tuple[str, str], ...] = ()
 
     def attention_dims(self, config) -> dict[str, int]:
         """The attention's head counts and widths (``head_dim`` of q and k, ``v_head_dim`` of v)."""
@@ -234,7 +256,7 @@ class FamilyAdapter:
         routing, spec = self.routing(config), self.moe
         blocks = {}
         for layer in self.moe_layers(config):
-            path = f"model.layers.{layer}.{spec.block_module}"
+            path = f"{self.layers}.{layer}.{spec.block_module}"
             blocks[path] = MoeBlock(f"{path}.{spec.experts_module}", f"{path}.{spec.router_module}", routing)
         return blocks
 
@@ -255,12 +277,37 @@ class FamilyAdapter:
             "shared_intermediate": self.moe.shared_intermediate_size(config),
         }
 
+    # -- structure ---------------------------------------------------------------------------
+    def checkpoint_names(self, name: str) -> list[str]:
+        """Where a checkpoint may hold model tensor (or module) ``name``: under that name, then under each name
+        transformers renames on load (Mixtral's ``block_sparse_moe``)."""
+        return [name, *(name.replace(model_part, checkpoint_part)
+                        for model_part, checkpoint_part in self.checkpoint_renames if model_part in name)]
+
     def tp_plan(self, config) -> dict[str, str]:
-        return dict(getattr(config, "base_model_tp_plan", None) or {})
+        """Parameter-name pattern (``model.layers.*.self_attn.q_proj``) -> HF tensor-parallel style, in the order
+        they are matched: HF's ``base_model_tp_plan``, the family's ``tp_extras`` where that has no entry, and
+        tilefx's vocabulary split of the embedding and the ``lm_head``."""
+        plan = {f"{self.base_model}.{pattern}": style
+                for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
+        for pattern, style in self.tp_extras:
+            plan.setdefault(f"{self.layers}.*.{pattern}", style)
+        plan.update({self.embedding: "vocab", self.lm_head: "colwise_gather_output"})
+        return plan
 
 
 # DeepSeek's attention reads hidden_states with the query (compressed or not) and the latent projections.
 _MLA_SIBLINGS = (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa"))
+# DeepSeek-V3's plan has no attention entries: the heads split (q, or q_b after the compressed query, kv_b,
+# o_proj), while q_a_proj, kv_a_proj_with_mqa and their norms stay whole, so every rank holds the whole latent.
+_MLA_TP = (("self_attn.q_proj", "colwise"), ("self_attn.q_b_proj", "colwise"), ("self_attn.kv_b_proj", "colwise"),
+           ("self_attn.o_proj", "rowwise"))
+
+
+def _gated_mlp_tp(path: str) -> tuple[tuple[str, str], ...]:
+    """A gated MLP at ``path`` split as HF's plans split the dense one (HF's plans leave shared experts whole)."""
+    return ((f"{path}.gate_proj", "colwise"), (f"{path}.up_proj", "colwise"), (f"{path}.down_proj", "rowwise"))
+
 
 ADAPTERS: dict[str, FamilyAdapter] = {
     adapter.model_type: adapter
@@ -274,6 +321,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="sigmoid_gated",
                         shared_module="shared_expert"),
+            tp_extras=_gated_mlp_tp("mlp.shared_expert"),
         ),
         FamilyAdapter(
             "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeAttention", "Qwen3MoeDecoderLayer", qk_norm=True,
@@ -285,7 +333,9 @@ ADAPTERS: dict[str, FamilyAdapter] = {
             "mixtral", "MixtralForCausalLM", "MixtralAttention", "MixtralDecoderLayer",
             moe=MoeSpec("MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts", routing="mixtral",
                         sparse_layers="every_layer", num_experts_field="num_local_experts",
-                        expert_size_field="intermediate_size"),
+                        expert_size_field="intermediate_size",
+                        expert_keys=("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")),
+            checkpoint_renames=((".mlp.", ".block_sparse_moe."),),
         ),
         FamilyAdapter(
             "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "DeepseekV2DecoderLayer", mla=True,
@@ -294,6 +344,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",
                         shared_module="shared_experts"),
+            tp_extras=_MLA_TP + _gated_mlp_tp("mlp.shared_experts"),
         ),
         FamilyAdapter(
             "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Attention", "DeepseekV3DecoderLayer", mla=True,
@@ -302,6 +353,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",
                         shared_module="shared_experts"),
+            tp_extras=_MLA_TP + _gated_mlp_tp("mlp.shared_experts"),
         ),
     )
 }

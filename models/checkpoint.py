@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tilefx.custom_ops import weights
+from tilefx.models.adapters import adapter_for
 from tilefx.models.packing import narrow_exact_routers
 from tilefx.models.presets import build_model
 
@@ -63,7 +64,8 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
         bf16_linears = sorted(name for name, module in model.named_modules()
                               if type(module) is torch.nn.Linear and not is_fp8_linear(name))
         model.config.quantization_config = dict(FP8_QUANTIZATION_CONFIG, modules_to_not_convert=bf16_linears)
-    narrow_exact_routers(model)  # the hub ships DeepSeek's router weights in bf16, not as transformers 5.24 holds them
+    # the hub ships DeepSeek's router weights in bf16, not as transformers 5.24 holds them
+    narrow_exact_routers(model, adapter_for(model.config))
     # Shards of at most 2 GB, as the hub ships large models: saving copies one shard at a time.
     model.save_pretrained(out, safe_serialization=True, max_shard_size="2GB")
     del model

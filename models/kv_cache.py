@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tilefx.custom_ops import weights
+from tilefx.models.adapters import FamilyAdapter
 
 
 def _zeros(shape, dtype, device) -> torch.Tensor:
@@ -95,10 +96,11 @@ class TilefxCache(Cache):
         super().__init__(layers=layers)
 
     @classmethod
-    def for_config(cls, config, *, max_batch: int, max_seq_len: int, dtype=torch.bfloat16, device="cpu"):
-        from tilefx.models.adapters import adapter_for
-
-        dims = adapter_for(config).cache_dims(config.get_text_config(decoder=True))
+    def for_config(cls, config, adapter: FamilyAdapter, *, max_batch: int, max_seq_len: int, dtype=torch.bfloat16,
+                   device="cpu"):
+        """The cache of a model with ``config`` (a tensor-parallel rank's: its local heads); ``adapter``: the
+        family's (models/adapters.py), which says what a layer caches."""
+        dims = adapter.cache_dims(config.get_text_config(decoder=True))
         return cls(
             num_layers=dims["layers"],
             kv_heads=dims["kv_heads"],

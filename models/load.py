@@ -1,8 +1,17 @@
-"""Loading: a hub id, an HF cache entry, a local directory or an already-built model."""
+"""Loading: a hub id, an HF cache entry, a local directory or an already-built model; under tensor parallelism,
+a rank's slices of the files.
+
+``compile_model`` loads in two steps. ``resolve_source`` decides what to load before any weight is read: the
+config, the family adapter (resolved there once; every later step gets it as an argument) and, with ``tp``, the
+rank's place in the process group and the split, checked from the config alone (models/tp.py).
+``load_for_rank`` then loads it: the whole model, or the rank's shard (models/shard_loading.py) bound to its
+cores, with the group's collectives opened.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pathlib
 
@@ -10,12 +19,102 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from tilefx.custom_ops import weights
-from tilefx.models import fp8
-from tilefx.models.adapters import adapter_for
+from tilefx.models import fp8, placement, shard_loading
+from tilefx.models import tp as tensor_parallel
+from tilefx.models.adapters import FamilyAdapter, adapter_for
 
 
 class ModelNotFoundError(OSError):
     """The model could be found neither locally, in the HF cache, nor on a reachable hub."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What to load, decided before any weight is read."""
+
+    model_or_name: str | PreTrainedModel  # a hub id or directory, or a built model
+    config: object
+    adapter: FamilyAdapter
+    checkpoint_format: str  # "bf16" or "fp8" (models/fp8.py)
+    from_pretrained: dict  # from_pretrained's keyword arguments (revision, local_files_only, trust_remote_code)
+    tp: tensor_parallel.TPContext | None = None  # tensor parallel: this rank's place in the process group
+    plan: tensor_parallel.Plan | None = None  # tensor parallel: how the model splits, the rank's local config
+
+    @property
+    def rank(self) -> int:
+        return self.tp.rank if self.tp is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.world_size if self.tp is not None else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A rank's model, ready for packing, and where it runs."""
+
+    model: PreTrainedModel
+    cache_config: object  # what the KV cache is sized from: the model's config, or a tp rank's local heads
+    placement: str | None = None  # tensor parallel: the rank's CPUs and why (Placement.describe())
+    collectives: object | None = None  # tensor parallel: the group's communicator (models/tp.open_collectives)
+
+
+def resolve_source(
+    source: str | os.PathLike | PreTrainedModel,
+    *,
+    tp: int = 1,
+    moe: bool = True,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    local_files_only: bool = False,
+) -> Source:
+    """``source``'s config and family adapter, and with ``tp`` != 1 the process group joined and the split planned
+    (every rank calls this with the same arguments); fails, before any weight loads, for unsupported families,
+    quantizations and splits. ``moe``: the compile option (tensor parallel needs the MoE pass)."""
+    context = None
+    if tp != 1:
+        if not isinstance(source, (str, os.PathLike)):
+            raise tensor_parallel.TensorParallelError(
+                f"tp={tp}: pass a hub id or a directory (each rank reads only its slices of the files); a built "
+                f"PreTrainedModel already holds every weight")
+        context = tensor_parallel.join(tp)
+    if isinstance(source, PreTrainedModel):
+        config, kwargs = source.config, {}
+    else:
+        config, kwargs = load_config(source, trust_remote_code=trust_remote_code, revision=revision,
+                                     local_files_only=local_files_only)
+        source = os.fspath(source)
+    adapter = adapter_for(config)
+    checkpoint_format = fp8.checkpoint_format(config)  # refuses quantizations it cannot run
+    plan = None
+    if context is not None:
+        plan = tensor_parallel.plan_for(config, adapter, tp)
+        if moe is False and adapter.moe is not None:
+            raise tensor_parallel.TensorParallelError(
+                f"tp={tp} with moe=False: HF's experts code would read experts split across ranks as whole; "
+                f"the MoE pass's fused_moe is what the partition pass reduces")
+    return Source(source, config, adapter, checkpoint_format, kwargs, context, plan)
+
+
+def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16) -> Loaded:
+    """Load what ``resolve_source`` resolved: the whole model, or (tensor parallel) bind the rank to its cores,
+    read only its slices of the files and open the group's collectives. Attention runs as HF's sdpa, which the
+    attention pass matches."""
+    if source.tp is None:
+        model = _load(source, dtype)
+        loaded = Loaded(model, model.config)
+    else:
+        placed = placement.bind(source.tp.local_rank, source.tp.local_world_size)
+        tensor_parallel.log_placement(source.tp, placed, quiet=os.environ.get("TILEFX_QUIET") == "1")
+        directory = shard_loading.resolve_directory(source.model_or_name, revision=source.from_pretrained["revision"],
+                                                    local_files_only=source.from_pretrained["local_files_only"])
+        with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go
+            model = shard_loading.load_shard(directory, source.config, source.adapter, source.plan, source.tp, dtype)
+        loaded = Loaded(model, source.plan.local_config, placed.describe(),
+                        tensor_parallel.open_collectives(source.tp))
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    return loaded
 
 
 def load_model(
@@ -29,9 +128,13 @@ def load_model(
     """Load ``source`` for inference in ``dtype``, safetensors only; fail early for unsupported families and
     quantizations. An FP8 checkpoint stays FP8 (models/fp8.py): its linears and experts hold the checkpoint's
     e4m3 values, marked with their scales, until packing reads them."""
+    return _load(resolve_source(source, trust_remote_code=trust_remote_code, revision=revision,
+                                local_files_only=local_files_only), dtype)
+
+
+def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
+    adapter, source = resolved.adapter, resolved.model_or_name
     if isinstance(source, PreTrainedModel):
-        adapter = adapter_for(source.config)
-        fp8.checkpoint_format(source.config)  # refuses quantizations it cannot run
         if any(parameter.is_inference() for parameter in source.parameters()):
             raise ValueError(
                 "this model's weights are inference tensors (it was built or loaded under torch.inference_mode): "
@@ -45,15 +148,12 @@ def load_model(
                     tensor.data = tensor.data.to(dtype)
             return source.eval()
         return source.to(dtype).eval()
-    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
-    config, kwargs = load_config(name, trust_remote_code=trust_remote_code, revision=revision,
-                                 local_files_only=local_files_only)
-    adapter = adapter_for(config)
-    quantized = fp8.checkpoint_format(config) == "fp8"
+    quantized = resolved.checkpoint_format == "fp8"
     with weights.checkpoint_pages_bounded(), fp8.loading_quantized() if quantized else contextlib.nullcontext():
         # the packing that follows reads the rest once, chunk by chunk
         model = AutoModelForCausalLM.from_pretrained(
-            name, config=config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa", **kwargs
+            source, config=resolved.config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa",
+            **resolved.from_pretrained
         ).eval()
     if quantized:
         fp8.adopt_fp8_modules(model, adapter.moe and adapter.moe.experts_class)
@@ -81,13 +181,3 @@ def load_config(source, *, trust_remote_code: bool = False, revision: str | None
             f"could not be reached ({type(error).__name__}). Download it on a machine with access "
             f"(`hf download {name} --local-dir DIR`) and pass DIR, or point HF_HOME at a cache that holds it."
         ) from error
-
-
-def load_shard(source, config, plan, ctx, *, dtype: torch.dtype = torch.bfloat16, revision: str | None = None,
-               local_files_only: bool = False) -> PreTrainedModel:
-    """Tensor parallel rank ``ctx.rank``'s part of ``source`` (models/tp.py): only its slices are read."""
-    from tilefx.models import tp
-
-    directory = tp.resolve_directory(os.fspath(source), revision=revision, local_files_only=local_files_only)
-    with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go
-        return tp.load_shard(directory, config, plan, ctx, dtype)

@@ -1,7 +1,8 @@
 """Packing a loaded model's weights, layer by layer, each source released as its packed copy exists.
 
 What is packed how comes from the family adapter (``sibling_linears``,
-``gated_linears``, the MoE experts and router classes) and the compile options, and
+``gated_linears``, the MoE experts and router classes, the decoder layers' path)
+and the compile options, and
 every decision about formats and block sizes from ``weights.can_pack``:
 
 - sibling linears of one module that read one input (q/k/v; DeepSeek's q_a / kv_a)
@@ -37,9 +38,8 @@ from tqdm.auto import tqdm
 
 from tilefx.compiler.report import PackSummary
 from tilefx.custom_ops import weights
+from tilefx.models.adapters import FamilyAdapter
 
-_ATTENTION_LATENT = "kv_b_proj"  # absorbed per head by the MLA pass
-_LAYER = re.compile(r"^model\.layers\.\d+")
 
 
 @dataclasses.dataclass
@@ -85,19 +85,17 @@ def _bias_state(linears) -> set[bool]:
     return {linear.bias is not None for linear in linears}
 
 
-def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
+def plan(model: torch.nn.Module, adapter: FamilyAdapter, options) -> list[tuple[str, list[PackGroup]]]:
     """``[(module path, groups)]`` in module order: what ``pack_model`` packs, per top-level part (one entry per
-    decoder layer, then the rest)."""
-    from tilefx.models.adapters import adapter_for
-
-    adapter = adapter_for(model.config)
+    decoder layer, then the rest). ``adapter``: the model's family's (models/adapters.py)."""
+    layers = re.compile(rf"^{re.escape(adapter.layers)}\.\d+")
     gated = options.fuse_linears and getattr(model.config, "hidden_act", "silu") == "silu"
     format = options.weights  # auto: each group's own (_formatted)
     taken: set[int] = set()
     parts: dict[str, list[PackGroup]] = {}
 
     for name, module in model.named_modules():
-        layer = _LAYER.match(name)
+        layer = layers.match(name)
         part = layer.group(0) if layer else "model"
         cls = type(module).__name__
         if adapter.moe is not None and options.moe and cls == adapter.moe.experts_class:
@@ -138,7 +136,7 @@ def plan(model: torch.nn.Module, options) -> list[tuple[str, list[PackGroup]]]:
                     PackGroup("gate_up", tuple(f"{name}.{n}.weight" for n in adapter.gated_linears), tuple(params)),
                     format))
         for child, linear in linears.items():
-            if adapter.mla and options.mla and child == _ATTENTION_LATENT:
+            if adapter.mla and options.mla and child == adapter.mla_absorbed:  # the MLA pass packs it per head
                 continue
             _add_single(parts, taken, part, f"{name}.{child}.weight" if name else f"{child}.weight", linear.weight,
                         format)
@@ -154,7 +152,7 @@ def _add_single(parts, taken: set[int], part: str, name: str, param, format: str
         parts.setdefault(part, []).append(_formatted(group, format))
 
 
-def narrow_exact_routers(model: torch.nn.Module) -> int:
+def narrow_exact_routers(model: torch.nn.Module, adapter: FamilyAdapter) -> int:
     """Router weights held in fp32 whose values bf16 holds exactly go back to bf16; returns how many.
 
     transformers 5.24 keeps DeepSeek's router weights in fp32 (``_keep_in_fp32_modules_strict``)
@@ -163,9 +161,7 @@ def narrow_exact_routers(model: torch.nn.Module) -> int:
     change (the router casts its weight to fp32 before the linear: the linear pass's
     ``linear_float``). A router that really holds fp32 values stays as it is, unpacked.
     """
-    from tilefx.models.adapters import adapter_for
-
-    moe = adapter_for(model.config).moe
+    moe = adapter.moe
     narrowed = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -179,12 +175,12 @@ def narrow_exact_routers(model: torch.nn.Module) -> int:
     return narrowed
 
 
-def pack_model(model: torch.nn.Module, options, *, progress: bool = True) -> PackSummary:
+def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progress: bool = True) -> PackSummary:
     """Pack every weight ``plan`` names, one part (decoder layer) at a time, releasing each source at once."""
     summary = PackSummary()
     start = time.perf_counter()
-    narrow_exact_routers(model)
-    parts = plan(model, options)
+    narrow_exact_routers(model, adapter)
+    parts = plan(model, adapter, options)
     with torch.no_grad():
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
                               leave=False):

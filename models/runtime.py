@@ -28,6 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tilefx.compiler import Backend, CompileOptions, CompileReport
 from tilefx.compiler.graph_cache import GraphCache, Saveable
+from tilefx.models.adapters import FamilyAdapter
 from tilefx.models.kv_cache import TilefxCache
 
 # transformers 5.24 renamed the KV cache's keyword and output field from `past_key_values` to
@@ -56,27 +57,21 @@ def _private_frame(forward):
     return types.FunctionType(code, tilefx_forward.__globals__, code.co_name, None, tilefx_forward.__closure__)
 
 
-def moe_blocks(config) -> dict:
-    """Module path of each sparse MoE block -> its ``MoeBlock`` (the family adapter's; empty for dense models)."""
-    from tilefx.models.adapters import adapter_for
-
-    return adapter_for(config).moe_blocks(config)
-
-
 class TilefxRuntime:
-    def __init__(self, model, options: CompileOptions, report: CompileReport | None = None, cache_config=None,
-                 sources: Sequence[pathlib.Path] = ()):
+    def __init__(self, model, adapter: FamilyAdapter, options: CompileOptions, report: CompileReport | None = None,
+                 cache_config=None, sources: Sequence[pathlib.Path] = ()):
         """``sources``: directories of the code above the runtime that shapes its graphs (the facade's), for the
         graph cache's key; the runtime adds its own package."""
         self.model = model
         self.options = options
         self.report = report if report is not None else CompileReport()
         self.cache = TilefxCache.for_config(  # cache_config: a tensor-parallel rank's local heads (models/tp.py)
-            cache_config or model.config, max_batch=options.max_batch, max_seq_len=options.max_seq_len, dtype=options.dtype
+            cache_config or model.config, adapter, max_batch=options.max_batch, max_seq_len=options.max_seq_len,
+            dtype=options.dtype
         )
         self.eager_forward = type(model).forward.__get__(model)
         self.eager_generate = type(model).generate.__get__(model)
-        self.backend = Backend(options, self.report, moe_blocks=moe_blocks(model.config))
+        self.backend = Backend(options, self.report, moe_blocks=adapter.moe_blocks(model.config))
         # Graphs saved by an earlier process with the same key run without Dynamo (compiler/graph_cache.py);
         # graphs Dynamo compiles here are saved for the next one.
         self.graph_cache = GraphCache.open(model, options, self.backend.pass_manager.uuid(),

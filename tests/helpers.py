@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import runpy
 import sys
 
@@ -157,3 +158,29 @@ def run_script(name: str, argv: list[str]) -> None:
         assert done.value.code == 0
     finally:
         sys.argv = old
+
+
+@contextlib.contextmanager
+def adapter_lookups():
+    """The model types ``adapters.adapter_for`` is asked for while the block runs, from any tilefx module (each
+    module's imported name for it is swapped for a counting one)."""
+    import tilefx.models.load  # noqa: F401  (the modules compile_model uses, imported before the swap)
+    import tilefx.models.packing  # noqa: F401
+    import tilefx.models.runtime  # noqa: F401
+    from tilefx.models import adapters
+
+    real, calls = adapters.adapter_for, []
+
+    def counting(config):
+        calls.append(getattr(config, "model_type", None))
+        return real(config)
+
+    holders = [module for name, module in list(sys.modules.items())
+               if name.startswith("tilefx") and getattr(module, "adapter_for", None) is real]
+    for module in holders:
+        module.adapter_for = counting
+    try:
+        yield calls
+    finally:
+        for module in holders:
+            module.adapter_for = real

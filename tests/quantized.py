@@ -21,10 +21,11 @@ def dequantize_like_packing(model: torch.nn.Module, format: str) -> None:
     """Replace, in place, each weight that ``compile_model(..., weights=format)`` would quantize by its
     dequantized values (rounded to its dtype): an eager model that computes what the compiled one does."""
     from tilefx.compiler import CompileOptions
+    from tilefx.models.adapters import adapter_for
     from tilefx.models.packing import plan
 
     with torch.no_grad():
-        for _, groups in plan(model, CompileOptions(weights=format)):
+        for _, groups in plan(model, adapter_for(model.config), CompileOptions(weights=format)):
             for group in groups:
                 if group.format != "bf16":
                     for param in group.params:

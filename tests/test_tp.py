@@ -135,6 +135,11 @@ def test_tp2_each_rank_holds_about_half_the_weights(name, checkpoints, tp2):
     assert tp2[name][0]["one"] == tp2[name][1]["one"]
 
 
+def test_tp2_resolves_the_adapter_once_per_compile(tp2):
+    """Joining, planning, shard loading, packing, the runtime and the KV cache share one adapter_for lookup."""
+    assert {rank["adapter_lookups"] for ranks in tp2.values() for rank in ranks} == {1}
+
+
 def test_tp_refuses_without_a_process_group(checkpoints):
     import tilefx
     from tilefx.models.tp import TensorParallelError
@@ -151,31 +156,35 @@ def test_tp_refuses_without_a_process_group(checkpoints):
 def test_tp_refusals_before_loading():
     from transformers import AutoConfig
 
+    from tilefx.models.adapters import adapter_for
     from tilefx.models.presets import get_preset
     from tilefx.models.tp import TensorParallelError, plan_for
 
+    def split(config, tp: int):
+        return plan_for(config, adapter_for(config), tp)
+
     llama = get_preset("tiny-llama").build_config()
     with pytest.raises(TensorParallelError, match="num_attention_heads 4.*not divisible by 3"):
-        plan_for(llama, 3)
+        split(llama, 3)
     odd = AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "intermediate_size": 129})
     with pytest.raises(TensorParallelError, match="intermediate_size 129"):
-        plan_for(odd, 2)
+        split(odd, 2)
     with pytest.raises(TensorParallelError, match="num_key_value_heads 2 is neither"):
-        plan_for(AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "num_attention_heads": 8,
-                                                  "num_key_value_heads": 2}), 3)
+        split(AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config, "num_attention_heads": 8,
+                                               "num_key_value_heads": 2}), 3)
     with pytest.raises(TensorParallelError, match="moe_intermediate_size 64 gives each rank 16 columns"):
-        plan_for(get_preset("tiny-qwen3-moe").build_config(), 4)
+        split(get_preset("tiny-qwen3-moe").build_config(), 4)
     from tilefx.models.checkpoint import FP8_QUANTIZATION_CONFIG
 
     fp8 = AutoConfig.for_model("llama", **{**get_preset("tiny-llama").config,
                                            "quantization_config": dict(FP8_QUANTIZATION_CONFIG)})
     with pytest.raises(TensorParallelError, match="scale blocks would straddle ranks.*q_proj rows 32"):
-        plan_for(fp8, 2)
-    mla = plan_for(get_preset("tiny-deepseek-v3").build_config(), 2)  # heads split, the latent whole
+        split(fp8, 2)
+    mla = split(get_preset("tiny-deepseek-v3").build_config(), 2)  # heads split, the latent whole
     assert mla.style_of("model.layers.0.self_attn.kv_b_proj.weight") == "colwise"
     assert mla.style_of("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None
     assert mla.local_config.num_attention_heads == 2 and mla.local_config.kv_lora_rank == 32
-    local = plan_for(get_preset("tiny-qwen2-mqa").build_config(), 2)
+    local = split(get_preset("tiny-qwen2-mqa").build_config(), 2)
     assert (local.local_config.num_attention_heads, local.local_config.num_key_value_heads, local.kv_replicas,
             local.local_config.intermediate_size) == (2, 1, 2, 64)
 

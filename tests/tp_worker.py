@@ -19,6 +19,8 @@ import torch.distributed as dist
 import tilefx
 from tilefx.custom_ops import weights
 
+from helpers import adapter_lookups  # (tests/ is this script's directory: first on sys.path)
+
 
 def resident_bytes(address: int, nbytes: int) -> int:
     """Bytes of ``[address, address + nbytes)`` in memory (mincore): a released quantized source's untouched
@@ -49,7 +51,8 @@ def main() -> None:
     out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
     world = int(__import__("os").environ["WORLD_SIZE"])
     for checkpoint in checkpoints:
-        model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=2, progress=False)
+        with adapter_lookups() as lookups:
+            model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=2, progress=False)
         rank = dist.get_rank()
         prompt = torch.tensor([[5, 17, 33, 101, 7, 250, 64, 3, 99, 12, 41, 8, 77]])
         batch_ids = torch.tensor([[0, 0, 0, 9, 23, 51, 6], [4, 18, 200, 31, 90, 11, 2]])
@@ -65,6 +68,7 @@ def main() -> None:
             "batch_mask": batch_mask.tolist(),
             "weight_bytes": resident_weight_bytes(model),
             "recompiles": model.tilefx.report.recompiles,
+            "adapter_lookups": len(lookups),
             "graph_ops": [dict(g.tilefx_ops) for g in model.tilefx.report.graphs],
             "explain": explain,
         }

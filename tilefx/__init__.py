@@ -55,7 +55,7 @@ def compile_model(
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
     from tilefx.compiler import CompileOptions, CompileReport
     from tilefx.compiler.report import cache_counters, counters_since
-    from tilefx.models.load import load_model
+    from tilefx.models.load import load_for_rank, resolve_source
     from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
 
@@ -67,56 +67,29 @@ def compile_model(
     for name in ("tp_rank", "tp_world_size"):
         if name in options:
             raise TypeError(f"compile_model: {name} is set by tp= (the process group gives the rank)")
-    tp_context = tp_plan = None
-    if tp != 1:
-        from tilefx.models import tp as tensor_parallel
-        from tilefx.models.load import load_config
-
-        if not isinstance(source, (str, os.PathLike)):
-            raise tensor_parallel.TensorParallelError(
-                f"tp={tp}: pass a hub id or a directory (each rank reads only its slices of the files); a built "
-                f"PreTrainedModel already holds every weight")
-        tp_context = tensor_parallel.join(tp)
-        config, _ = load_config(source, trust_remote_code=trust_remote_code, revision=revision,
-                                local_files_only=local_files_only)
-        tp_plan = tensor_parallel.plan_for(config, tp)
-        if options.get("moe") is False and tensor_parallel.has_moe(config):
-            raise tensor_parallel.TensorParallelError(
-                f"tp={tp} with moe=False: HF's experts code would read experts split across ranks as whole; "
-                f"the MoE pass's fused_moe is what the partition pass reduces")
-        options.update(tp_rank=tp_context.rank, tp_world_size=tp)
     opts = CompileOptions(max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype, **options)
+    # What to load, decided before any weight is read: the config, the family adapter (resolved once, for every
+    # step below) and, with tp, this rank's place in the process group and the split (models/load.py).
+    resolved = resolve_source(source, tp=tp, moe=opts.moe, trust_remote_code=trust_remote_code, revision=revision,
+                              local_files_only=local_files_only)
+    opts = dataclasses.replace(opts, tp_rank=resolved.rank, tp_world_size=resolved.world_size)
     report = CompileReport()
     warmup_batches = [b for b in (1, 2) if b <= max_batch] if warmup else []
     batches = {1: "batch 1", 2: f"batch 2-{max_batch}" if max_batch > 2 else "batch 2"}
     steps = ["load", "pack"] + [f"compile {batches[b]}" for b in warmup_batches]
-    quiet = not progress or os.environ.get("TILEFX_QUIET") == "1" or (tp_context is not None and tp_context.rank != 0)
+    quiet = not progress or os.environ.get("TILEFX_QUIET") == "1" or resolved.rank != 0
     bar = tqdm(steps, desc="tilefx", disable=quiet, leave=False)  # tensor parallel: rank 0's bar only
     start = time.perf_counter()
     bar.set_postfix_str("load")
-    if tp_context is None:
-        model = load_model(
-            source, dtype=dtype, trust_remote_code=trust_remote_code, revision=revision,
-            local_files_only=local_files_only
-        )
-    else:
-        from tilefx.models import placement
-        from tilefx.models.load import load_shard
-
-        placed = placement.bind(tp_context.local_rank, tp_context.local_world_size)
-        report.placement = placed.describe()
-        tensor_parallel.log_placement(tp_context, placed, quiet=os.environ.get("TILEFX_QUIET") == "1")
-        model = load_shard(source, config, tp_plan, tp_context, dtype=dtype, revision=revision,
-                           local_files_only=local_files_only)
-        report.collectives = tensor_parallel.open_collectives(tp_context)
-    if model.config._attn_implementation != "sdpa":
-        model.set_attn_implementation("sdpa")  # the attention pass matches HF's sdpa region
+    loaded = load_for_rank(resolved, dtype=dtype)
+    model = loaded.model
+    report.placement, report.collectives = loaded.placement, loaded.collectives
     report.load_seconds = time.perf_counter() - start
     bar.update()
     bar.set_postfix_str("pack weights")
-    report.packing = pack_model(model, opts, progress=not bar.disable)
+    report.packing = pack_model(model, resolved.adapter, opts, progress=not bar.disable)
     bar.update()
-    runtime = TilefxRuntime(model, opts, report, cache_config=tp_plan.local_config if tp_plan else None,
+    runtime = TilefxRuntime(model, resolved.adapter, opts, report, cache_config=loaded.cache_config,
                             sources=[pathlib.Path(__file__).parent])  # in the graph cache's key
     runtime.install()
     counters_before, warmup_start = cache_counters(), time.perf_counter()

@@ -1,4 +1,4 @@
-"""Partition pass: the collectives a tensor-parallel rank's graph needs (models/tp.py builds the rank's model).
+"""Partition pass: the collectives a tensor-parallel rank's graph needs (models/shard_loading.py loads the rank).
 
 Each rank's model is the full model's local part: its parameters are the rank's
 slices, marked with ``weights.Shard`` by the loader, and its module config has the

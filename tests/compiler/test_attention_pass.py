@@ -9,6 +9,7 @@ import tilefx.custom_ops  # noqa: F401
 from helpers import PassTestBackend, count, is_index_copy, is_op, is_sdpa, run
 from tilefx.compiler import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
+from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
 
@@ -23,7 +24,7 @@ def test_rewrites_every_attention_and_matches_eager(family, batch, seq):
         want = model(input_ids=ids, use_cache=False).logits
 
     backend = PassTestBackend(AttentionPass())
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
     cache.start(batch)
     got = run(model, cache, ids, backend)
 
@@ -65,7 +66,7 @@ def test_leaves_mla_attention_alone_and_says_why(family):
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
     backend = PassTestBackend(AttentionPass())
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
     assert cache.layers[0].keys.shape == (2, 1, 32, model.config.kv_lora_rank)  # the latent, one head
     assert cache.layers[0].values.shape == (2, 1, 32, model.config.qk_rope_head_dim)  # the rope key
     cache.start(2)

@@ -13,6 +13,7 @@ import tilefx.custom_ops  # noqa: F401
 from helpers import PassTestBackend, count, is_op, run
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.linear import LinearPass
+from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.packing import narrow_exact_routers
 from tilefx.models.presets import build_model
@@ -37,7 +38,7 @@ def test_rewrites_every_linear_and_matches_eager(family, batch, seq, fuse):
         want = model(input_ids=ids, use_cache=False).logits
 
     backend = PassTestBackend(AttentionPass(), LinearPass(fuse=fuse))
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
     cache.start(batch)
     got = run(model, cache, ids, backend)
 
@@ -98,7 +99,7 @@ def test_fp32_router_of_bf16_values_becomes_linear_float():
     """DeepSeek's router computes linear(h.float(), W.float()): a packed bf16 weight with an fp32 result."""
     torch._dynamo.reset()
     model = build_model("tiny-deepseek-v2", seed=5)
-    narrow_exact_routers(model)  # as packing does (transformers 5.24 holds them in fp32)
+    narrow_exact_routers(model, adapter_for(model.config))  # as packing does (transformers 5.24 holds them in fp32)
     ids = torch.randint(3, 500, (1, 3))
     backend = PassTestBackend(LinearPass())
     fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
@@ -127,14 +128,14 @@ def test_reads_quantized_packings_with_their_scales(format):
     torch._dynamo.reset()
     model, reference = build_model("tiny-llama", seed=5), build_model("tiny-llama", seed=5)
     dequantize_like_packing(reference, format)
-    summary = pack_model(model, CompileOptions(weights=format), progress=False)
+    summary = pack_model(model, adapter_for(model.config), CompileOptions(weights=format), progress=False)
     assert summary.formats == {format: [summary.tensors, summary.packed_bytes]}
     ids = torch.randint(3, 500, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(input_ids=ids, use_cache=False).logits
 
     backend = PassTestBackend(AttentionPass(), LinearPass())
-    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=1, max_seq_len=32)
     cache.start(1)
     got = run(model, cache, ids, backend)
 

@@ -10,6 +10,7 @@ import tilefx.custom_ops  # noqa: F401
 from helpers import PassTestBackend, count, is_index_copy, is_op, is_sdpa, run
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.mla import MlaPass
+from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
 from tilefx.models.runtime import cache_kwargs
@@ -21,7 +22,7 @@ def is_linear(n):
 
 def _logits_with_passes(model, ids, *passes, max_seq_len=32):
     backend = PassTestBackend(*passes)
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=max_seq_len)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=max_seq_len)
     cache.start(ids.shape[0])
     return run(model, cache, ids, backend), backend, cache
 
@@ -59,7 +60,7 @@ def test_decode_over_a_prefix_equals_eager():
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits[:, -1]
     backend = PassTestBackend(AttentionPass(), MlaPass())
-    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=1, max_seq_len=32)
     cache.start(1)
     fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     mask = torch.zeros(1, 32, dtype=torch.long)

@@ -13,7 +13,6 @@ from tilefx.compiler.passes.moe import MoePass
 from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
-from tilefx.models.runtime import moe_blocks
 
 FAMILIES = ["tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v3"]
 
@@ -36,9 +35,9 @@ def test_every_moe_block_becomes_router_op_and_fused_moe(family, batch, seq):
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
 
-    blocks = moe_blocks(model.config)
+    blocks = adapter_for(model.config).moe_blocks(model.config)
     backend = PassTestBackend(MoePass(blocks))
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
     cache.start(batch)
     got = run(model, cache, ids, backend)
 
@@ -65,8 +64,8 @@ def test_matches_whichever_experts_implementation_hf_runs(implementation):
     ids = torch.randint(3, 200, (1, 4))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
-    backend = PassTestBackend(MoePass(moe_blocks(model.config)))
-    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=16)
+    backend = PassTestBackend(MoePass(adapter_for(model.config).moe_blocks(model.config)))
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=1, max_seq_len=16)
     cache.start(1)
     got = run(model, cache, ids, backend)
     layers = model.config.num_hidden_layers
@@ -78,7 +77,7 @@ def test_matches_whichever_experts_implementation_hf_runs(implementation):
 
 def test_uuid_depends_on_routing():
     model = build_model("tiny-qwen3-moe")
-    blocks = moe_blocks(model.config)
+    blocks = adapter_for(model.config).moe_blocks(model.config)
     other = {path: dataclasses.replace(b, routing=dataclasses.replace(b.routing, top_k=b.routing.top_k + 1))
              for path, b in blocks.items()}
     assert MoePass(blocks).uuid() != MoePass(other).uuid()

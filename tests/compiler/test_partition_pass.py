@@ -1,4 +1,4 @@
-"""The partition pass on captured graphs of a rank's model (models/tp.load_shard).
+"""The partition pass on captured graphs of a rank's model (models/shard_loading.load_shard).
 
 A one-rank group (every weight "split" one way, the collectives the identity a group
 of one computes) runs the rewritten graph in this process: outputs equal eager on the
@@ -19,11 +19,12 @@ from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.passes.partition import PartitionPass
 from tilefx.custom_ops import collectives, weights
+from tilefx.models.adapters import adapter_for
 from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.load import load_config
-from tilefx.models.runtime import moe_blocks
-from tilefx.models.tp import TPContext, load_shard, plan_for
+from tilefx.models.shard_loading import load_shard
+from tilefx.models.tp import TPContext, plan_for
 
 
 class OneProcess:
@@ -55,9 +56,10 @@ def is_linear(n):
 
 def rank_model(directory, rank: int, world: int):
     config, _ = load_config(directory)
-    plan = plan_for(config, world)
+    adapter = adapter_for(config)
+    plan = plan_for(config, adapter, world)
     ctx = TPContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, same_host=True)
-    return load_shard(directory, config, plan, ctx, torch.bfloat16), plan
+    return load_shard(directory, config, adapter, plan, ctx, torch.bfloat16), plan
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2-mqa", "tiny-qwen3", "tiny-qwen2-moe", "tiny-mixtral"])
@@ -73,9 +75,9 @@ def test_one_rank_graph_matches_eager(family, tmp_path, one_rank_group):
     ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(input_ids=ids, use_cache=False).logits
-    backend = PassTestBackend(AttentionPass(), MoePass(moe_blocks(plan.local_config)),
+    backend = PassTestBackend(AttentionPass(), MoePass(adapter_for(plan.local_config).moe_blocks(plan.local_config)),
                               PartitionPass(collectives.TP_GROUP, 1), LinearPass(fuse=True))
-    cache = TilefxCache.for_config(plan.local_config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(plan.local_config, adapter_for(plan.local_config), max_batch=2, max_seq_len=32)
     cache.start(2)
     got = run(model, cache, ids, backend)
     layers = model.config.num_hidden_layers
@@ -107,7 +109,7 @@ def test_rank_of_two_holds_local_shapes_and_reduces_each_region(tmp_path, one_ra
     ids = torch.tensor([[3, 300, 511]])
     collectives._GROUPS[collectives.TP_GROUP] = OneProcess(2)
     backend = PassTestBackend(PartitionPass(collectives.TP_GROUP, 2), AttentionPass(), LinearPass(fuse=True))
-    cache = TilefxCache.for_config(plan.local_config, max_batch=1, max_seq_len=16)
+    cache = TilefxCache.for_config(plan.local_config, adapter_for(plan.local_config), max_batch=1, max_seq_len=16)
     cache.start(1)
     logits = run(model, cache, ids, backend)
     after = backend.after[0]
@@ -126,7 +128,7 @@ def test_experts_left_to_hf_code_are_an_error(tmp_path, one_rank_group):
     directory = write_checkpoint("tiny-qwen3-moe", tmp_path / "moe", seed=3)
     model, plan = rank_model(directory, 0, 1)
     backend = PassTestBackend(AttentionPass(), PartitionPass(collectives.TP_GROUP, 1))
-    cache = TilefxCache.for_config(plan.local_config, max_batch=1, max_seq_len=16)
+    cache = TilefxCache.for_config(plan.local_config, adapter_for(plan.local_config), max_batch=1, max_seq_len=16)
     cache.start(1)
     with pytest.raises(Exception, match="split by input columns.*no collective covers that use"):
         run(model, cache, torch.tensor([[3, 4, 5]]), backend)

@@ -30,6 +30,36 @@ def test_named_classes_exist(model_type):
         assert hasattr(module, name), f"{model_type}: transformers has no {name}"
 
 
+@pytest.mark.parametrize("preset", [name for name in PRESETS if name.startswith("tiny")])
+def test_structure_names_the_model_modules(preset):
+    """The adapter's paths (layers, embedding, lm_head, KV linears, MoE blocks, tensor-parallel extras) name modules
+    the HF model has."""
+    config = get_preset(preset).build_config()
+    adapter = adapter_for(config)
+    model = _meta_model(config)
+    modules = dict(model.named_modules())
+    layers = modules[adapter.layers]
+    assert isinstance(layers, torch.nn.ModuleList) and len(layers) == config.num_hidden_layers
+    assert type(layers[0]).__name__ == adapter.decoder_layer_class
+    assert isinstance(modules[adapter.embedding], torch.nn.Embedding) and modules[adapter.embedding] is (
+        model.get_input_embeddings())
+    assert modules[adapter.lm_head] is model.get_output_embeddings()
+    assert type(modules[adapter.base_model]).__name__ == type(model.base_model).__name__
+    attention = next(m for m in layers[0].modules() if type(m).__name__ == adapter.attention_class)
+    if adapter.mla:
+        assert isinstance(getattr(attention, adapter.mla_absorbed), torch.nn.Linear)
+    else:
+        assert all(isinstance(getattr(attention, name), torch.nn.Linear) for name in adapter.kv_linears)
+    for path, block in adapter.moe_blocks(config).items():
+        assert type(modules[path]).__name__ == adapter.moe.block_class
+        assert type(modules[block.experts]).__name__ == adapter.moe.experts_class
+        assert type(modules[block.router]).__name__ == adapter.moe.router_class
+    # every tensor-parallel extra names a module of some layer (DeepSeek's q_proj or q_b_proj: one of the two)
+    in_layers = {name for layer in layers for name, _ in layer.named_modules()}
+    missing = [pattern for pattern, _ in adapter.tp_extras if pattern not in in_layers]
+    assert missing in ([], ["self_attn.q_proj"], ["self_attn.q_b_proj"]), missing
+
+
 @pytest.mark.parametrize("preset", MOE_PRESETS)
 def test_moe_dims_and_sparse_layers_match_the_model(preset):
     config = get_preset(preset).build_config(layers=None if preset.startswith("tiny") else 4)

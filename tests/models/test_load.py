@@ -14,7 +14,7 @@ from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.load import ModelNotFoundError, load_model
 from tilefx.models.presets import PRESETS, build_model, get_preset
 
-from helpers import run_script
+from helpers import adapter_lookups, run_script
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,16 @@ def test_load_model_is_bf16_eval_and_sdpa(checkpoint):
     model = load_model(checkpoint)
     assert next(model.parameters()).dtype == torch.bfloat16
     assert not model.training and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("source", ["directory", "built tiny-deepseek-v3"])
+def test_adapter_is_resolved_once_per_compile(checkpoint, source):
+    """The loader, packing, the runtime and the KV cache get the family adapter compile_model resolved; none looks
+    it up again (tensor parallel: tests/test_tp.py)."""
+    model = str(checkpoint) if source == "directory" else build_model("tiny-deepseek-v3", seed=1)
+    with adapter_lookups() as lookups:
+        compiled = tilefx.compile_model(model, max_seq_len=16, warmup=False, progress=False)
+    assert lookups == [compiled.config.model_type]
 
 
 def test_unreachable_hub_id_says_what_to_do():

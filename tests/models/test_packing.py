@@ -7,12 +7,14 @@ import torch
 
 from tilefx.compiler import CompileOptions
 from tilefx.custom_ops import weights
+from tilefx.models.adapters import adapter_for
 from tilefx.models.packing import narrow_exact_routers, pack_model, plan
 from tilefx.models.presets import build_model
 
 
 def _groups(model, **options):
-    return {(g.layout, g.names) for _, groups in plan(model, CompileOptions(**options)) for g in groups}
+    parts = plan(model, adapter_for(model.config), CompileOptions(**options))
+    return {(g.layout, g.names) for _, groups in parts for g in groups}
 
 
 def test_dense_plan_fuses_siblings_and_gate_up_per_layer():
@@ -23,7 +25,7 @@ def test_dense_plan_fuses_siblings_and_gate_up_per_layer():
     assert ("gate_up", (f"{layer}.mlp.gate_proj.weight", f"{layer}.mlp.up_proj.weight")) in groups
     assert ("linear", (f"{layer}.self_attn.o_proj.weight",)) in groups and ("linear", ("lm_head.weight",)) in groups
     assert len(groups) == 4 * model.config.num_hidden_layers + 1
-    parts = [part for part, _ in plan(model, CompileOptions())]
+    parts = [part for part, _ in plan(model, adapter_for(model.config), CompileOptions())]
     assert parts == [f"model.layers.{i}" for i in range(model.config.num_hidden_layers)] + ["model"]
 
 
@@ -63,7 +65,7 @@ def test_routers_held_in_fp32_go_back_to_bf16_only_when_exact():
     exact = routers[0].weight.detach().clone()
     with torch.no_grad():
         routers[-1].weight.add_(torch.rand_like(routers[-1].weight) * 1e-4 + 1e-6)  # fp32 values bf16 cannot hold
-    assert narrow_exact_routers(model) == len(routers) - 1
+    assert narrow_exact_routers(model, adapter_for(model.config)) == len(routers) - 1
     assert routers[0].weight.dtype == torch.bfloat16 and torch.equal(routers[0].weight.float(), exact)
     assert routers[-1].weight.dtype == torch.float32
 
@@ -72,10 +74,11 @@ def test_routers_held_in_fp32_go_back_to_bf16_only_when_exact():
 def test_pack_model_releases_every_source_and_round_trips(family):
     model, fresh = build_model(family, seed=2), build_model(family, seed=2)
     for m in (model, fresh):
-        narrow_exact_routers(m)  # pack_model's first step, so that the plan of `fresh` is the one it packs
+        # pack_model's first step, so that the plan of `fresh` is the one it packs
+        narrow_exact_routers(m, adapter_for(m.config))
     reference = {name: p.detach().clone() for name, p in model.named_parameters()}
-    summary = pack_model(model, CompileOptions(), progress=False)
-    planned = [g for _, groups in plan(fresh, CompileOptions()) for g in groups]
+    summary = pack_model(model, adapter_for(model.config), CompileOptions(), progress=False)
+    planned = [g for _, groups in plan(fresh, adapter_for(fresh.config), CompileOptions()) for g in groups]
     assert summary.tensors == len(planned)
     assert summary.released_bytes == sum(reference[n].nbytes for g in planned for n in g.names)
     params = dict(model.named_parameters())
@@ -121,10 +124,10 @@ def test_passes_read_the_load_time_packings_and_match_eager(batch, seq):
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
-    pack_model(model, CompileOptions(), progress=False)
+    pack_model(model, adapter_for(model.config), CompileOptions(), progress=False)
     assert weights.is_released(model.model.embed_tokens.weight)
     backend = PassTestBackend(AttentionPass(), LinearPass())
-    cache = TilefxCache.for_config(model.config, max_batch=2, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
     cache.start(batch)
     got = run(model, cache, ids, backend)
     after, layers = backend.after[0], model.config.num_hidden_layers
@@ -144,9 +147,9 @@ def test_a_released_weight_read_unpacked_is_an_error():
 
     torch._dynamo.reset()
     model = build_model("tiny-llama", seed=5)
-    pack_model(model, CompileOptions(), progress=False)
+    pack_model(model, adapter_for(model.config), CompileOptions(), progress=False)
     backend = PassTestBackend(AttentionPass(), check_released_weights_read_packed)
-    cache = TilefxCache.for_config(model.config, max_batch=1, max_seq_len=32)
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=1, max_seq_len=32)
     cache.start(1)
     with pytest.raises(Exception, match="packed at load"):
         run(model, cache, torch.randint(3, 500, (1, 4)), backend)
