@@ -32,6 +32,9 @@ class CompileOptions:
     # Keep each compiled graph with how to call it (compiler/graph_cache.py): a later process loads it and skips
     # Dynamo. Off with freezing, without fullgraph, or when Inductor's caches are disabled.
     graph_cache: bool = True
+    # Time the decode walk's candidates on this machine once (custom_ops/tuning.py; cached per CPU next to the
+    # graph cache) and keep the fastest. Off: the built-in defaults. Never changes what a graph computes.
+    tune: bool = True
     tp_rank: int = 0
     tp_world_size: int = 1
 

@@ -12,6 +12,7 @@ from tilefx.compiler.passes.base import PassResult
 
 if TYPE_CHECKING:
     from tilefx.custom_ops.collectives import GlooCommunicator, ShmCommunicator
+    from tilefx.custom_ops.tuning import Tuned
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class CompileReport:
     warmup_seconds: float = 0.0  # compile_model's warm-up steps: Dynamo tracing, the backend, the steps themselves
     total_seconds: float = 0.0  # all of compile_model, its imports included
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
+    walks: list[Tuned] = dataclasses.field(default_factory=list)  # the decode walks' tuning (custom_ops/tuning.py)
     placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
     collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator
 
@@ -101,10 +103,11 @@ class CompileReport:
         if loaded:
             caches["tilefx graphs loaded"] = loaded
         hits = ", ".join(f"{name} {count}" for name, count in sorted(caches.items())) or "none counted"
-        other = self.total_seconds - self.load_seconds - self.packing.seconds - self.warmup_seconds
+        tune = sum(walk.seconds for walk in self.walks)
+        other = self.total_seconds - self.load_seconds - self.packing.seconds - tune - self.warmup_seconds
         return (
             f"startup {self.total_seconds:.1f}s: imports and setup {max(0.0, other):.1f}s, load "
-            f"{self.load_seconds:.1f}s, pack {self.packing.seconds:.1f}s, trace {max(0.0, self.warmup_seconds - backend):.1f}s, "
+            f"{self.load_seconds:.1f}s, pack {self.packing.seconds:.1f}s, tune {tune:.1f}s, trace {max(0.0, self.warmup_seconds - backend):.1f}s, "
             f"passes {passes:.2f}s, inductor {backend - passes:.1f}s; caches: {hits}"
         )
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from tilefx.custom_ops import attention as attention_ops
-from tilefx.custom_ops import isa
+from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights as packed_weights
 from tilefx.models.presets import get_preset
@@ -299,12 +299,17 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", default="int8,fp8", type=quantized_formats,
                         help="quantized formats to time next to bf16, which is always timed (comma-separated; "
                              "empty: none)")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="time the decode walks' defaults instead of the walks tuned for this machine")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"# kernel path {isa.current()} (supported here: {', '.join(isa.supported())}); "
           f"{torch.get_num_threads()} threads", flush=True)
+    walks = tuning.ensure_tuned(["bf16", *[f for f in args.weights.split(",") if f]], enabled=not args.no_tune)
+    for walk in walks:
+        print(f"# decode walk {walk.line()}", flush=True)
 
     linears = bench_linears(presets, args.repeats, args.prefill_rows, args.stream_mib)
     print("\n## tilefx.linear, M=1 (decode) and M=%d (prefill)\n" % args.prefill_rows)
@@ -354,7 +359,7 @@ def main(argv=None) -> int:
         print(f"  {us:7.1f} us  {name}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"path": isa.current(), "linear": linears, "quantized_linear": quantized, "attention": attention,
+            json.dump({"path": isa.current(), "walks": [dataclasses.asdict(w) for w in walks], "linear": linears, "quantized_linear": quantized, "attention": attention,
                        "glue": glue}, f, indent=2)
     return 0
 

@@ -159,7 +159,9 @@ def test_explain_reports_rewrites(pair):
     assert f"tilefx.decode_attention x{layers}" in text
     assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
     startup = next(line for line in text.splitlines() if line.startswith("startup "))
-    assert all(part in startup for part in ("load", "pack", "trace", "passes", "inductor", "caches: ")), startup
+    assert all(part in startup for part in ("load", "pack", "tune", "trace", "passes", "inductor", "caches: ")), startup
+    walks = [line for line in text.splitlines() if line.startswith("decode walk ")]
+    assert walks and all(("tuned" in line or "cached" in line) and "prefetch" in line for line in walks), walks
 
 
 def test_weights_are_packed_as_they_load_and_held_once(pair, monkeypatch):

@@ -55,6 +55,7 @@ def compile_model(
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
     from tilefx.compiler import CompileOptions, CompileReport
     from tilefx.compiler.report import cache_counters, counters_since
+    from tilefx.custom_ops import tuning
     from tilefx.models.load import load_for_rank, resolve_source
     from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
@@ -88,6 +89,8 @@ def compile_model(
     bar.update()
     bar.set_postfix_str("pack weights")
     report.packing = pack_model(model, resolved.adapter, opts, progress=not bar.disable)
+    bar.set_postfix_str("tune decode walks")
+    report.walks = tuning.ensure_tuned({"bf16", *report.packing.formats}, enabled=opts.tune)
     bar.update()
     runtime = TilefxRuntime(model, resolved.adapter, opts, report, cache_config=loaded.cache_config,
                             sources=[pathlib.Path(__file__).parent])  # in the graph cache's key
@@ -136,6 +139,7 @@ def explain(model) -> str:
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
         *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
+        *(f"decode walk {walk.line()}" for walk in report.walks),
         report.startup_line(),
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
