@@ -24,7 +24,6 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import layouts
 from tilefx.custom_ops.weights.formats import FP8_GROUP, check_scales, dequantize, format_of
 from tilefx.custom_ops.weights.layouts import (
-    BLOCK_N,
     gate_up_shape,
     in_features_of,
     packed_shape,
@@ -117,7 +116,7 @@ def packed_embedding_reference(ids, packed_weight, embedding_dim, scales=None):
     """The specification: row ``ids[...]`` of the weight held in the ``linear`` layout (``W[ids]``), dequantized
     to bf16 where the weight is quantized."""
     blocks, pairs, _, _ = packed_weight.shape
-    block, column = torch.div(ids, BLOCK_N, rounding_mode="floor"), torch.remainder(ids, BLOCK_N)
+    block, column = layouts.row_positions(ids)
     rows = packed_weight[block, :, column, :]
     if scales is not None:  # only the rows looked up are dequantized
         if format_of(packed_weight) == "int8":

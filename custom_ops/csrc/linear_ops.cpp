@@ -211,7 +211,7 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
                            units.linear, scales);
     }
     // AMX, prefill: one GEMM over the interleaved blocks, then the epilogue in ATen.
-    const at::Tensor both = linear_amx(x, packed, c10::nullopt, blocks * kBlockN).unflatten(-1, {blocks / 2, 2, kBlockN});
+    const at::Tensor both = linear_amx(x, packed, c10::nullopt, blocks * kBlockN).unflatten(-1, gate_up_columns(blocks));
     const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
     return (at::silu(gate) * up).flatten(-2).narrow(-1, 0, out_features).to(at::kBFloat16);
   }

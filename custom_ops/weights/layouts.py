@@ -83,6 +83,11 @@ def gate_up_columns(out_features: int) -> tuple[int, int, int]:
     return (out_features // BLOCK_N, 2, BLOCK_N)
 
 
+def row_positions(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where output row ``rows`` of a weight sits in its ``linear`` packing: (block, column within the block)."""
+    return torch.div(rows, BLOCK_N, rounding_mode="floor"), torch.remainder(rows, BLOCK_N)
+
+
 def member_blocks(source_shapes, first: int, last: int) -> tuple[int, int]:
     """The block range ``[begin, end)`` that sources ``first..last`` of a ``linear`` packing fill."""
     blocks = [blocks_of(shape[0]) for shape in source_shapes]
