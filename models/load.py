@@ -96,16 +96,25 @@ def resolve_source(
     return Source(source, config, adapter, checkpoint_format, kwargs, context, plan)
 
 
-def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16) -> Loaded:
-    """Load what ``resolve_source`` resolved: the whole model, or (tensor parallel) bind the rank to its cores,
-    read only its slices of the files and open the group's collectives. Attention runs as HF's sdpa, which the
-    attention pass matches."""
+def place_rank(source: Source) -> placement.Placement | None:
+    """Tensor parallel: bind this rank to its cores (and memory) before anything runs on them; None without tp."""
+    if source.tp is None:
+        return None
+    placed = placement.bind(source.tp.local_rank, source.tp.local_world_size)
+    tensor_parallel.log_placement(source.tp, placed, quiet=os.environ.get("TILEFX_QUIET") == "1")
+    return placed
+
+
+def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16,
+                  placed: placement.Placement | None = None) -> Loaded:
+    """Load what ``resolve_source`` resolved: the whole model, or (tensor parallel, on the cores ``place_rank``
+    bound) read only the rank's slices of the files and open the group's collectives. Attention runs as HF's
+    sdpa, which the attention pass matches."""
     if source.tp is None:
         model = _load(source, dtype)
         loaded = Loaded(model, model.config)
     else:
-        placed = placement.bind(source.tp.local_rank, source.tp.local_world_size)
-        tensor_parallel.log_placement(source.tp, placed, quiet=os.environ.get("TILEFX_QUIET") == "1")
+        placed = placed or place_rank(source)
         directory = shard_loading.resolve_directory(source.model_or_name, revision=source.from_pretrained["revision"],
                                                     local_files_only=source.from_pretrained["local_files_only"])
         with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go

@@ -56,7 +56,7 @@ def compile_model(
     from tilefx.compiler import CompileOptions, CompileReport
     from tilefx.compiler.report import cache_counters, counters_since
     from tilefx.custom_ops import tuning
-    from tilefx.models.load import load_for_rank, resolve_source
+    from tilefx.models.load import load_for_rank, place_rank, resolve_source
     from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
 
@@ -80,17 +80,21 @@ def compile_model(
     steps = ["load", "pack"] + [f"compile {batches[b]}" for b in warmup_batches]
     quiet = not progress or os.environ.get("TILEFX_QUIET") == "1" or resolved.rank != 0
     bar = tqdm(steps, desc="tilefx", disable=quiet, leave=False)  # tensor parallel: rank 0's bar only
-    start = time.perf_counter()
+    placed = place_rank(resolved)
+    # Tune the decode walks before the weights load: the timed pass's memory is gone before the checkpoint
+    # arrives, so it adds nothing to the peak. The formats are the options' (or the checkpoint's) and bf16.
+    bar.set_postfix_str("tune decode walks")
+    formats = {"bf16", resolved.checkpoint_format if opts.weights == "auto" else opts.weights}
+    report.walks = tuning.ensure_tuned(formats, enabled=opts.tune)
     bar.set_postfix_str("load")
-    loaded = load_for_rank(resolved, dtype=dtype)
+    start = time.perf_counter()
+    loaded = load_for_rank(resolved, dtype=dtype, placed=placed)
     model = loaded.model
     report.placement, report.collectives = loaded.placement, loaded.collectives
     report.load_seconds = time.perf_counter() - start
     bar.update()
     bar.set_postfix_str("pack weights")
     report.packing = pack_model(model, resolved.adapter, opts, progress=not bar.disable)
-    bar.set_postfix_str("tune decode walks")
-    report.walks = tuning.ensure_tuned({"bf16", *report.packing.formats}, enabled=opts.tune)
     bar.update()
     runtime = TilefxRuntime(model, resolved.adapter, opts, report, cache_config=loaded.cache_config,
                             sources=[pathlib.Path(__file__).parent])  # in the graph cache's key
