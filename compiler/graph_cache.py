@@ -141,15 +141,12 @@ class GraphCache:
     def open(cls, model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> GraphCache | None:
         """The cache for ``model`` (None where it is off). ``sources``: directories of the caller's code that
         shapes the graphs, hashed into the key with the compiler's own (``model_key``)."""
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
         if not options.graph_cache or options.freezing or not options.fullgraph:
             return None  # frozen graphs read weights as constants, not sources; graph breaks: several per call
         if torch.compiler.config.force_disable_caches:
             return None
         key = model_key(model, options, uuid, sources=sources)
-        root = os.environ.get("TILEFX_GRAPH_CACHE_DIR") or os.path.join(cache_dir(), "tilefx")
-        return cls(pathlib.Path(root) / key[:40], key)
+        return cls(tilefx.custom_ops.tuning.cache_root() / key[:40], key)
 
     # -- reading ---------------------------------------------------------------------------
     def manifest(self) -> dict:

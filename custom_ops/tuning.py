@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -104,9 +105,10 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(os.environ.get("TILEFX_GRAPH_CACHE_DIR") or os.path.join(cache_dir(), "tilefx"))
 
 
-def _machine_key(unit: str, format: str) -> str:
-    """What the best walk depends on: the CPU, its flags, the threads, the kernels' sources, unit and format."""
-    from tilefx import custom_ops
+@functools.cache
+def _cpu_key() -> str:
+    """The CPU's model name and a digest of its flags and of the kernels' sources."""
+    from tilefx import custom_ops  # the package imports this module
 
     model, flags = "unknown", ""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
@@ -115,7 +117,12 @@ def _machine_key(unit: str, format: str) -> str:
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
                 flags = line.split(":", 1)[1].strip()
-    digest = hashlib.sha256(f"{flags}|{custom_ops.source_hash()}".encode()).hexdigest()[:16]
+    return f"{model}|{hashlib.sha256(f'{flags}|{custom_ops.source_hash()}'.encode()).hexdigest()[:16]}"
+
+
+def _machine_key(unit: str, format: str) -> str:
+    """What the best walk depends on: the CPU, its flags, the threads, the kernels' sources, unit and format."""
+    model, digest = _cpu_key().rsplit("|", 1)
     return f"{model}|threads={torch.get_num_threads()}|{unit}|{format}|{digest}"
 
 
@@ -161,16 +168,17 @@ def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dic
     return {walk: statistics.median(t) for walk, t in times.items()}
 
 
-def tune(unit: str, format: str) -> Tuned:
-    """Time every candidate walk on ``unit`` for ``format`` weights, interleaved over ``ROUNDS`` rounds, then
-    the fastest against the default alone; set the fastest where it beats the default by ``MIN_GAIN``."""
+def tune(unit: str, format: str, path: str) -> Tuned:
+    """Time every candidate walk on ``unit`` (a decode unit of kernel path ``path``) for ``format`` weights,
+    interleaved over ``ROUNDS`` rounds, then the fastest against the default alone; set the fastest where it
+    beats the default by ``MIN_GAIN``."""
     started = time.perf_counter()
     default = current(unit, format)
     tensors = _decode_pass(format)
     inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
     nbytes = sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
     walks = tuple(dict.fromkeys((default, *candidates(unit, format))))
-    with isa.forced(isa.current()), torch.inference_mode():
+    with isa.forced(path), torch.inference_mode():
         _time_pass(tensors, inputs)  # warm-up: page in every tensor, settle the clocks
         search = _medians(tensors, inputs, unit, format, walks, ROUNDS)
         best = min(search, key=search.get)
@@ -209,7 +217,7 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
                 results.append(Tuned(unit, format, entry["streams"], entry["prefetch_bytes"], how="cached",
                                      gbps=entry.get("gbps", 0.0), default_gbps=entry.get("default_gbps", 0.0)))
                 continue
-            tuned = tune(unit, format)
+            tuned = tune(unit, format, path)
             saved[key] = {"streams": tuned.streams, "prefetch_bytes": tuned.prefetch_bytes, "gbps": tuned.gbps,
                           "default_gbps": tuned.default_gbps}
             changed = True

@@ -30,13 +30,14 @@ constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a b
 constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel (GEMM)
 constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
-// GEMV software prefetch: `ahead` bf16 elements of one stream (LinearProblem::prefetch_bytes,
-// tuned per machine). Non-temporal, so the streamed weight does not evict x (fp32, up to
+// GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
+// (LinearProblem::prefetch_bytes, tuned per machine). Non-temporal, so the streamed weight does not evict x (fp32, up to
 // 32 KiB) from the caches. Near a block's end it prefetches the next block, which a stream
 // reads next; past the buffer's end it is a no-op (prefetches never fault).
 static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 32), _MM_HINT_NTA);
+  const char* line = reinterpret_cast<const char*>(row) + ahead;
+  _mm_prefetch(line, _MM_HINT_NTA);
+  _mm_prefetch(line + 64, _MM_HINT_NTA);
 }
 
 // One row of x against a whole block, every K pair: 2 accumulators per column
@@ -62,8 +63,7 @@ static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64
 
 // One row of x against two blocks at once (two streams; see the top of the file).
 static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
-                                int64_t ahead,
-                                float* c_a, float* c_b) {
+                                int64_t ahead, float* c_a, float* c_b) {
   __m256 acc_a[kVecs], acc_b[kVecs];
   for (int j = 0; j < kVecs; ++j) acc_a[j] = acc_b[j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -341,11 +341,11 @@ struct Avx2Unit {
     dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes / 2, c_a, c_b);
+    gemv_row_two_blocks(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes / 2, c);
-    if (p.M == 2) return gemv_two_rows(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes / 2, c);
+    if (p.M == 1) return gemv_row(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes, c);
+    if (p.M == 2) return gemv_two_rows(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes, c);
     gemm_block(p, block, c);
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }

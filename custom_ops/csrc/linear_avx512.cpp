@@ -7,9 +7,8 @@
 // The structure is the AVX2 unit's (linear_avx2.cpp explains the choices; both walk
 // the blocks with linear_walk.h): decode (M <= 2) streams each block once, M = 1 as one or
 // two streams per thread with a non-temporal prefetch (both tuned per machine, tuning.h);
-// prefill is a blocked GEMM
-// over an L1-resident panel of one block and kKChunk K pairs, here with micro-tiles of
-// 8 rows x 32 columns (16 zmm accumulators).
+// prefill is a blocked GEMM over an L1-resident panel of one block and kKChunk K pairs, here
+// with micro-tiles of 8 rows x 32 columns (16 zmm accumulators).
 //
 // The same source builds twice: for the CPU (the `#pragma` below; the ops (dispatch.h)
 // call it only where CPUID reports AVX512F and AVX512-BF16), and, as
@@ -52,10 +51,12 @@ static inline __m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_lo
 // x[2p], x[2p + 1] in every lane.
 static inline __m512bh broadcast_pair(uint32_t pair) { return as_pairs(_mm512_set1_epi32(static_cast<int>(pair))); }
 
-// GEMV software prefetch: `ahead` bf16 elements of one stream (LinearProblem::prefetch_bytes, tuned).
+// GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
+// (LinearProblem::prefetch_bytes, tuned per machine).
 static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + ahead), _MM_HINT_NTA);
-  _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 32), _MM_HINT_NTA);
+  const char* line = reinterpret_cast<const char*>(row) + ahead;
+  _mm_prefetch(line, _MM_HINT_NTA);
+  _mm_prefetch(line + 64, _MM_HINT_NTA);
 }
 
 static inline __m512 load_bf16x16(const uint16_t* p) {
@@ -115,8 +116,7 @@ static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, in
 
 // One row of x against two blocks at once (two streams).
 static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
-                                int64_t ahead,
-                                float* c_a, float* c_b) {
+                                int64_t ahead, float* c_a, float* c_b) {
   __m512 a_lo = _mm512_setzero_ps(), a_hi = _mm512_setzero_ps();
   __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
@@ -495,11 +495,11 @@ struct Avx512Unit {
     dequantize_block<F>(p, block, out);
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes / 2, c_a, c_b);
+    gemv_row_two_blocks(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes / 2, c);
-    if (p.M == 2) return gemv_two_rows(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes / 2, c);
+    if (p.M == 1) return gemv_row(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes, c);
+    if (p.M == 2) return gemv_two_rows(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes, c);
     gemm_block(p, block, c);
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }

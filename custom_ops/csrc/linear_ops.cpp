@@ -106,7 +106,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
                   float_out ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), rows, out_features,
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   attach_weight(p, packed, scales);
-  apply_tuning(p, unit);
+  apply_tuning(p, walk_tuning(unit, p.format));
   const Activations activations(unit, p.format, bf16_bits(x2), rows, in_features, in_features, ldx);
   activations.attach(p, 0);
   const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
@@ -145,6 +145,7 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
   const uint16_t* w_bits = bf16_bits(packed);
   const int64_t head_weight = blocks * block_values(k_pairs);
   const size_t scratch_floats = 2 * std::max<int64_t>(seq, 2) * kBlockN;
+  const WalkTuning walk = walk_tuning(isa, WeightFormat::bf16);
   at::parallel_for(0, groups * heads * blocks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
@@ -154,7 +155,7 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
       const int64_t h = matrix % heads;
       LinearProblem p{/*x=*/nullptr, w_bits + h * head_weight, nullptr, y_bits + matrix * seq * out_features, seq,
                       out_features, k_pairs, ldx, /*yf=*/nullptr, /*ldy=*/out_features, /*silu_mul=*/false};
-      apply_tuning(p, isa);
+      apply_tuning(p, walk);
       xa.attach(p, matrix * seq);
       linear_blocks(isa, p, first, last, scratch.data());
       unit += last - first;

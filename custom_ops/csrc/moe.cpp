@@ -64,15 +64,18 @@ struct ExpertWeights {
   LinearProblem whole{};
   int64_t values_per_expert = 0, scales_per_expert = 0;
 
-  ExpertWeights(const at::Tensor& packed, const c10::optional<at::Tensor>& scales)
+  ExpertWeights(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, LinearUnit unit)
       : values_per_expert(packed[0].numel()),
         scales_per_expert(scales ? scales->numel() / packed.size(0) : 0) {
     attach_weight(whole, packed, scales);
+    apply_tuning(whole, walk_tuning(unit, whole.format));  // read once per call, like the path
   }
 
   void attach(LinearProblem& p, int64_t e) const {
     p.format = whole.format;
     p.k_groups = whole.k_groups;
+    p.streams = whole.streams;
+    p.prefetch_bytes = whole.prefetch_bytes;
     if (whole.format == WeightFormat::bf16) {
       p.w = whole.w + e * values_per_expert;
     } else {
@@ -129,7 +132,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   // the experts that get at most kWordRows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const ExpertWeights w13_experts(w13, w13_scales), w2_experts(w2, w2_scales);
+  const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
   const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, /*every_row_words=*/true,
                        [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
@@ -140,7 +143,6 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
     w13_experts.attach(p, r.expert);
-    apply_tuning(p, unit);
     xs.attach(p, r.begin);
     return p;
   });
@@ -155,7 +157,6 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
                     out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
     w2_experts.attach(p, r.expert);
-    apply_tuning(p, unit);
     act_rows.attach(p, r.begin);
     return p;
   });

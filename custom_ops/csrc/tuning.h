@@ -2,7 +2,7 @@
 // prefetch distance, per (unit, weight format). The same walk streamed near the bandwidth
 // on AMD Zen and far below it on an Intel Xeon 6 (docs/PERFORMANCE.md), so these are
 // not constants: custom_ops/tuning.py times the candidates on the machine that runs (once,
-// cached by CPU) and sets the winners here. Every op call reads them once (apply_tuning).
+// cached by CPU) and sets the winners here. Every op call reads them once (walk_tuning).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -24,10 +24,10 @@ WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
 void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes);
 std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format);
 
-inline void apply_tuning(LinearProblem& p, LinearUnit unit) {
-  const WalkTuning t = walk_tuning(unit, p.format);
-  p.streams = t.streams;
-  p.prefetch_bytes = t.prefetch_bytes;
+// An op reads the walk once per call (walk_tuning) and sets it on each of its problems.
+inline void apply_tuning(LinearProblem& p, const WalkTuning& walk) {
+  p.streams = walk.streams;
+  p.prefetch_bytes = walk.prefetch_bytes;
 }
 
 }  // namespace tilefx
