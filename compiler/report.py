@@ -36,6 +36,7 @@ class PackSummary:
     seconds: float = 0.0
     formats: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # format -> [tensors, bytes]
     kept_bf16: dict[str, int] = dataclasses.field(default_factory=dict)  # why a weight stayed bf16 -> how many
+    stored_bf16: list[str] = dataclasses.field(default_factory=list)  # an fp8 checkpoint's weights it holds in bf16
 
     def add(self, format: str, nbytes: int) -> None:
         self.tensors += 1
@@ -45,10 +46,14 @@ class PackSummary:
         counts[1] += nbytes
 
     def formats_line(self) -> str:
-        """Which format the packed weights run in, and why any stayed bf16 when another was asked for."""
+        """Which format the packed weights run in, why any stayed bf16 when another was asked for, and which an fp8
+        checkpoint holds in bf16 (weights="auto" packs them so)."""
         held = ", ".join(f"{name} {count} ({nbytes / 2**20:.1f} MiB)" for name, (count, nbytes) in self.formats.items())
         kept = "; ".join(f"{count} {why}" for why, count in self.kept_bf16.items())
-        return f"weight formats: {held or 'none packed'}" + (f"; kept bf16: {kept}" if kept else "")
+        stored = ", ".join(self.stored_bf16[:8]) + (f" and {len(self.stored_bf16) - 8} more"
+                                                    if len(self.stored_bf16) > 8 else "")
+        return (f"weight formats: {held or 'none packed'}" + (f"; kept bf16: {kept}" if kept else "")
+                + (f"; bf16 as the fp8 checkpoint stores them: {stored}" if stored else ""))
 
 
 @dataclasses.dataclass

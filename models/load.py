@@ -158,15 +158,21 @@ def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
             return source.eval()
         return source.to(dtype).eval()
     quantized = resolved.checkpoint_format == "fp8"
-    with weights.checkpoint_pages_bounded(), fp8.loading_quantized() if quantized else contextlib.nullcontext():
-        # the packing that follows reads the rest once, chunk by chunk
-        model = AutoModelForCausalLM.from_pretrained(
+    loading = contextlib.nullcontext()
+    if quantized:  # each weight's format from the files themselves, before transformers reads one
+        directory = shard_loading.resolve_directory(source, revision=resolved.from_pretrained["revision"],
+                                                    local_files_only=resolved.from_pretrained["local_files_only"])
+        formats = fp8.weight_formats(shard_loading.checkpoint_files(directory))
+        loading = fp8.loading_quantized(fp8.modules_to_not_convert(formats, resolved.config, adapter.lm_head))
+    with weights.checkpoint_pages_bounded(), loading:  # the packing that follows reads the rest once, chunk by chunk
+        model, info = AutoModelForCausalLM.from_pretrained(
             source, config=resolved.config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa",
-            **resolved.from_pretrained
-        ).eval()
+            output_loading_info=True, **resolved.from_pretrained
+        )
     if quantized:
+        fp8.refuse_made_up_scales(info["missing_keys"], source)
         fp8.adopt_fp8_modules(model, adapter.moe and adapter.moe.experts_class)
-    return model
+    return model.eval()
 
 
 def load_config(source, *, trust_remote_code: bool = False, revision: str | None = None,

@@ -49,6 +49,7 @@ class PackGroup:
     params: tuple[torch.nn.Parameter, ...]
     format: str = "bf16"
     kept_bf16: str | None = None  # why the group stays bf16 where another format was asked for
+    stored: str | None = None  # with weights="auto": the format the checkpoint holds the group in
 
 
 # Weights that stay bf16 whatever format is asked for, and why (tilefx.explain lists them).
@@ -67,7 +68,7 @@ def _own_format(params) -> str:
 def _formatted(group: PackGroup, format: str) -> PackGroup:
     """``group`` in ``format`` (``auto``: the checkpoint's) where its layout takes it, else bf16 and why."""
     if format == "auto":
-        format = _own_format(group.params)
+        format = group.stored = _own_format(group.params)
     if format != "bf16":
         why = weights.can_pack(group.layout, group.params, format=format)
         if why is None:
@@ -181,6 +182,7 @@ def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progr
     start = time.perf_counter()
     narrow_exact_routers(model, adapter)
     parts = plan(model, adapter, options)
+    fp8_checkpoint = any(group.stored == "fp8" for _, groups in parts for group in groups)
     with torch.no_grad():
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
                               leave=False):
@@ -192,6 +194,8 @@ def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progr
                 summary.add(group.format, weights.packing_of(group.params[0]).nbytes)  # values and scales
                 if group.kept_bf16:
                     summary.kept_bf16[group.kept_bf16] = summary.kept_bf16.get(group.kept_bf16, 0) + 1
+                if fp8_checkpoint and group.stored == "bf16":  # a bf16 tensor of an fp8 checkpoint is bf16
+                    summary.stored_bf16.extend(group.names)
                 summary.released_bytes += weights.release(packed)
         # An fp8 checkpoint's weights no packing took (MLA's kv_b_proj, absorbed per head when the graph
         # compiles; every linear with linear=False) run as bf16 in the graphs.

@@ -5,7 +5,9 @@ device and reads, for every parameter, only the rank's slice (``get_slice``): th
 decides the dim. The fused 3-D experts transformers builds are stacked from the checkpoint's
 per-expert tensors (the adapter's ``expert_keys``), tensors transformers renames on load are
 looked up under the checkpoint's names (the adapter's ``checkpoint_renames``), and an FP8
-checkpoint's tensors come with the rows / columns of their scale blocks. Each sharded parameter
+checkpoint's tensors come with the rows / columns of their scale blocks: each tensor in the
+format the files hold it in (``fp8.weight_formats``: e4m3 with its scales, or its own dtype;
+e4m3 without scales is refused before anything is read). Each sharded parameter
 is marked with its ``weights.Shard``: the partition pass (compiler/passes/partition.py) reads
 those marks to insert the collectives.
 """
@@ -20,11 +22,12 @@ import pathlib
 import torch
 
 from tilefx.custom_ops import weights
+from tilefx.models import fp8
 from tilefx.models.adapters import FamilyAdapter
 from tilefx.models.tp import Plan, TPContext
 
 
-def _checkpoint_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+def checkpoint_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """Checkpoint tensor name -> the safetensors file holding it."""
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -62,7 +65,8 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(plan.local_config, dtype=dtype, attn_implementation="sdpa")
-    files = _checkpoint_files(directory)
+    files = checkpoint_files(directory)
+    formats = fp8.weight_formats(files)  # each weight's own format; refuses e4m3 without its scales
     aliases: dict[str, str] = {}  # model name -> checkpoint name, where they differ
     by_file: dict[pathlib.Path, list[str]] = {}
     params = dict(model.named_parameters())
@@ -83,7 +87,7 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
             continue
         by_file.setdefault(files[name], []).append(name)
     for name, sources in experts.items():
-        _set(model, name, *_read_experts(name, sources, files, plan, ctx, dtype, tuple(params[name].shape)))
+        _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape)))
     for path, names in by_file.items():
         with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
             for name in names:
@@ -91,7 +95,8 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
                 shape = tuple(tensor_slice.get_shape())
                 shard = plan.shard_of(name, shape, ctx.rank)
                 value = _read(tensor_slice, shape, shard, name)
-                scales = _read_scales(opened, files, aliases.get(name, name), shard)
+                key = aliases.get(name, name)
+                scales = _read_scales(opened, files, key, shard) if formats.get(key) == "fp8" else None
                 if scales is None:
                     value = value.to(dtype)
                 expected = tuple(params[name].shape)
@@ -140,11 +145,9 @@ def _open_files():
 
 
 def _read_scales(opened, files: dict, key: str, shard: weights.Shard | None):
-    """The rank's ``weight_scale_inv`` blocks of FP8 checkpoint tensor ``key`` (None: not an FP8 weight): the blocks
-    of its rows / columns (plan_for checked each rank holds whole blocks). ``opened``: ``_open_files``'s."""
-    scale_key = f"{key}_scale_inv"
-    if not key.endswith(".weight") or scale_key not in files:
-        return None
+    """The rank's ``weight_scale_inv`` blocks of FP8 checkpoint tensor ``key`` (one ``weight_formats`` says is fp8):
+    the blocks of its rows / columns (plan_for checked each rank holds whole blocks). ``opened``: ``_open_files``'s."""
+    scale_key = f"{key}{fp8.SCALES}"
     return _scale_blocks(opened(files[scale_key]).get_slice(scale_key), shard)
 
 
@@ -176,12 +179,13 @@ def _expert_sources(adapter: FamilyAdapter, name: str, files: dict, num_experts:
     return None
 
 
-def _read_experts(name: str, sources, files: dict, plan: Plan, ctx: TPContext, dtype, expected):
+def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ctx: TPContext, dtype, expected):
     """Fused experts parameter ``name`` of the rank's model, stacked from the per-expert tensors' slices: each
     expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it, its Shard and
-    its FP8 checkpoint scales (None for a bf16 checkpoint)."""
+    its FP8 checkpoint scales (None where the experts are stored unquantized: ``weight_formats`` checked that a
+    layer's experts share one format)."""
     attr, names = sources
-    quantized = f"{names[0][0]}_scale_inv" in files
+    quantized = formats.get(names[0][0]) == "fp8"
     out = torch.empty(expected, dtype=torch.float8_e4m3fn if quantized else dtype)
     scales = None
     with _open_files() as opened:

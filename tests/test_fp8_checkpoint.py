@@ -4,6 +4,7 @@ they are, generating what transformers' own (dequantizing) load of the same file
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,8 +14,12 @@ from transformers import AutoModelForCausalLM
 
 import tilefx
 from tilefx.custom_ops import weights
+from tilefx.models.adapters import adapter_for
 from tilefx.models.checkpoint import write_checkpoint
-from tilefx.models.fp8 import UnsupportedCheckpointError
+from tilefx.models.fp8 import SCALES, UnsupportedCheckpointError, weight_formats
+from tilefx.models.load import load_config
+from tilefx.models.shard_loading import checkpoint_files, load_shard
+from tilefx.models import tp
 
 from helpers import assert_generates_like, assert_greedy_matches, padded_batch, random_prompt, run_script
 
@@ -176,3 +181,95 @@ def test_weights_no_pass_packs_are_dequantized_in_place(checkpoints):
     ids, mask = padded_batch([random_prompt(6, 4)])
     out = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert assert_greedy_matches(reference, ids, mask, out) >= 5
+
+
+# -- no silent misreads: each tensor read in the format the files hold it in ------------------------------------
+
+# One linear stored bf16 without scales: DeepSeek's kv_a_proj_with_mqa listed in modules_to_not_convert as the hub
+# lists such layers (beside its fp8 sibling q_a_proj); a Llama o_proj not listed, which transformers alone would load
+# into an e4m3 linear with made-up scales.
+BF16_LINEARS = {"tiny-deepseek-v3": ("model.layers.0.self_attn.kv_a_proj_with_mqa", True),
+                "tiny-llama": ("model.layers.1.self_attn.o_proj", False)}
+MISSING_SCALES = "model.layers.1.self_attn.q_proj.weight"
+
+
+def _stored_in_bf16(module):
+    """A ``_copy_with`` tensor edit: linear ``module``'s weight stored as the bf16 of its fp8 values, no scales."""
+    def edit(tensors):
+        key = f"{module}.weight"
+        tensors[key] = weights.dequantize_blocks(tensors[key], tensors.pop(f"{key}{SCALES}")).contiguous()
+    return edit
+
+
+def _rank_model(path, monkeypatch):
+    """The tensor-parallel shard loader's model of ``path``, one rank of one: every tensor goes through its reads.
+    (The tiny presets' dims are under one 128-row scale block, which plan_for refuses to split; one rank splits
+    none.)"""
+    monkeypatch.setattr(tp, "_fp8_straddles", lambda *args: [])
+    config, _ = load_config(path)
+    adapter = adapter_for(config)
+    context = tp.TPContext(rank=0, world_size=1, local_rank=0, local_world_size=1, same_host=True)
+    return load_shard(path, config, adapter, tp.plan_for(config, adapter, 1), context, torch.bfloat16)
+
+
+@pytest.fixture(scope="module", params=sorted(BF16_LINEARS))
+def one_linear_bf16(request, checkpoints, tmp_path_factory):
+    """``(path, module, transformers' load, compiled)`` of an FP8 checkpoint with one linear stored in bf16."""
+    family = request.param
+    module, listed = BF16_LINEARS[family]
+
+    def list_it(quantization):
+        if listed:
+            quantization["modules_to_not_convert"] = [*(quantization.get("modules_to_not_convert") or []), module]
+
+    path = _copy_with(checkpoints[family], tmp_path_factory.mktemp("bf16-linear") / family, config_edit=list_it,
+                      tensor_edit=_stored_in_bf16(module))
+    return path, module, _hf_load(path), tilefx.compile_model(path, max_seq_len=48, max_batch=2, progress=False)
+
+
+def test_a_bf16_linear_of_an_fp8_checkpoint_is_bf16(one_linear_bf16):
+    path, module, reference, compiled = one_linear_bf16
+    name = f"{module}.weight"
+    with safe_open(next(path.glob("*.safetensors")), "pt") as f:
+        stored = f.get_tensor(name)
+    assert stored.dtype == torch.bfloat16
+    assert torch.equal(reference.get_parameter(name).data, stored)  # the oracle: transformers' bf16 of every weight
+    packed = weights.packing_of(compiled.get_parameter(name))
+    assert packed.format == "bf16"
+    assert torch.equal(weights.unpack_linear_weight(packed.data, *stored.shape), stored)
+    assert "fp8" in compiled.tilefx.report.packing.formats  # the others keep the checkpoint's e4m3 bytes
+    assert re.search(f"bf16 as the fp8 checkpoint stores them: .*{re.escape(name)}", tilefx.explain(compiled))
+    assert_generates_like(reference, compiled)
+
+
+def test_the_shard_loader_reads_a_bf16_linear_as_bf16(one_linear_bf16, monkeypatch):
+    path, module, reference, _ = one_linear_bf16
+    model = _rank_model(path, monkeypatch)
+    param = model.get_parameter(f"{module}.weight")
+    assert param.dtype == torch.bfloat16 and weights.checkpoint_scales(param) is None
+    assert torch.equal(param.data, reference.get_parameter(f"{module}.weight").data)
+    quantized = model.get_parameter("model.layers.0.mlp.down_proj.weight")
+    assert quantized.dtype == torch.float8_e4m3fn and weights.checkpoint_scales(quantized) is not None
+
+
+@pytest.fixture(scope="module")
+def scales_missing(checkpoints, tmp_path_factory):
+    """An FP8 checkpoint one of whose e4m3 tensors has no ``weight_scale_inv``."""
+    return _copy_with(checkpoints["tiny-llama"], tmp_path_factory.mktemp("no-scales") / "ckpt",
+                      tensor_edit=lambda tensors: tensors.pop(f"{MISSING_SCALES}{SCALES}"))
+
+
+def test_refuses_an_e4m3_tensor_without_its_scales(scales_missing, monkeypatch):
+    name = re.escape(MISSING_SCALES)
+    named = f"{name} is float8_e4m3fn but the checkpoint has no {name}{SCALES}"
+    with pytest.raises(ValueError, match=named):
+        tilefx.compile_model(scales_missing, progress=False)
+    with pytest.raises(ValueError, match=named):
+        _rank_model(scales_missing, monkeypatch)
+
+
+def test_refuses_a_layers_experts_in_two_formats(checkpoints, tmp_path):
+    module = "model.layers.0.mlp.experts.3.up_proj"
+    path = _copy_with(checkpoints["tiny-qwen3-moe"], tmp_path / "ckpt", tensor_edit=_stored_in_bf16(module))
+    with pytest.raises(UnsupportedCheckpointError, match=f"model.layers.0.mlp.experts: .*{module}.weight is bf16"):
+        weight_formats(checkpoint_files(path))
