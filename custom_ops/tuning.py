@@ -11,6 +11,9 @@ sources, linear unit and weight format, keeps the fastest in the native table
 (``csrc/tuning.h``) and caches the result as JSON next to tilefx's graph cache
 (``cache_root()``), so a later process reads it instead of timing again.
 
+The same module picks prefill attention's kernel per model (``ensure_attention_tuned``): the path's
+attention unit or PyTorch's own SDPA, timed on the model's head shape (below).
+
 Correctness never depends on the choice: every candidate computes the same products
 (tests force each one).
 """
@@ -190,6 +193,21 @@ def tune(unit: str, format: str, path: str) -> Tuned:
                  default_gbps=nbytes / final[default] / 1e9, seconds=time.perf_counter() - started)
 
 
+def _saved(store: pathlib.Path) -> dict:
+    try:
+        return json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(store: pathlib.Path, saved: dict) -> None:
+    with contextlib.suppress(OSError):  # a read-only cache directory: tuned again next time
+        store.parent.mkdir(parents=True, exist_ok=True)
+        temporary = store.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(saved, indent=1, sort_keys=True))
+        temporary.replace(store)
+
+
 def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path | None = None,
                  enabled: bool = True) -> list[Tuned]:
     """The walks of every decode unit of ``path`` (default: the current one) for each format in
@@ -200,10 +218,7 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
         return []
     results = []
     store = (cache or cache_root()) / "tuning.json"
-    try:
-        saved = json.loads(store.read_text())
-    except (OSError, ValueError):
-        saved = {}
+    saved = _saved(store)
     changed = False
     for unit in decode_units(path):
         for format in sorted(set(formats_used)):
@@ -223,9 +238,136 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
             changed = True
             results.append(tuned)
     if changed:
-        with contextlib.suppress(OSError):  # a read-only cache directory: tuned again next time
-            store.parent.mkdir(parents=True, exist_ok=True)
-            temporary = store.with_suffix(f".{os.getpid()}.tmp")
-            temporary.write_text(json.dumps(saved, indent=1, sort_keys=True))
-            temporary.replace(store)
+        _save(store, saved)
     return results
+
+
+# -- Prefill attention: the path's attention unit or PyTorch's SDPA --------------------------------------
+# The unit's kernel attends one query row at a time; PyTorch's flash SDPA tiles queries and keys through
+# oneDNN GEMMs. Which leads depends on the CPU and the heads' shape, so each is timed on the model's own
+# head shape at a short and a long prompt, and SDPA takes the prompts from the first length class where it
+# leads (and leads at every longer one): csrc/tuning.h sdpa_from_tokens. Decode always runs the unit.
+ATTENTION_LENGTHS = ((128, 2), (1024, 384))  # (the prompt length timed, the first length of its class)
+ATTENTION_ROUNDS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """One model's attention as the prefill ops see it (a tensor-parallel rank's own heads)."""
+
+    family: str  # "extend" (extend_attention) or "mla" (mla_attention: every head over the one latent head)
+    heads: int  # query heads
+    kv_heads: int  # mla: 1
+    head_dim: int  # mla: kv_lora_rank
+    rope_dim: int = 0  # mla: qk_rope_head_dim
+
+    def describe(self) -> str:
+        if self.family == "mla":
+            return f"mla, {self.heads} heads over the latent {self.head_dim} + rope {self.rope_dim}"
+        return f"{self.heads} query / {self.kv_heads} KV heads of {self.head_dim}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+    """From how many new tokens prefill attention runs SDPA (0: never), and where the choice came from."""
+
+    shape: AttentionShape
+    sdpa_from: int
+    how: str  # "tuned", "cached", "untuned"
+    unit_ms: tuple[float, ...] = ()  # median ms per ATTENTION_LENGTHS entry
+    sdpa_ms: tuple[float, ...] = ()
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        what = (f"prefill attention ({self.shape.describe()}): "
+                + (f"PyTorch SDPA from {self.sdpa_from} tokens" if self.sdpa_from else "the unit's kernel"))
+        if self.how == "untuned":
+            return f"{what} (not tuned)"
+        timed = "; ".join(f"{n} tokens unit {u:.1f} ms, SDPA {s:.1f} ms"
+                          for (n, _), u, s in zip(ATTENTION_LENGTHS, self.unit_ms, self.sdpa_ms))
+        return f"{what} ({self.how}: {timed}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
+
+
+@contextlib.contextmanager
+def forced_sdpa(family: str, tokens: int):
+    """Run a block with SDPA taking ``family``'s prefill from ``tokens`` new tokens on (0: never)."""
+    previous = isa.native.get_sdpa_from_tokens(family)
+    isa.native.set_sdpa_from_tokens(family, tokens)
+    try:
+        yield
+    finally:
+        isa.native.set_sdpa_from_tokens(family, previous)
+
+
+def _prefill_call(shape: AttentionShape, seq: int):
+    """A prompt of ``seq`` tokens through ``shape``'s attention op, on fresh random inputs and an empty cache."""
+    g = torch.Generator().manual_seed(seq)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(torch.bfloat16)
+
+    positions = torch.arange(seq)
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
+    if shape.family == "mla":
+        args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.heads, seq, shape.rope_dim),
+                rand(1, 1, seq, shape.head_dim), rand(1, 1, seq, shape.rope_dim),
+                torch.zeros(1, 1, seq, shape.head_dim, dtype=torch.bfloat16),
+                torch.zeros(1, 1, seq, shape.rope_dim, dtype=torch.bfloat16), positions, mask,
+                (shape.head_dim + shape.rope_dim) ** -0.5)
+        return lambda: torch.ops.tilefx.mla_attention(*args)
+    args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.kv_heads, seq, shape.head_dim),
+            rand(1, shape.kv_heads, seq, shape.head_dim),
+            torch.zeros(1, shape.kv_heads, seq, shape.head_dim, dtype=torch.bfloat16),
+            torch.zeros(1, shape.kv_heads, seq, shape.head_dim, dtype=torch.bfloat16), positions, mask,
+            shape.head_dim**-0.5)
+    return lambda: torch.ops.tilefx.extend_attention(*args)
+
+
+def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
+    """Time the unit and SDPA on ``shape`` at each of ``ATTENTION_LENGTHS`` (interleaved, ``ATTENTION_ROUNDS``
+    rounds) and set the first length class from which SDPA is faster by ``MIN_GAIN`` at every length."""
+    started = time.perf_counter()
+    unit_ms, sdpa_ms = [], []
+    with isa.forced(path), torch.inference_mode():
+        for seq, _ in ATTENTION_LENGTHS:
+            call = _prefill_call(shape, seq)
+            times: dict[int, list[float]] = {0: [], 2: []}
+            for _ in range(ATTENTION_ROUNDS + 1):  # the first round warms up and is dropped
+                for tokens in times:
+                    with forced_sdpa(shape.family, tokens):
+                        start = time.perf_counter()
+                        call()
+                        times[tokens].append(time.perf_counter() - start)
+            unit_ms.append(statistics.median(times[0][1:]) * 1e3)
+            sdpa_ms.append(statistics.median(times[2][1:]) * 1e3)
+    sdpa_from = 0
+    for (_, first), unit, sdpa in reversed(list(zip(ATTENTION_LENGTHS, unit_ms, sdpa_ms))):
+        if sdpa * MIN_GAIN >= unit:
+            break
+        sdpa_from = first
+    isa.native.set_sdpa_from_tokens(shape.family, sdpa_from)
+    return AttentionChoice(shape, sdpa_from, "tuned", tuple(unit_ms), tuple(sdpa_ms), time.perf_counter() - started)
+
+
+def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = None,
+                           cache: pathlib.Path | None = None, enabled: bool = True) -> AttentionChoice | None:
+    """``shape``'s prefill attention choice: read from the cache file, else timed (``tune_attention``) and saved;
+    set in the native table. ``enabled=False`` (or no shape) keeps what the table holds."""
+    path = path or isa.current()
+    if isa.native is None or path == "reference" or shape is None:
+        return None
+    if not enabled:
+        return AttentionChoice(shape, isa.native.get_sdpa_from_tokens(shape.family), "untuned")
+    store = (cache or cache_root()) / "tuning.json"
+    saved = _saved(store)
+    model, digest = _cpu_key().rsplit("|", 1)
+    key = (f"{model}|threads={torch.get_num_threads()}|{path}|attention|{shape.family}|{shape.heads}|"
+           f"{shape.kv_heads}|{shape.head_dim}|{shape.rope_dim}|{digest}")
+    entry = saved.get(key)
+    if entry is not None:
+        isa.native.set_sdpa_from_tokens(shape.family, entry["sdpa_from"])
+        return AttentionChoice(shape, entry["sdpa_from"], "cached", tuple(entry["unit_ms"]), tuple(entry["sdpa_ms"]))
+    choice = tune_attention(shape, path)
+    saved[key] = {"sdpa_from": choice.sdpa_from, "unit_ms": list(choice.unit_ms), "sdpa_ms": list(choice.sdpa_ms)}
+    _save(store, saved)
+    return choice

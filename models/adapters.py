@@ -25,6 +25,8 @@ import dataclasses
 
 import torch
 
+from tilefx.custom_ops.tuning import AttentionShape
+
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
@@ -234,6 +236,15 @@ class FamilyAdapter:
         dims = self.attention_dims(config)
         return {"layers": dims["layers"], "kv_heads": dims["kv_heads"],
                 "k_head_dim": dims["head_dim"], "v_head_dim": dims["v_head_dim"]}
+
+    def prefill_attention(self, config, mla: bool = True) -> AttentionShape | None:
+        """The shape the prefill attention op sees (``config``: a tensor-parallel rank's local one), for
+        tuning; None where the attention is HF's (an MLA family compiled with ``mla=False``)."""
+        if self.mla:
+            return AttentionShape("mla", config.num_attention_heads, 1, config.kv_lora_rank,
+                                  config.qk_rope_head_dim) if mla else None
+        dims = self.attention_dims(config)
+        return AttentionShape("extend", dims["q_heads"], dims["kv_heads"], dims["head_dim"])
 
     def mla_dims(self, config) -> dict[str, int | None]:
         if not self.mla:

@@ -109,13 +109,18 @@ def distinct_cases(presets, decode_only: bool = False):
             yield preset, case
 
 
-def onednn_linear(weight):
-    """oneDNN's packed bf16 linear (what Inductor's freezing uses where it supports bf16), or None."""
+def onednn_linear(x, packed):
+    """oneDNN's packed bf16 linear, what Inductor's freezing runs where it supports bf16."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def onednn_cold_copies(weight) -> list[torch.Tensor] | None:
+    """``weight`` reordered for oneDNN's decode linear, in enough copies to miss the L3 as decode does (timing
+    one hot copy flatters it); None where this torch has no oneDNN bf16 linear."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        fn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-        fn(torch.randn(1, weight.shape[1]).to(torch.bfloat16))
-        return fn
+        copies = [torch.ops.mkldnn._reorder_linear_weight(c, 1) for c in cold_copies(weight)]
+        onednn_linear(torch.randn(1, weight.shape[1]).to(torch.bfloat16), copies[0])
+        return copies
     except (RuntimeError, AttributeError):
         return None
 
@@ -158,8 +163,9 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
         tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True),
                                                case.weight_bytes, probe, repeats)
         t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
-        onednn = onednn_linear(weight)
-        t_onednn = median_seconds(lambda: onednn(x), repeats) if onednn else None
+        onednn = onednn_cold_copies(weight)
+        t_onednn = median_seconds_per_copy(lambda w: onednn_linear(x, w), onednn, repeats) if onednn else None
+        del onednn
         xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
         t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
         t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))

@@ -162,6 +162,10 @@ def test_explain_reports_rewrites(pair):
     assert all(part in startup for part in ("load", "pack", "tune", "trace", "passes", "inductor", "caches: ")), startup
     walks = [line for line in text.splitlines() if line.startswith("decode walk ")]
     assert walks and all(("tuned" in line or "cached" in line) and "prefetch" in line for line in walks), walks
+    config = compiled.config
+    attention = [line for line in text.splitlines() if line.startswith("prefill attention ")]
+    assert len(attention) == 1 and ("tuned" in attention[0] or "cached" in attention[0]), attention
+    assert f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads" in attention[0]
 
 
 def test_weights_are_packed_as_they_load_and_held_once(pair, monkeypatch):

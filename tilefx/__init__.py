@@ -86,6 +86,10 @@ def compile_model(
     bar.set_postfix_str("tune decode walks")
     formats = {"bf16", resolved.checkpoint_format if opts.weights == "auto" else opts.weights}
     report.walks = tuning.ensure_tuned(formats, enabled=opts.tune)
+    bar.set_postfix_str("tune prefill attention")
+    local_config = resolved.plan.local_config if resolved.plan is not None else resolved.config
+    report.attention = tuning.ensure_attention_tuned(resolved.adapter.prefill_attention(local_config, opts.mla),
+                                                     enabled=opts.tune)
     bar.set_postfix_str("load")
     start = time.perf_counter()
     loaded = load_for_rank(resolved, dtype=dtype, placed=placed)
@@ -144,6 +148,7 @@ def explain(model) -> str:
         report.packing.formats_line(),
         *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
         *(f"decode walk {walk.line()}" for walk in report.walks),
+        *([report.attention.line()] if report.attention is not None else []),
         report.startup_line(),
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),

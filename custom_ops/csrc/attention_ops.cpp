@@ -17,6 +17,7 @@
 #include "kernels.h"
 #include "ops.h"
 #include "parallel.h"
+#include "tuning.h"
 
 namespace tilefx {
 namespace {
@@ -125,6 +126,37 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
   return y;
 }
 
+// Whether row b of `mask` is plain causal over keys [0, end) for every b < batch: the new
+// tokens start the sequence (end == seq) and none is padding.
+bool plain_causal(const at::Tensor& mask, int64_t batch, int64_t seq, int64_t end) {
+  if (end != seq) return false;
+  const bool* m = mask.data_ptr<bool>();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t s = 0; s < seq; ++s) {
+      const bool* row = m + b * mask.stride(0) + s * mask.stride(2);
+      for (int64_t t = 0; t < end; ++t) {
+        if (row[t] != (t <= s)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Prefill through PyTorch's scaled_dot_product_attention over the valid prefix of the cache
+// (the new tokens already written): `keys` / `values` [batch, kv_heads, end, *]. A plain causal
+// mask runs as is_causal (the flash kernel then skips the future's blocks); any other mask is
+// passed as it is, and query rows that may attend no key are zero, as the units make them.
+at::Tensor attention_sdpa(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                          const at::Tensor& mask, int64_t batch, int64_t seq, int64_t end, double scale) {
+  const bool causal = plain_causal(mask, batch, seq, end);
+  c10::optional<at::Tensor> allowed;
+  if (!causal) allowed = mask.slice(0, 0, batch).slice(3, 0, end);
+  at::Tensor out = at::scaled_dot_product_attention(q, keys, values, allowed, 0.0, causal, scale,
+                                                    /*enable_gqa=*/q.size(1) != keys.size(1));
+  if (!causal) out.masked_fill_(allowed->logical_not().all(-1, /*keepdim=*/true), 0.0);
+  return out;
+}
+
 at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
                             AttentionUnit unit) {
@@ -146,6 +178,12 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
   const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len, {{&k, &k_cache}, {&v, &v_cache}});
 
   const at::Tensor q = unit_stride(q_in), mask = unit_stride(mask_in);
+  const int64_t sdpa_from = sdpa_from_tokens(AttentionFamily::extend);
+  if (sdpa_from > 0 && seq >= sdpa_from) {
+    const at::Tensor keys = k_cache.slice(0, 0, batch).slice(2, 0, end);
+    const at::Tensor values = v_cache.slice(0, 0, batch).slice(2, 0, end);
+    return attention_sdpa(q, keys, values, mask, batch, seq, end, scale).contiguous();
+  }
   AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
                      nullptr, 0, 0, 0,
                      bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -188,6 +226,16 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                                        {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
 
   const at::Tensor q = unit_stride(q_latent_in), qr = unit_stride(q_rope_in), mask = unit_stride(mask_in);
+  const int64_t sdpa_from = sdpa_from_tokens(AttentionFamily::mla);
+  if (sdpa_from > 0 && seq >= sdpa_from) {
+    // The value (the latent) is the key's first `rank` dims: attending with the whole key as
+    // the value gives the same first `rank` outputs, and SDPA's flash kernel takes only one
+    // head dim for keys and values.
+    const at::Tensor keys = at::cat({latent_cache.slice(0, 0, batch).slice(2, 0, end),
+                                     rope_cache.slice(0, 0, batch).slice(2, 0, end)}, -1);
+    const at::Tensor out = attention_sdpa(at::cat({q, qr}, -1), keys, keys, mask, batch, seq, end, scale);
+    return out.narrow(-1, 0, rank).contiguous();
+  }
   AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
                      bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
                      bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),

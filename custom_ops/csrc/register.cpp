@@ -61,6 +61,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_walk_tuning", &tilefx::set_walk_tuning,
         "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes");
   m.def("get_walk_tuning", &tilefx::get_walk_tuning, "(streams, prefetch bytes) of a linear unit and weight format");
+  m.def("set_sdpa_from_tokens", &tilefx::set_sdpa_from_tokens,
+        "from how many new tokens an attention family (extend, mla) runs PyTorch's SDPA instead of its unit (0: never)");
+  m.def("get_sdpa_from_tokens", &tilefx::get_sdpa_from_tokens, "the attention family's SDPA threshold (0: never)");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;

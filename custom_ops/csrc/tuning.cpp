@@ -57,7 +57,27 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
   return table()[static_cast<int>(unit) * kFormats + static_cast<int>(format)];
 }
 
+std::atomic<int64_t> sdpa_from[2] = {0, 0};
+
+AttentionFamily parse_family(const std::string& name) {
+  if (name == "extend") return AttentionFamily::extend;
+  if (name == "mla") return AttentionFamily::mla;
+  TORCH_CHECK(false, "tilefx tuning: unknown attention family '", name, "' (extend, mla)");
+}
+
 }  // namespace
+
+int64_t sdpa_from_tokens(AttentionFamily family) {
+  return sdpa_from[static_cast<int>(family)].load(std::memory_order_relaxed);
+}
+
+void set_sdpa_from_tokens(const std::string& family, int64_t tokens) {
+  TORCH_CHECK(tokens == 0 || tokens >= 2, "tilefx tuning: SDPA takes prefill from 2 new tokens on (or 0: never), got ",
+              tokens);
+  sdpa_from[static_cast<int>(parse_family(family))] = tokens;
+}
+
+int64_t get_sdpa_from_tokens(const std::string& family) { return sdpa_from_tokens(parse_family(family)); }
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
   const Slot& s = slot(unit, format);

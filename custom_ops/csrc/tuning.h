@@ -24,6 +24,19 @@ WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
 void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes);
 std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format);
 
+// Prefill attention: from how many new tokens on an attention op runs PyTorch's own
+// scaled_dot_product_attention (its flash kernel, GEMMs through oneDNN) instead of the
+// path's attention unit. Which is faster depends on the CPU and the head shapes (the
+// unit's row-at-a-time kernel led on AMD Zen; PyTorch's led on an Intel Xeon 6, see
+// docs/PERFORMANCE.md), so custom_ops/tuning.py times both per model at load and sets
+// this; 0 (the default) keeps the unit at every length. Decode (one new token) always
+// runs the unit.
+enum class AttentionFamily : int { extend = 0, mla = 1 };
+int64_t sdpa_from_tokens(AttentionFamily family);
+// `family` "extend" or "mla"; `tokens` 0 (never) or at least 2.
+void set_sdpa_from_tokens(const std::string& family, int64_t tokens);
+int64_t get_sdpa_from_tokens(const std::string& family);
+
 // An op reads the walk once per call (walk_tuning) and sets it on each of its problems.
 inline void apply_tuning(LinearProblem& p, const WalkTuning& walk) {
   p.streams = walk.streams;

@@ -5,8 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+import contextlib
+
 import tilefx.custom_ops  # noqa: F401
+from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops.attention import attention_reference
+
+
+def _op(op_name, kernel_path):
+    """``(op, context)``: ``extend_attention_sdpa`` is extend_attention with prefill forced onto PyTorch's SDPA
+    (the choice tuning may make; csrc/tuning.h), on every native path."""
+    if op_name == "reference":
+        return attention_reference, contextlib.nullcontext()
+    if op_name == "extend_attention_sdpa":
+        if kernel_path == "reference":
+            pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
+        return torch.ops.tilefx.extend_attention, tuning.forced_sdpa("extend", 2)
+    return getattr(torch.ops.tilefx, op_name), contextlib.nullcontext()
 
 
 def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=320, left_pad=(), seed=0):
@@ -55,7 +70,7 @@ CASES = [
 
 @pytest.mark.parametrize(
     "op_name,case",
-    [(op, c) for op in ("extend_attention", "decode_attention", "reference") for c in CASES
+    [(op, c) for op in ("extend_attention", "extend_attention_sdpa", "decode_attention", "reference") for c in CASES
      if op != "decode_attention" or c[3] == 1],  # decode takes one token
     ids=lambda x: x if isinstance(x, str) else f"b{x[0]}h{x[1]}/{x[2]}s{x[3]}p{x[4]}",
 )
@@ -64,9 +79,10 @@ def test_matches_oracle(kernel_path, op_name, case):
     q, k, v, k_cache, v_cache, positions, mask = _inputs(batch, q_heads, kv_heads, seq, past, left_pad=pad)
     want, keys, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     untouched = k_cache[batch:].clone(), k_cache[:, :, past + seq :].clone()
-    op = attention_reference if op_name == "reference" else getattr(torch.ops.tilefx, op_name)
-    got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
-    assert got.shape == q.shape and got.dtype == q.dtype
+    op, context = _op(op_name, kernel_path)
+    with context:
+        got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    assert got.shape == q.shape and got.dtype == q.dtype and got.is_contiguous()
     rows = mask[:, 0].any(-1)  # query rows with at least one visible key
     err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
     assert err[rows.unsqueeze(1).expand_as(err)].max() < 1e-2
@@ -89,7 +105,7 @@ def test_reads_only_valid_prefix(kernel_path, op_name):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("op_name", ["extend_attention", "decode_attention", "reference"])
+@pytest.mark.parametrize("op_name", ["extend_attention", "extend_attention_sdpa", "decode_attention", "reference"])
 def test_mask_with_holes(kernel_path, op_name):
     """Keys masked in the middle of the range (every block has some) weigh nothing; the native kernels do not
     even read them (NaN rows there), the reference multiplies them by zero weights."""
@@ -98,12 +114,13 @@ def test_mask_with_holes(kernel_path, op_name):
     holes[..., 290] = False  # the new token stays visible
     mask = mask & ~holes
     want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
-    if op_name != "reference" and kernel_path != "reference":
+    op, context = _op(op_name, kernel_path)
+    if op_name in ("extend_attention", "decode_attention") and kernel_path != "reference":
         hidden = ~mask[:, 0, 0, :290].unsqueeze(1).expand(-1, 4, -1)
         k_cache[:2, :, :290][hidden] = float("nan")
         v_cache[:2, :, :290][hidden] = float("nan")
-    op = attention_reference if op_name == "reference" else getattr(torch.ops.tilefx, op_name)
-    got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    with context:
+        got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1)
     assert err.max() < 1e-2
 
@@ -113,3 +130,26 @@ def test_opcheck(kernel_path, op_name):
     seq = 1 if op_name == "decode_attention" else 5
     args = _inputs(2, 4, 2, seq, 3, left_pad=(0, 1))
     torch.library.opcheck(getattr(torch.ops.tilefx, op_name).default, (*args, 0.25))
+
+
+@pytest.mark.parametrize("past", [0, 6], ids=["prompt", "extend"])
+def test_sdpa_prefill_from_its_threshold(kernel_path, past):
+    """Below the threshold the unit runs, from it SDPA (plain causal from position 0: is_causal; onto a prefix:
+    the mask); both equal the oracle, so the choice tuning makes changes no result."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
+    for seq in (3, 8):
+        q, k, v, k_cache, v_cache, positions, mask = _inputs(1, 8, 2, seq, past, seed=seq)
+        want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+        with tuning.forced_sdpa("extend", 5):
+            got = torch.ops.tilefx.extend_attention(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+        assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_sdpa_threshold_refuses_one_token():
+    if isa.native is None:
+        pytest.skip("native library not built")
+    with pytest.raises(RuntimeError, match="from 2 new tokens"):
+        isa.native.set_sdpa_from_tokens("extend", 1)
+    with pytest.raises(RuntimeError, match="unknown attention family"):
+        isa.native.set_sdpa_from_tokens("decode", 2)

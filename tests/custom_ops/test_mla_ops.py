@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
 from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import tuning
 from tilefx.custom_ops import weights
 from tilefx.custom_ops.attention import mla_attention_reference
 
@@ -61,14 +64,19 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("sdpa", [False, True], ids=["unit", "sdpa"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
-def test_absorbed_mla_equals_unabsorbed(kernel_path, case):
+def test_absorbed_mla_equals_unabsorbed(kernel_path, case, sdpa):
+    """``sdpa``: prefill forced onto PyTorch's SDPA (the choice tuning may make; decode keeps the unit)."""
     batch, heads, seq, past, pad = case
+    if sdpa and (kernel_path == "reference" or seq == 1):
+        pytest.skip("SDPA is a native path's choice for prefill")
     args, kv_b, nope, v_dim, want = _unabsorbed_oracle(batch, heads, seq, past, pad)
     latent_cache, rope_cache, positions = args[4], args[5], args[6]
     untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
-    o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
-    assert o_latent.shape == args[0].shape
+    with tuning.forced_sdpa("mla", 2) if sdpa else contextlib.nullcontext():
+        o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
+    assert o_latent.shape == args[0].shape and o_latent.is_contiguous()
     w_uv = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)
     got = linear_ops.linear_per_head(o_latent, w_uv, v_dim)
     rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)  # rows that see a key

@@ -106,3 +106,61 @@ def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
         assert [t.how for t in off] == ["untuned"] * len(off)
     finally:
         isa.native.set_walk_tuning(unit, "int8", *before)
+
+
+@pytest.mark.parametrize("shape", [tuning.AttentionShape("extend", 4, 2, 32), tuning.AttentionShape("mla", 4, 1, 64, 32)],
+                         ids=["extend", "mla"])
+def test_attention_tuning_times_both_routes_caches_and_reloads(tmp_path, monkeypatch, shape):
+    """Short prompts, one round: the unit and SDPA are both timed at every length, the threshold is one of
+    the length classes' (or 0), set in the native table, saved, and read back by the next call."""
+    path = isa.current()
+    if not tuning.decode_units(path):
+        pytest.skip("the reference path has no native attention")
+    monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (32, 24)))
+    monkeypatch.setattr(tuning, "ATTENTION_ROUNDS", 1)
+    before = isa.native.get_sdpa_from_tokens(shape.family)
+    try:
+        first = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
+        assert first.how == "tuned" and len(first.unit_ms) == len(first.sdpa_ms) == 2
+        assert all(t > 0 for t in first.unit_ms + first.sdpa_ms)
+        assert first.sdpa_from in (0, 2, 24)
+        assert isa.native.get_sdpa_from_tokens(shape.family) == first.sdpa_from
+        isa.native.set_sdpa_from_tokens(shape.family, 0 if first.sdpa_from else 2)
+        again = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
+        assert again.how == "cached" and again.sdpa_from == first.sdpa_from
+        assert isa.native.get_sdpa_from_tokens(shape.family) == first.sdpa_from
+        assert "prefill attention" in again.line() and "cached" in again.line()
+        assert tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path, enabled=False).how == "untuned"
+        assert tuning.ensure_attention_tuned(None, path=path, cache=tmp_path) is None
+    finally:
+        isa.native.set_sdpa_from_tokens(shape.family, before)
+
+
+def test_attention_threshold_is_the_first_class_sdpa_leads_from(monkeypatch):
+    """SDPA takes prompts from the first length class where it is faster and stays faster at every longer one."""
+    path = isa.current()
+    if not tuning.decode_units(path):
+        pytest.skip("the reference path has no native attention")
+    monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (16, 12), (32, 24)))
+    monkeypatch.setattr(tuning, "ATTENTION_ROUNDS", 1)
+    shape = tuning.AttentionShape("extend", 2, 1, 16)
+    before = isa.native.get_sdpa_from_tokens("extend")
+    clock = [0.0]  # perf_counter, advanced by the fake calls: each "takes" its row's ms
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    for unit_ms, sdpa_ms, want in (((1, 1, 1), (2, 2, 2), 0), ((2, 2, 2), (1, 1, 1), 2),
+                                   ((1, 2, 2), (2, 1, 1), 12), ((2, 1, 2), (1, 2, 1), 24)):
+
+        def fake_call(shape_, seq, unit_ms=unit_ms, sdpa_ms=sdpa_ms):
+            index = [n for n, _ in tuning.ATTENTION_LENGTHS].index(seq)
+
+            def call():
+                sdpa = isa.native.get_sdpa_from_tokens("extend") != 0
+                clock[0] += (sdpa_ms if sdpa else unit_ms)[index]
+
+            return call
+
+        monkeypatch.setattr(tuning, "_prefill_call", fake_call)
+        try:
+            assert tuning.tune_attention(shape, path).sdpa_from == want
+        finally:
+            isa.native.set_sdpa_from_tokens("extend", before)
