@@ -12,7 +12,7 @@ from tilefx.compiler.passes.base import PassResult
 
 if TYPE_CHECKING:
     from tilefx.custom_ops.collectives import GlooCommunicator, ShmCommunicator
-    from tilefx.custom_ops.tuning import AttentionChoice, Tuned
+    from tilefx.custom_ops.tuning import AttentionChoice, GemmChoice, Tuned
 
 
 @dataclasses.dataclass
@@ -70,6 +70,7 @@ class CompileReport:
     total_seconds: float = 0.0  # all of compile_model, its imports included
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
     walks: list[Tuned] = dataclasses.field(default_factory=list)  # the decode walks' tuning (custom_ops/tuning.py)
+    gemms: list[GemmChoice] = dataclasses.field(default_factory=list)  # the prefill GEMM per format (tuning.py)
     attention: AttentionChoice | None = None  # the prefill attention's choice (custom_ops/tuning.py)
     placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
     collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator
@@ -109,7 +110,7 @@ class CompileReport:
         if loaded:
             caches["tilefx graphs loaded"] = loaded
         hits = ", ".join(f"{name} {count}" for name, count in sorted(caches.items())) or "none counted"
-        tune = sum(walk.seconds for walk in self.walks) + (self.attention.seconds if self.attention else 0.0)
+        tune = sum(choice.seconds for choice in [*self.walks, *self.gemms, *([self.attention] if self.attention else [])])
         other = self.total_seconds - self.load_seconds - self.packing.seconds - tune - self.warmup_seconds
         return (
             f"startup {self.total_seconds:.1f}s: imports and setup {max(0.0, other):.1f}s, load "

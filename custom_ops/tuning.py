@@ -11,8 +11,9 @@ sources, linear unit and weight format, keeps the fastest in the native table
 (``csrc/tuning.h``) and caches the result as JSON next to tilefx's graph cache
 (``cache_root()``), so a later process reads it instead of timing again.
 
-The same module picks prefill attention's kernel per model (``ensure_attention_tuned``): the path's
-attention unit or PyTorch's own SDPA, timed on the model's head shape (below).
+The same module picks prefill's kernels: the linear ops' GEMM above 4 rows (``ensure_gemm_tuned``: the
+unit's or oneDNN's brgemm, per weight format) and attention's per model (``ensure_attention_tuned``: the
+path's attention unit or PyTorch's own SDPA, timed on the model's head shape); see below.
 
 Correctness never depends on the choice: every candidate computes the same products
 (tests force each one).
@@ -136,22 +137,25 @@ def _last_level_cache_bytes() -> int:
         return 0
 
 
+def _random_packing(n: int, k: int, format: str):
+    """``(packed, scales, n, k)``: an [n, k] weight's packing in ``format`` holding random values in range
+    (int8: +-127; e4m3: no NaN codes), in huge pages as packed weights are; timing does not read them as numbers."""
+    shape = layouts.packed_shape(n, k)
+    data = memory.huge_page_empty(shape, formats.FORMATS[format])
+    if format == "bf16":
+        data.normal_()
+    else:
+        data.view(torch.uint8).random_(0, 256).bitwise_and_(0x77 if format == "fp8" else 0x7F)
+    scales = torch.ones(formats.scales_shape(shape, format)) if format != "bf16" else None
+    return data, scales, n, k
+
+
 def _decode_pass(format: str):
     """Cold weights of a decode-like pass in ``format`` (each packed tensor with its scales) and the input."""
     pass_bytes = min(max(MIN_PASS_BYTES, 4 * _last_level_cache_bytes()), MAX_PASS_BYTES)
     itemsize = formats.FORMATS[format].itemsize
     layer_bytes = sum(n * k * itemsize for n, k in LAYER_SHAPES)
-    tensors = []
-    for n, k in LAYER_SHAPES * max(1, -(-pass_bytes // layer_bytes)):
-        shape = layouts.packed_shape(n, k)
-        data = memory.huge_page_empty(shape, formats.FORMATS[format])
-        if format == "bf16":
-            data.normal_()
-        else:  # values in range (int8: +-127; e4m3: no NaN codes); timing does not read them as numbers
-            data.view(torch.uint8).random_(0, 256).bitwise_and_(0x77 if format == "fp8" else 0x7F)
-        scales = torch.ones(formats.scales_shape(shape, format)) if format != "bf16" else None
-        tensors.append((data, scales, n, k))
-    return tensors
+    return [_random_packing(n, k, format) for n, k in LAYER_SHAPES * max(1, -(-pass_bytes // layer_bytes))]
 
 
 def _time_pass(tensors, inputs) -> float:
@@ -371,3 +375,116 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
     saved[key] = {"sdpa_from": choice.sdpa_from, "unit_ms": list(choice.unit_ms), "sdpa_ms": list(choice.sdpa_ms)}
     _save(store, saved)
     return choice
+
+
+# -- Prefill GEMMs: the unit's or oneDNN's brgemm -----------------------------------------------------------
+# brgemm (csrc/linear_brgemm.cpp) is oneDNN's GEMM kernel, what stock PyTorch's bf16 matmul runs: AMX tiles on
+# an AMX CPU, JIT AVX512-BF16 code on other AVX512-BF16 CPUs, a reference loop elsewhere. Where it has a JIT
+# kernel, both GEMMs are timed per weight format on prefill-shaped linears and the faster runs the linear ops
+# above 4 rows (csrc/tuning.h prefill_on_brgemm); elsewhere the path's default stays (the unit's GEMM).
+GEMM_SHAPES = ((3072, 2048), (2048, 8192))  # Llama-3.2-1B's q/k/v and down projections
+GEMM_ROWS = 256
+GEMM_ROUNDS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmChoice:
+    """Which GEMM the linear ops run above 4 rows for one weight format, and where the choice came from."""
+
+    format: str
+    gemm: str  # "unit", "brgemm" or "default" (the path's: brgemm on amx, else the unit)
+    how: str  # "tuned", "cached", "untuned"
+    unit_gflops: float = 0.0
+    brgemm_gflops: float = 0.0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        what = f"prefill GEMM {self.format}: {self.gemm}"
+        if self.how == "untuned":
+            return f"{what} (not tuned)"
+        return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
+                f"{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})")
+
+
+def brgemm_has_kernel() -> bool:
+    """Whether oneDNN's brgemm runs compiled code here (AMX or AVX512-BF16) rather than its reference loop."""
+    return isa.native is not None and (isa.native.cpu_has("amx") or isa.native.cpu_has("avx512_bf16"))
+
+
+@contextlib.contextmanager
+def forced_gemm(format: str, gemm: str):
+    """Run a block with the linear ops' prefill GEMM for ``format`` weights forced ("unit", "brgemm", "default")."""
+    previous = isa.native.get_prefill_gemm(format)
+    isa.native.set_prefill_gemm(format, gemm)
+    try:
+        yield
+    finally:
+        isa.native.set_prefill_gemm(format, previous)
+
+
+def tune_gemm(format: str, path: str) -> GemmChoice:
+    """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` x ``GEMM_ROWS`` rows in ``format``, interleaved over
+    ``GEMM_ROUNDS`` rounds; set brgemm where it is faster by ``MIN_GAIN``."""
+    started = time.perf_counter()
+    tensors = [_random_packing(n, k, format) for n, k in GEMM_SHAPES]
+    inputs = {k: torch.randn(GEMM_ROWS, k).to(torch.bfloat16) for _, k in GEMM_SHAPES}
+    flops = sum(2 * GEMM_ROWS * n * k for n, k in GEMM_SHAPES)
+    times: dict[str, list[float]] = {"unit": [], "brgemm": []}
+    with isa.forced(path), torch.inference_mode():
+        for _ in range(GEMM_ROUNDS + 1):  # the first round warms up (and JIT-compiles brgemm) and is dropped
+            for gemm in times:
+                with forced_gemm(format, gemm):
+                    times[gemm].append(_time_pass(tensors, inputs))
+    unit, brgemm = (statistics.median(times[g][1:]) for g in ("unit", "brgemm"))
+    gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
+    isa.native.set_prefill_gemm(format, gemm)
+    return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started)
+
+
+def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path | None = None,
+                      enabled: bool = True) -> list[GemmChoice]:
+    """The prefill GEMM of each format in ``formats_used``: read from the cache file, else timed (``tune_gemm``)
+    and saved; set in the native table. Nothing is timed where brgemm has no compiled kernel (the path's
+    default stays) or with ``enabled=False``."""
+    path = path or isa.current()
+    if isa.native is None or path == "reference" or not brgemm_has_kernel():
+        return []
+    if not enabled:
+        return [GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in sorted(set(formats_used))]
+    store = (cache or cache_root()) / "tuning.json"
+    saved = _saved(store)
+    model, digest = _cpu_key().rsplit("|", 1)
+    results, changed = [], False
+    for format in sorted(set(formats_used)):
+        key = f"{model}|threads={torch.get_num_threads()}|{path}|prefill_gemm|{format}|{digest}"
+        entry = saved.get(key)
+        if entry is not None:
+            isa.native.set_prefill_gemm(format, entry["gemm"])
+            results.append(GemmChoice(format, entry["gemm"], "cached", entry["unit_gflops"], entry["brgemm_gflops"]))
+            continue
+        choice = tune_gemm(format, path)
+        saved[key] = {"gemm": choice.gemm, "unit_gflops": choice.unit_gflops, "brgemm_gflops": choice.brgemm_gflops}
+        changed = True
+        results.append(choice)
+    if changed:
+        _save(store, saved)
+    return results
+
+
+@contextlib.contextmanager
+def untuned():
+    """Run a block with the prefill choices at their defaults (the path's GEMM, the unit's attention), as
+    the op tests expect whatever an earlier compile_model in the process tuned."""
+    gemms = {f: isa.native.get_prefill_gemm(f) for f in formats.FORMATS}
+    sdpa = {family: isa.native.get_sdpa_from_tokens(family) for family in ("extend", "mla")}
+    for f in gemms:
+        isa.native.set_prefill_gemm(f, "default")
+    for family in sdpa:
+        isa.native.set_sdpa_from_tokens(family, 0)
+    try:
+        yield
+    finally:
+        for f, gemm in gemms.items():
+            isa.native.set_prefill_gemm(f, gemm)
+        for family, tokens in sdpa.items():
+            isa.native.set_sdpa_from_tokens(family, tokens)

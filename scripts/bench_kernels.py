@@ -306,16 +306,19 @@ def main(argv=None) -> int:
                         help="quantized formats to time next to bf16, which is always timed (comma-separated; "
                              "empty: none)")
     parser.add_argument("--no-tune", action="store_true",
-                        help="time the decode walks' defaults instead of the walks tuned for this machine")
+                        help="time the decode walks' and prefill GEMMs' defaults instead of those tuned for this machine")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     presets = [p for p in args.presets.split(",") if p]
     contexts = [int(c) for c in args.contexts.split(",")]
     print(f"# kernel path {isa.current()} (supported here: {', '.join(isa.supported())}); "
           f"{torch.get_num_threads()} threads", flush=True)
-    walks = tuning.ensure_tuned(["bf16", *[f for f in args.weights.split(",") if f]], enabled=not args.no_tune)
+    formats = ["bf16", *[f for f in args.weights.split(",") if f]]
+    walks = tuning.ensure_tuned(formats, enabled=not args.no_tune)
     for walk in walks:
         print(f"# decode walk {walk.line()}", flush=True)
+    for gemm in tuning.ensure_gemm_tuned(formats, enabled=not args.no_tune):
+        print(f"# {gemm.line()}", flush=True)
 
     linears = bench_linears(presets, args.repeats, args.prefill_rows, args.stream_mib)
     print("\n## tilefx.linear, M=1 (decode) and M=%d (prefill)\n" % args.prefill_rows)

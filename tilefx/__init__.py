@@ -86,7 +86,8 @@ def compile_model(
     bar.set_postfix_str("tune decode walks")
     formats = {"bf16", resolved.checkpoint_format if opts.weights == "auto" else opts.weights}
     report.walks = tuning.ensure_tuned(formats, enabled=opts.tune)
-    bar.set_postfix_str("tune prefill attention")
+    bar.set_postfix_str("tune prefill")
+    report.gemms = tuning.ensure_gemm_tuned(formats, enabled=opts.tune)
     local_config = resolved.plan.local_config if resolved.plan is not None else resolved.config
     report.attention = tuning.ensure_attention_tuned(resolved.adapter.prefill_attention(local_config, opts.mla),
                                                      enabled=opts.tune)
@@ -148,6 +149,7 @@ def explain(model) -> str:
         report.packing.formats_line(),
         *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
         *(f"decode walk {walk.line()}" for walk in report.walks),
+        *(gemm.line() for gemm in report.gemms),
         *([report.attention.line()] if report.attention is not None else []),
         report.startup_line(),
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),

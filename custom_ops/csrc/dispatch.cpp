@@ -53,14 +53,13 @@ KernelUnits units_for(Path path) {
   constexpr LinearUnit emulated = LinearUnit::avx512_emulated;
   constexpr AttentionUnit attention_avx2 = AttentionUnit::avx2;
   switch (path) {
-    //                                       native amx_linear  linear    per_head  moe       attention
+    //                                       native brgemm      linear    per_head  moe       attention
     // PyTorch references only; the units are never read.
     case Path::reference:            return {false, false,      avx2,     avx2,     avx2,     attention_avx2};
     // Every family on its AVX2 unit (linear_avx2.cpp, attention_avx2.cpp).
     case Path::avx2:                 return {true,  false,      avx2,     avx2,     avx2,     attention_avx2};
-    // brgemm for prefill-sized linears; every AMX CPU also has AVX512-BF16, which runs the
-    // decode GEMVs, linear_float (linear_amx writes bf16 only), the per-head linear and the
-    // experts (no AMX kernels).
+    // brgemm (AMX tiles) for prefill-sized linears and experts; every AMX CPU also has
+    // AVX512-BF16, which runs the decode GEMVs, the per-head linear and the epilogues.
     case Path::amx:                  return {true,  true,       avx512,   avx512,   avx512,   attention_avx2};
     // The column-block linears on vdpbf16ps (linear_avx512.cpp); attention has no AVX512 unit.
     case Path::avx512_bf16:          return {true,  false,      avx512,   avx512,   avx512,   attention_avx2};

@@ -45,8 +45,8 @@ constexpr int64_t kGemvRows = 4;
 // the same ATen calls on every native path.
 struct KernelUnits {
   bool native;              // false: every op calls its *_portable reference (PyTorch)
-  bool amx_linear;          // linear and linear_silu_mul above kGemvRows rows as oneDNN brgemm GEMMs on AMX tiles
-                            // (linear_amx.cpp)
+  bool brgemm_prefill;      // the linear ops above kGemvRows rows on oneDNN's brgemm (AMX tiles; linear_brgemm.cpp)
+                            // unless tuning chose otherwise (tuning.h prefill_on_brgemm)
   LinearUnit linear;        // linear_float, and linear / linear_silu_mul where brgemm is not used
   LinearUnit per_head;      // linear_per_head
   LinearUnit moe;           // fused_moe's expert GEMMs
@@ -54,8 +54,6 @@ struct KernelUnits {
 };
 
 KernelUnits units_for(Path path);
-// Whether a bf16 linear over `rows` rows runs brgemm on AMX tiles rather than units.linear.
-inline bool use_amx(const KernelUnits& units, int64_t rows) { return units.amx_linear && rows > kGemvRows; }
 // The name of a unit, as custom_ops.isa.kernel_units reports it.
 const char* unit_name(LinearUnit unit);
 const char* unit_name(AttentionUnit unit);

@@ -97,6 +97,18 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
 void linear_blocks_avx512(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
+// What oneDNN's brgemm GEMM (linear_brgemm.cpp) borrows from a unit: a quantized block as bf16
+// in the packed order (the unit's GEMM panel: fp8 scaled, int8 not), and the stores of fp32
+// result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul).
+struct UnitEpilogue {
+  void (*dequantize[3])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
+  void (*store)(const LinearProblem& p, int64_t col0, const float* c);
+  void (*store_silu_mul)(const LinearProblem& p, int64_t col0, const float* gate, const float* up);
+};
+const UnitEpilogue& unit_epilogue_avx2();
+const UnitEpilogue& unit_epilogue_avx512();
+const UnitEpilogue& unit_epilogue_avx512_emulated();
+
 // bf16 -> fp32, n values.
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
 // Rows of fp32 x ([rows, ldx], ldx a multiple of 2) as int16 words: per row the scale

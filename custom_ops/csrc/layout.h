@@ -5,7 +5,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "kernels.h"
 
@@ -28,9 +27,6 @@ inline int64_t block_values(int64_t pairs) { return pairs * kBlockN * 2; }
 
 // A gate_up packing of two [out_features, K] weights interleaves their blocks: 2 * blocks_of(out_features).
 inline int64_t gate_up_blocks(int64_t out_features) { return 2 * blocks_of(out_features); }
-// How the columns of one linear over a gate_up packing of `blocks` blocks unflatten: [blocks / 2, 2, kBlockN],
-// index 0 of the middle dim the gate's columns, 1 the up's.
-inline std::vector<int64_t> gate_up_columns(int64_t blocks) { return {blocks / 2, 2, kBlockN}; }
 // The intermediate size of an expert_gate_up packing [E, 2 * I / kBlockN, ...].
 inline int64_t expert_intermediate(const at::Tensor& w13) { return w13.size(1) / 2 * kBlockN; }
 

@@ -360,6 +360,14 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
   walk<Avx2Unit>(p, block_begin, block_end, scratch);
 }
 
+const UnitEpilogue& unit_epilogue_avx2() {
+  static const UnitEpilogue epilogue{
+      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>},
+      store_block,
+      store_block_silu_mul};
+  return epilogue;
+}
+
 void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));

@@ -543,4 +543,12 @@ void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_be
   walk<Avx512Unit>(p, block_begin, block_end, scratch);
 }
 
+const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
+  static const UnitEpilogue epilogue{
+      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>},
+      store_block,
+      store_block_silu_mul};
+  return epilogue;
+}
+
 }  // namespace tilefx

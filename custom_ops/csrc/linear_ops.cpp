@@ -86,9 +86,11 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
 // here (decode makes about a hundred short calls): no ATen temporaries but the result.
+// Prefill runs the unit's GEMM or oneDNN's brgemm, as tuning chose (prefill_on_brgemm).
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features, bool silu_mul, bool float_out, LinearUnit unit,
+                         int64_t out_features, bool silu_mul, bool float_out, const KernelUnits& kernel_units,
                          const c10::optional<at::Tensor>& scales) {
+  const LinearUnit unit = kernel_units.linear;
   const int64_t in_features = x.size(-1);
   const int64_t k_pairs = packed_pairs(packed), ldx = 2 * k_pairs;
   // No dispatcher round trips before the weight stream starts: with the caches cold after
@@ -107,14 +109,20 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   attach_weight(p, packed, scales);
   apply_tuning(p, walk_tuning(unit, p.format));
-  const Activations activations(unit, p.format, bf16_bits(x2), rows, in_features, in_features, ldx);
+  const bool brgemm = prefill_on_brgemm(kernel_units, p.format, rows);
+  const Activations activations(gemm_reader(unit, brgemm), p.format, bf16_bits(x2), rows, in_features, in_features,
+                                ldx);
   activations.attach(p, 0);
   const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
-  const size_t scratch_floats = linear_scratch_floats(p);
+  const size_t scratch_floats = brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
-    linear_blocks(unit, p, begin, end, scratch.data());
+    if (brgemm) {
+      linear_blocks_brgemm(unit, p, begin, end, scratch.data());
+    } else {
+      linear_blocks(unit, p, begin, end, scratch.data());
+    }
   });
   return y;
 }
@@ -166,16 +174,13 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
 
 // tilefx::linear (bf16 result) and tilefx::linear_float (fp32 result: routers that HF
 // computes in fp32 from bf16 weights and activations, such as DeepSeek's, get the same
-// values without an fp32 weight copy). AMX serves only the bf16 result of more than
-// kGemvRows rows (linear_amx writes bf16); the column-block unit serves the rest.
+// values without an fp32 weight copy).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool float_out, const c10::optional<at::Tensor>& scales) {
   const KernelUnits units = current_units();
   if (x.scalar_type() == at::kBFloat16 && units.native) {
     check_packed(x, packed, bias, out_features);
-    const bool bf16 = weight_format(packed) == WeightFormat::bf16;
-    if (bf16 && !float_out && use_amx(units, rows_of(x))) return linear_amx(x, packed, bias, out_features);
-    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, units.linear, scales);
+    return linear_native(x, packed, bias, out_features, /*silu_mul=*/false, float_out, units, scales);
   }
   using Portable = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t,
                               const c10::optional<at::Tensor>&);
@@ -207,14 +212,8 @@ at::Tensor linear_silu_mul_cpu(const at::Tensor& x, const at::Tensor& packed, in
                 "tilefx linear_silu_mul: weight must be packed by pack_gate_up_weight (", blocks,
                 " blocks for ", out_features, " features), got ", packed.sizes());
     check_packed(x, packed, c10::nullopt, blocks * kBlockN);
-    if (weight_format(packed) != WeightFormat::bf16 || !use_amx(units, rows_of(x))) {
-      return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false,
-                           units.linear, scales);
-    }
-    // AMX, prefill: one GEMM over the interleaved blocks, then the epilogue in ATen.
-    const at::Tensor both = linear_amx(x, packed, c10::nullopt, blocks * kBlockN).unflatten(-1, gate_up_columns(blocks));
-    const at::Tensor gate = both.select(-2, 0).to(at::kFloat), up = both.select(-2, 1).to(at::kFloat);
-    return (at::silu(gate) * up).flatten(-2).narrow(-1, 0, out_features).to(at::kBFloat16);
+    return linear_native(x, packed, c10::nullopt, out_features, /*silu_mul=*/true, /*float_out=*/false, units,
+                         scales);
   }
   static const auto portable = c10::Dispatcher::singleton()
                                    .findSchemaOrThrow("tilefx::linear_silu_mul_portable", "")

@@ -37,22 +37,35 @@ struct ExpertRows {
 
 // Runs `linear` (a LinearProblem for one expert) over work units: each expert owns
 // `blocks_per_expert` consecutive units; threads take contiguous chunks of them on demand.
+// An expert with more than kGemvRows rows runs oneDNN's brgemm where tuning chose it for the
+// format (prefill_on_brgemm) and the unit reads bf16 pairs, brgemm's form (the AVX512-BF16
+// units; the AVX2 unit's fp32 rows keep its own GEMM).
 template <typename MakeProblem>
-void for_expert_blocks(LinearUnit isa, const std::vector<ExpertRows>& experts, int64_t blocks_per_expert,
-                       int64_t max_rows, MakeProblem make_problem) {
-  const int64_t units = static_cast<int64_t>(experts.size()) * blocks_per_expert;
+void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& experts, int64_t blocks_per_expert,
+                       MakeProblem make_problem) {
+  const LinearUnit isa = units.moe;
+  const int64_t work = static_cast<int64_t>(experts.size()) * blocks_per_expert;
   // the problem of the expert with the most rows needs the most (a quantized GEMM adds its panel)
   const ExpertRows& largest = *std::max_element(experts.begin(), experts.end(), [](const auto& a, const auto& b) {
     return a.count < b.count;
   });
-  const size_t scratch_floats = linear_scratch_floats(make_problem(largest));
-  parallel_chunks(units, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
+  const LinearProblem widest = make_problem(largest);
+  const bool pairs = gemm_reader(isa, true) == gemm_reader(isa, false);
+  auto on_brgemm = [&](const LinearProblem& p) { return pairs && prefill_on_brgemm(units, p.format, p.M); };
+  const size_t scratch_floats =
+      std::max(linear_scratch_floats(widest), on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
+  parallel_chunks(work, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t unit = begin; unit < end;) {
       const int64_t i = unit / blocks_per_expert, first = unit % blocks_per_expert;
       const int64_t last = std::min(blocks_per_expert, first + (end - unit));
-      linear_blocks(isa, make_problem(experts[i]), first, last, scratch.data());
+      const LinearProblem p = make_problem(experts[i]);
+      if (on_brgemm(p)) {
+        linear_blocks_brgemm(isa, p, first, last, scratch.data());
+      } else {
+        linear_blocks(isa, p, first, last, scratch.data());
+      }
       unit += last - first;
     }
   });
@@ -94,7 +107,8 @@ struct ExpertWeights {
 at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                             const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales,
-                            LinearUnit unit) {
+                            const KernelUnits& units) {
+  const LinearUnit unit = units.moe;
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1), top_k = topk_ids.size(1);
   const int64_t num_experts = w13.size(0), inter = expert_intermediate(w13);
   const int64_t h_pairs = packed_pairs(w13), i_pairs = packed_pairs(w2);
@@ -121,11 +135,9 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     row_of_pair[i] = fill[id[i]]++;
   }
   std::vector<ExpertRows> active;
-  int64_t max_rows = 0;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count > 0) active.push_back({e, start[e], count});
-    max_rows = std::max(max_rows, count);
   }
 
   // 1. gather the routed rows of x in the form the experts' unit reads (int8 experts: as words too, for
@@ -139,7 +151,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
   at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
   float* act = act_tensor.data_ptr<float>();
-  for_expert_blocks(unit, active, inter / kBlockN, max_rows, [&](const ExpertRows& r) {
+  for_expert_blocks(units, active, inter / kBlockN, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
                     act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
     w13_experts.attach(p, r.expert);
@@ -153,7 +165,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   // 3. down -> out (fp32).
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
   float* out = out_tensor.data_ptr<float>();
-  for_expert_blocks(unit, active, packed_blocks(w2), max_rows, [&](const ExpertRows& r) {
+  for_expert_blocks(units, active, packed_blocks(w2), [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
                     out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
     w2_experts.attach(p, r.expert);

@@ -40,7 +40,7 @@ at::Tensor fused_moe_cpu(const at::Tensor& hidden, const at::Tensor& w13, const 
   const KernelUnits units = current_units();
   if (hidden.scalar_type() == at::kBFloat16 && units.native) {
     check_moe(hidden, w13, w2, topk_weights, topk_ids);
-    return fused_moe_native(hidden, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales, units.moe);
+    return fused_moe_native(hidden, w13, w2, topk_weights, topk_ids, w13_scales, w2_scales, units);
   }
   using Scales = const c10::optional<at::Tensor>&;
   static const auto portable = c10::Dispatcher::singleton()

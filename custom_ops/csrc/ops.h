@@ -26,17 +26,19 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
 WeightFormat weight_format(const at::Tensor& packed);
 void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::optional<at::Tensor>& scales);
 
-// linear_amx.cpp (oneDNN brgemm; only where AMX exists).
+// linear_brgemm.cpp: prefill (more than kGemvRows rows) on oneDNN's brgemm. Work units
+// [begin, end) as linear_blocks takes them (blocks, or gate/up pairs with silu_mul); x in
+// bf16 pairs; the results leave through `unit`'s epilogue. `scratch`: brgemm_scratch_floats(p).
 bool amx_available();
-at::Tensor linear_amx(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      int64_t out_features);
+int64_t brgemm_scratch_floats(const LinearProblem& p);
+void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch);
 
 // moe.cpp.
 // w13_scales / w2_scales: those of int8 / fp8 experts (weights.packed_scales), else empty.
 at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w2,
                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
                             const c10::optional<at::Tensor>& w13_scales, const c10::optional<at::Tensor>& w2_scales,
-                            LinearUnit unit);
+                            const KernelUnits& units);
 
 // The CPU kernels of the tilefx ops. Each runs the current path's unit (dispatch.h),
 // or the op's *_portable reference.

@@ -38,9 +38,9 @@ void register_cpu_kernels() {
 std::map<std::string, std::string> kernel_units(const std::string& name) {
   const KernelUnits units = units_for(parse_path(name));
   if (!units.native) return {};
-  return {{"linear", units.amx_linear ? std::string("amx above ") + std::to_string(kGemvRows) + " rows, else " +
-                                            unit_name(units.linear)
-                                      : unit_name(units.linear)},
+  return {{"linear", units.brgemm_prefill ? std::string("brgemm above ") + std::to_string(kGemvRows) +
+                                                " rows, else " + unit_name(units.linear)
+                                          : unit_name(units.linear)},
           {"linear_float", unit_name(units.linear)},
           {"linear_per_head", unit_name(units.per_head)},
           {"fused_moe", unit_name(units.moe)},
@@ -64,6 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_sdpa_from_tokens", &tilefx::set_sdpa_from_tokens,
         "from how many new tokens an attention family (extend, mla) runs PyTorch's SDPA instead of its unit (0: never)");
   m.def("get_sdpa_from_tokens", &tilefx::get_sdpa_from_tokens, "the attention family's SDPA threshold (0: never)");
+  m.def("set_prefill_gemm", &tilefx::set_prefill_gemm,
+        "the GEMM the linear ops run above 4 rows for weights of a format: default (the path's), unit or brgemm");
+  m.def("get_prefill_gemm", &tilefx::get_prefill_gemm, "the prefill GEMM chosen for a weight format");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;

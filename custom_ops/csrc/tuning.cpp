@@ -58,6 +58,7 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 }
 
 std::atomic<int64_t> sdpa_from[2] = {0, 0};
+std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 
 AttentionFamily parse_family(const std::string& name) {
   if (name == "extend") return AttentionFamily::extend;
@@ -78,6 +79,39 @@ void set_sdpa_from_tokens(const std::string& family, int64_t tokens) {
 }
 
 int64_t get_sdpa_from_tokens(const std::string& family) { return sdpa_from_tokens(parse_family(family)); }
+
+bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t rows) {
+  if (rows <= kGemvRows) return false;
+  switch (static_cast<PrefillGemm>(prefill_gemm[static_cast<int>(format)].load(std::memory_order_relaxed))) {
+    case PrefillGemm::unit: return false;
+    case PrefillGemm::brgemm: return true;
+    case PrefillGemm::path_default: break;
+  }
+  return units.brgemm_prefill;
+}
+
+void set_prefill_gemm(const std::string& format, const std::string& choice) {
+  PrefillGemm parsed;
+  if (choice == "default") {
+    parsed = PrefillGemm::path_default;
+  } else if (choice == "unit") {
+    parsed = PrefillGemm::unit;
+  } else if (choice == "brgemm") {
+    parsed = PrefillGemm::brgemm;
+  } else {
+    TORCH_CHECK(false, "tilefx tuning: unknown prefill GEMM '", choice, "' (default, unit, brgemm)");
+  }
+  prefill_gemm[static_cast<int>(parse_format(format))] = static_cast<int>(parsed);
+}
+
+std::string get_prefill_gemm(const std::string& format) {
+  switch (static_cast<PrefillGemm>(prefill_gemm[static_cast<int>(parse_format(format))].load())) {
+    case PrefillGemm::unit: return "unit";
+    case PrefillGemm::brgemm: return "brgemm";
+    case PrefillGemm::path_default: break;
+  }
+  return "default";
+}
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
   const Slot& s = slot(unit, format);

@@ -37,6 +37,16 @@ int64_t sdpa_from_tokens(AttentionFamily family);
 void set_sdpa_from_tokens(const std::string& family, int64_t tokens);
 int64_t get_sdpa_from_tokens(const std::string& family);
 
+// Prefill linears (more than kGemvRows rows): the unit's GEMM or oneDNN's brgemm
+// (linear_brgemm.cpp), per weight format. By default the path's row of the dispatch table
+// decides (brgemm on amx); custom_ops/tuning.py times both where brgemm has a JIT kernel
+// (AVX512-BF16 or AMX) and sets the faster.
+enum class PrefillGemm : int { path_default = 0, unit = 1, brgemm = 2 };
+bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t rows);
+// `format` bf16 / int8 / fp8; `choice` "default", "unit" or "brgemm".
+void set_prefill_gemm(const std::string& format, const std::string& choice);
+std::string get_prefill_gemm(const std::string& format);
+
 // An op reads the walk once per call (walk_tuning) and sets it on each of its problems.
 inline void apply_tuning(LinearProblem& p, const WalkTuning& walk) {
   p.streams = walk.streams;

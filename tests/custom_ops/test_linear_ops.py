@@ -198,16 +198,17 @@ def test_kernel_path_decides_what_runs(path):
 
 
 def test_dispatch_table_rows():
-    """One native table maps path to unit per op family. On AMX CPUs (which all have AVX512-BF16) only
-    linears of more than 4 rows take brgemm; decode GEMVs, the per-head linear and the experts run the
-    AVX512-BF16 unit, not AVX2. The table is read on any CPU; the amx row runs only where AMX exists."""
+    """One native table maps path to unit per op family. On AMX CPUs (which all have AVX512-BF16) the linear
+    ops of more than 4 rows take brgemm by default (tuning may choose per format, tests/custom_ops/test_brgemm.py);
+    decode GEMVs, the per-head linear and the experts' GEMVs run the AVX512-BF16 unit, not AVX2. The table is read
+    on any CPU; the amx row runs only where AMX exists."""
     from tilefx.custom_ops import isa
 
     if isa.native is None:
         pytest.skip(isa.NATIVE_IMPORT_ERROR)
     assert isa.kernel_units("reference") == {}
     amx = isa.kernel_units("amx")
-    assert amx["linear"] == "amx above 4 rows, else avx512_bf16"
+    assert amx["linear"] == "brgemm above 4 rows, else avx512_bf16"
     assert {amx[f] for f in ("linear_float", "linear_per_head", "fused_moe")} == {"avx512_bf16"}
     avx512 = isa.kernel_units("avx512_bf16")
     assert {avx512[f] for f in ("linear", "linear_float", "linear_per_head", "fused_moe")} == {"avx512_bf16"}

@@ -1,0 +1,109 @@
+// Prefill linears on oneDNN's brgemm (at::native::cpublas::brgemm), the GEMM kernel stock
+// PyTorch's bf16 matmul runs: AMX tiles where the CPU has them, oneDNN's AVX512-BF16 JIT
+// kernels on other AVX512-BF16 CPUs, a slow reference loop elsewhere (there only the tests
+// force it). The packed layout (kernels.h) is already brgemm's VNNI layout for B, one block
+// of kBlockN columns at a time. Each block (gate and up together for SiLU-and-mul) is read
+// once per call: a quantized one is dequantized to bf16 once, by the unit's panel routine,
+// and serves every row tile. The fp32 result tiles leave through the unit's epilogue (bias,
+// bf16 or fp32 output, SiLU-and-mul), int8's column scales applied first, so the same op
+// computes the same thing on either GEMM.
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "dispatch.h"
+#include "kernels.h"
+#include "ops.h"
+
+namespace tilefx {
+namespace {
+
+// One brgemm call multiplies kBrgemmRows rows of x by kBrgemmPairs K pairs of a block, adding
+// to the previous chunk's result: x's part (256 KiB) and the block's (128 KiB) stay in L2 while
+// brgemm walks them, where a whole K of 8192 read both from L3 (docs/PERFORMANCE.md).
+constexpr int64_t kBrgemmRows = 64;
+constexpr int64_t kBrgemmPairs = 1024;
+constexpr int64_t kPanelElems = 2 * kBlockN;  // bf16 elements per K pair of a block
+
+const UnitEpilogue& epilogue_of(LinearUnit unit) {
+  switch (unit) {
+    case LinearUnit::avx2: return unit_epilogue_avx2();
+    case LinearUnit::avx512: return unit_epilogue_avx512();
+    case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return unit_epilogue_avx512_emulated();
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+  }
+  TORCH_CHECK(false, "tilefx brgemm: no epilogue for unit ", unit_name(unit));
+}
+
+// `p` restricted to its rows [row, row + rows): what the epilogue writes.
+LinearProblem row_tile(const LinearProblem& p, int64_t row, int64_t rows) {
+  LinearProblem tile = p;
+  tile.M = rows;
+  if (tile.y != nullptr) tile.y += row * p.ldy;
+  if (tile.yf != nullptr) tile.yf += row * p.ldy;
+  return tile;
+}
+
+}  // namespace
+
+bool amx_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+int64_t brgemm_scratch_floats(const LinearProblem& p) {
+  const int64_t tile = std::min(p.M, kBrgemmRows);
+  const int64_t panels = p.format == WeightFormat::bf16 ? 0 : p.K_pairs * kPanelElems;  // two bf16 panels
+  return 2 * tile * kBlockN + panels;
+}
+
+void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
+  TORCH_CHECK(p.x_form == ActivationForm::bf16_pairs, "tilefx brgemm: x must be bf16 pairs");
+  const UnitEpilogue& epilogue = epilogue_of(unit);
+  const int64_t block_elems = p.K_pairs * kPanelElems;
+  const int64_t tile = std::min(p.M, kBrgemmRows);
+  float* results[2] = {scratch, scratch + tile * kBlockN};
+  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * tile * kBlockN);
+  const auto* x = static_cast<const at::BFloat16*>(p.x);
+
+  // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
+  auto weight = [&](int64_t block, int which) {
+    if (p.format == WeightFormat::bf16) return reinterpret_cast<const at::BFloat16*>(p.w + block * block_elems);
+    uint16_t* panel = panels + which * block_elems;
+    epilogue.dequantize[static_cast<int>(p.format)](p, block, panel);
+    return reinterpret_cast<const at::BFloat16*>(panel);
+  };
+  auto multiply = [&](const at::BFloat16* b, int64_t block, int64_t row, int64_t rows, float* c) {
+    for (int64_t q = 0; q < p.K_pairs; q += kBrgemmPairs) {
+      const int64_t pairs = std::min(kBrgemmPairs, p.K_pairs - q);
+      at::native::cpublas::brgemm(rows, kBlockN, 2 * pairs, p.ldx, kBlockN, kBlockN, /*add_C=*/q > 0,
+                                  x + row * p.ldx + 2 * q, b + q * kPanelElems, c);
+    }
+    if (p.format == WeightFormat::int8) {  // the dequantized panel is unscaled: its column scales apply here
+      const float* s = p.scales + block * kBlockN;
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
+    }
+  };
+  // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul.
+  for (int64_t u = begin; u < end; ++u) {
+    const at::BFloat16* first = weight(p.silu_mul ? 2 * u : u, 0);
+    const at::BFloat16* up = p.silu_mul ? weight(2 * u + 1, 1) : nullptr;
+    for (int64_t row = 0; row < p.M; row += tile) {
+      const int64_t rows = std::min(tile, p.M - row);
+      const LinearProblem out = row_tile(p, row, rows);
+      if (p.silu_mul) {
+        multiply(first, 2 * u, row, rows, results[0]);
+        multiply(up, 2 * u + 1, row, rows, results[1]);
+        epilogue.store_silu_mul(out, u * kBlockN, results[0], results[1]);
+      } else {
+        multiply(first, u, row, rows, results[0]);
+        epilogue.store(out, u * kBlockN, results[0]);
+      }
+    }
+  }
+  at::native::cpublas::brgemm_release();
+}
+
+}  // namespace tilefx

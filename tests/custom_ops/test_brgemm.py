@@ -1,0 +1,126 @@
+"""The linear ops' prefill on oneDNN's brgemm (csrc/linear_brgemm.cpp), forced on every native path and
+format: the choice tuning may make (tuning.ensure_gemm_tuned) changes no result. brgemm runs everywhere
+(AMX tiles, oneDNN's AVX512-BF16 kernels, or its reference loop), so this covers the AMX path's GEMM code on
+any CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilefx.custom_ops import isa, tuning
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import weights
+
+from quantized import dequantized
+
+pytestmark = pytest.mark.skipif(isa.native is None, reason="native library not built")
+
+
+def _weight(out_features, in_features, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
+
+
+def _relative_error(got, want):
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("rows,in_features", [(5, 300), (70, 301), (3, 256)], ids=["5x300", "70x301-odd", "3x256"])
+def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features):
+    """linear (with bias), linear_float and linear_silu_mul over more rows than one brgemm tile (70 > 64), an odd
+    K (padded pair) and a ragged last block; 3 rows stays a GEMV on the unit whatever is forced."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    out_features, intermediate = 5 * 32 + 7, 5 * 32  # a ragged last block; gate/up take whole blocks
+    weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
+    gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
+    packed = weights.pack_linear_weight(weight, format)
+    gate_up = weights.pack_gate_up_weight(gate, up, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
+    w, g, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, gate, up))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    with tuning.forced_gemm(format, "brgemm"):
+        got = linear_ops.linear(x, packed, bias, out_features, scales)
+        got_float = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+        gated = linear_ops.linear_silu_mul(x, gate_up, intermediate, gate_up_scales)
+    want = x.float() @ w.T + bias.float()
+    assert got.dtype == torch.bfloat16 and got_float.dtype == torch.float32
+    assert _relative_error(got, want) < 1e-2
+    assert _relative_error(got_float, want) < 1e-2
+    want_gated = torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
+    assert _relative_error(gated, want_gated) < 1e-2
+    with tuning.forced_gemm(format, "unit"):  # the same products on the unit's GEMM
+        unit = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+    assert _relative_error(got_float, unit.float()) < 1e-3
+
+
+def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
+    with pytest.raises(RuntimeError, match="unknown prefill GEMM"):
+        isa.native.set_prefill_gemm("bf16", "mkl")
+    with pytest.raises(RuntimeError, match="unknown weight format"):
+        isa.native.set_prefill_gemm("int4", "unit")
+    with tuning.untuned():
+        assert {isa.native.get_prefill_gemm(f) for f in weights.FORMATS} == {"default"}
+    for path in isa.supported():
+        units = isa.kernel_units(path)
+        if path == "amx":
+            assert units["linear"].startswith("brgemm above 4 rows")
+        elif units:
+            assert "brgemm" not in units["linear"]
+
+
+def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
+    path = isa.current()
+    if path == "reference" or not tuning.brgemm_has_kernel():
+        pytest.skip("brgemm has no compiled kernel on this CPU: nothing is timed (the unit's GEMM stays)")
+    monkeypatch.setattr(tuning, "GEMM_SHAPES", ((96, 128),))
+    monkeypatch.setattr(tuning, "GEMM_ROWS", 16)
+    monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
+    before = isa.native.get_prefill_gemm("int8")
+    try:
+        first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
+        assert [c.how for c in first] == ["tuned"] and first[0].gemm in ("unit", "brgemm")
+        assert first[0].unit_gflops > 0 and first[0].brgemm_gflops > 0
+        assert isa.native.get_prefill_gemm("int8") == first[0].gemm
+        isa.native.set_prefill_gemm("int8", "default")
+        again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
+        assert [c.how for c in again] == ["cached"] and isa.native.get_prefill_gemm("int8") == first[0].gemm
+        assert "prefill GEMM int8" in again[0].line()
+        assert [c.how for c in tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path, enabled=False)] == [
+            "untuned"]
+    finally:
+        isa.native.set_prefill_gemm("int8", before)
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("tokens,hidden_size,inter", [(40, 96, 96), (30, 130, 160)], ids=["40x96", "30x130-odd"])
+def test_brgemm_experts_match_the_reference(kernel_path, format, tokens, hidden_size, inter):
+    """fused_moe with brgemm forced: experts with more than 4 rows run it (where the unit reads bf16 pairs),
+    those with fewer the unit; both projections, every format."""
+    from tilefx.custom_ops.moe import experts_reference
+
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    experts, g = 6, torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    w13 = weights.pack_expert_gate_up_weight(gate_up, format)
+    w2 = weights.pack_expert_down_weight(down, format)
+    scales = (weights.packed_scales(w13), weights.packed_scales(w2)) if format != "bf16" else (None, None)
+    if format == "bf16":
+        want_gate_up, want_down = gate_up, down
+    else:  # gate and up quantized as the separate weights they are
+        want_gate_up = torch.stack([torch.cat([dequantized(h, format) for h in e.chunk(2)]) for e in gate_up])
+        want_down = torch.stack([dequantized(e, format) for e in down])
+    x = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
+    # expert 5 gets one row (the unit runs it), the others many (brgemm)
+    ids = torch.stack([torch.tensor([5, 4, 3])] + [torch.randperm(experts - 1, generator=g)[:3]
+                                                   for _ in range(tokens - 1)]).to(torch.int32)
+    topk_weights = torch.rand(tokens, 3, generator=g) + 0.1
+    want = experts_reference(x, want_gate_up.to(torch.bfloat16), want_down.to(torch.bfloat16), topk_weights, ids)
+    with tuning.forced_gemm(format, "brgemm"):
+        got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=scales[0], w2_scales=scales[1])
+    assert _relative_error(got, want.float()) < 1e-2
