@@ -60,10 +60,19 @@ class TokenClock:
         pass
 
 
-def decode_bytes(model, context: int) -> int:
-    """Bytes one decode step reads: every weight once (the input embedding only a row), plus the KV cache.
+def expert_share(moe: dict, batch: int) -> float:
+    """The share of a MoE layer's routed experts one decode step of ``batch`` sequences reads: each token's
+    router picks ``top_k`` of ``num_experts``; over ``batch`` tokens, the expected number of distinct experts
+    (routing taken as uniform)."""
+    experts, top_k = moe["num_experts"], moe["top_k"]
+    return 1.0 - (1.0 - top_k / experts) ** batch
 
-    Of a MoE layer's routed experts, a token reads only the ``top_k`` its router chose.
+
+def decode_bytes(model, context: int, batch: int = 1) -> int:
+    """Bytes one decode step of ``batch`` sequences reads: every weight once (the input embedding only a row),
+    plus each sequence's KV cache.
+
+    Of a MoE layer's routed experts, a step reads only those its tokens' routers chose (``expert_share``).
     """
     embed = model.get_input_embeddings().weight
     lm_head = model.get_output_embeddings().weight
@@ -72,10 +81,9 @@ def decode_bytes(model, context: int) -> int:
         total -= embed.nbytes
     adapter = adapter_for(model.config)
     if adapter.moe is not None:
-        moe = adapter.moe_dims(model.config)
         experts = sum(p.nbytes for name, p in model.named_parameters() if ".experts." in name)
-        total -= experts * (moe["num_experts"] - moe["top_k"]) // moe["num_experts"]
-    return total + kv_cache_bytes(model, context)
+        total -= int(experts * (1.0 - expert_share(adapter.moe_dims(model.config), batch)))
+    return total + batch * kv_cache_bytes(model, context)
 
 
 def kv_cache_bytes(model, context: int) -> int:
@@ -90,7 +98,7 @@ def kv_cache_bytes(model, context: int) -> int:
     return per_token * context * model.get_input_embeddings().weight.element_size()
 
 
-def packed_decode_bytes(model, context: int) -> int:
+def packed_decode_bytes(model, context: int, batch: int = 1) -> int:
     """``decode_bytes`` of a tilefx-compiled model, from what it holds: each packed weight in its format
     (values and scales; routed experts' share as above), the parameters left unpacked (the input
     embedding only when tied, as packed), plus the KV cache."""
@@ -106,9 +114,9 @@ def packed_decode_bytes(model, context: int) -> int:
     moe = adapter.moe_dims(model.config) if adapter.moe is not None else None
     total = unpacked
     for packed in packings.values():
-        share = (moe["top_k"], moe["num_experts"]) if moe and packed.layout.startswith("expert") else (1, 1)
-        total += packed.nbytes * share[0] // share[1]
-    return total + kv_cache_bytes(model, context)
+        share = expert_share(moe, batch) if moe and packed.layout.startswith("expert") else 1.0
+        total += int(packed.nbytes * share)
+    return total + batch * kv_cache_bytes(model, context)
 
 
 def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
@@ -149,6 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per generate() call (TPOT is per step)")
     parser.add_argument("--long-context", type=int, default=0, metavar="N",
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
@@ -174,8 +183,10 @@ def main(argv=None) -> int:
         parser.error("--long-context times tilefx in bf16: include tilefx in --modes and bf16 in --weights")
     max_seq_len = max(args.prompt_len, args.long_context) + args.new_tokens
 
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
-    print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, {args.runs} runs, "
+    print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch {args.batch}, {args.runs} runs, "
           f"{torch.get_num_threads()} threads", flush=True)
     # A checkpoint directory: transformers' own load for eager / torch.compile (an FP8 checkpoint dequantized, as
     # transformers runs it on a CPU), and each tilefx row compiles the directory itself, as a user would.
@@ -198,14 +209,13 @@ def main(argv=None) -> int:
         elif mode.startswith("tilefx"):
             format = mode.split()[1] if " " in mode else "bf16"
             source = args.path if args.path else model
-            model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=1,
-                                         weights=format)
+            model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=args.batch, weights=format)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
     generator = torch.Generator().manual_seed(0)
     vocab_size = models[modes[0]].config.vocab_size
-    input_ids = torch.randint(10, vocab_size - 1, (1, args.prompt_len), generator=generator)
+    input_ids = torch.randint(10, vocab_size - 1, (args.batch, args.prompt_len), generator=generator)
     long_ids = torch.randint(10, vocab_size - 1, (1, args.long_context), generator=generator)
     long_context = args.long_context > 0
     with torch.no_grad():
@@ -224,13 +234,14 @@ def main(argv=None) -> int:
 
     gbps = statistics.median(bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
-    step_bytes = decode_bytes(base, context) if base is not None else packed_decode_bytes(models[modes[0]], context)
+    step_bytes = (decode_bytes(base, context, args.batch) if base is not None
+                  else packed_decode_bytes(models[modes[0]], context, args.batch))
     floor_ms = step_bytes / (gbps * 1e9) * 1e3
     rows = []
     for mode in modes:
         ttft = statistics.median(s[0] for s in samples[mode]) * 1e3
         tpot = statistics.median(s[1] for s in samples[mode]) * 1e3
-        own_bytes = packed_decode_bytes(models[mode], context) if mode.startswith("tilefx") else step_bytes
+        own_bytes = packed_decode_bytes(models[mode], context, args.batch) if mode.startswith("tilefx") else step_bytes
         own_floor = own_bytes / (gbps * 1e9) * 1e3
         # each sample against the bandwidth probed around it: a shared machine's bandwidth drifts within
         # a run, which a ratio to the run's median probe would count as the kernels'
@@ -283,7 +294,8 @@ def main(argv=None) -> int:
                      "tpot_over_floor": long_tpot / long_floor, "tpot_over_short_context": growth})
     for mode in (m for m in modes if m.startswith("tilefx")):
         print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
-    result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": args.runs,
+    result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": args.batch,
+              "runs": args.runs,
               "threads": torch.get_num_threads(), "stream_gbps": gbps, "floor_ms": floor_ms, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
@@ -312,6 +324,9 @@ def main_tp(args, parser) -> int:
     import torch.distributed as dist
 
     from tilefx.custom_ops import collectives
+
+    if args.batch != 1:
+        parser.error("--tp times batch 1 only")
     from tilefx.models.checkpoint import write_checkpoint
 
     if set(args.modes.split(",")) - {"tilefx", ""}:
