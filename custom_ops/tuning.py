@@ -380,10 +380,11 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
 # -- Prefill GEMMs: the unit's or oneDNN's brgemm -----------------------------------------------------------
 # brgemm (csrc/linear_brgemm.cpp) is oneDNN's GEMM kernel, what stock PyTorch's bf16 matmul runs: AMX tiles on
 # an AMX CPU, JIT AVX512-BF16 code on other AVX512-BF16 CPUs, a reference loop elsewhere. Where it has a JIT
-# kernel, both GEMMs are timed per weight format on prefill-shaped linears and the faster runs the linear ops
-# above 4 rows (csrc/tuning.h prefill_on_brgemm); elsewhere the path's default stays (the unit's GEMM).
+# kernel, both GEMMs are timed per weight format on prefill-shaped linears, a short and a long prompt's rows in
+# one pass, and the faster runs the linear ops above 4 rows (csrc/tuning.h prefill_on_brgemm); elsewhere the
+# path's default stays (the unit's GEMM).
 GEMM_SHAPES = ((3072, 2048), (2048, 8192))  # Llama-3.2-1B's q/k/v and down projections
-GEMM_ROWS = 256
+GEMM_ROWS = (128, 1024)
 GEMM_ROUNDS = 3
 
 
@@ -423,18 +424,18 @@ def forced_gemm(format: str, gemm: str):
 
 
 def tune_gemm(format: str, path: str) -> GemmChoice:
-    """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` x ``GEMM_ROWS`` rows in ``format``, interleaved over
-    ``GEMM_ROUNDS`` rounds; set brgemm where it is faster by ``MIN_GAIN``."""
+    """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` at each of ``GEMM_ROWS`` rows in ``format``,
+    interleaved over ``GEMM_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``."""
     started = time.perf_counter()
     tensors = [_random_packing(n, k, format) for n, k in GEMM_SHAPES]
-    inputs = {k: torch.randn(GEMM_ROWS, k).to(torch.bfloat16) for _, k in GEMM_SHAPES}
-    flops = sum(2 * GEMM_ROWS * n * k for n, k in GEMM_SHAPES)
+    inputs = [{k: torch.randn(rows, k).to(torch.bfloat16) for _, k in GEMM_SHAPES} for rows in GEMM_ROWS]
+    flops = sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
     times: dict[str, list[float]] = {"unit": [], "brgemm": []}
     with isa.forced(path), torch.inference_mode():
         for _ in range(GEMM_ROUNDS + 1):  # the first round warms up (and JIT-compiles brgemm) and is dropped
             for gemm in times:
                 with forced_gemm(format, gemm):
-                    times[gemm].append(_time_pass(tensors, inputs))
+                    times[gemm].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
     unit, brgemm = (statistics.median(times[g][1:]) for g in ("unit", "brgemm"))
     gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
     isa.native.set_prefill_gemm(format, gemm)

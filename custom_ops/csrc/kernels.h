@@ -16,6 +16,8 @@ namespace tilefx {
 // interleaved. That is what `vdpbf16ps` (AVX512-BF16) and AMX tiles read, and on
 // AVX2 one 32-byte load yields 8 columns x 2 k as two fp32 vectors (shift / mask).
 constexpr int64_t kBlockN = 32;
+// Values of one K pair row of a block: kBlockN columns x 2 inputs (a block is K_pairs of them).
+constexpr int64_t kPairValues = 2 * kBlockN;
 
 // Weight formats. A quantized weight keeps the packed layout above with 1-byte values
 // (bytes per K pair of a block: 2 * kBlockN) and fp32 scales in packed-block order:
@@ -26,7 +28,7 @@ constexpr int64_t kBlockN = 32;
 // sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2 };
 constexpr int64_t kFp8GroupPairs = 64;
-constexpr int64_t kQPairBytes = 2 * kBlockN;  // bytes per K pair of a quantized block: one cache line
+constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of a quantized block: one cache line
 // The AVX2 unit widens e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the value
 // times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;

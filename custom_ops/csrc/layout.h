@@ -23,7 +23,7 @@ inline bool is_packing(const at::Tensor& t, int64_t lead) {
 inline int64_t packed_blocks(const at::Tensor& t) { return t.size(-4); }
 inline int64_t packed_pairs(const at::Tensor& t) { return t.size(-3); }
 // Values of one block (kBlockN columns x every K pair).
-inline int64_t block_values(int64_t pairs) { return pairs * kBlockN * 2; }
+inline int64_t block_values(int64_t pairs) { return pairs * kPairValues; }
 
 // A gate_up packing of two [out_features, K] weights interleaves their blocks: 2 * blocks_of(out_features).
 inline int64_t gate_up_blocks(int64_t out_features) { return 2 * blocks_of(out_features); }

@@ -26,7 +26,7 @@ namespace tilefx {
 namespace {
 
 constexpr int kVecs = kBlockN / 8;       // ymm vectors per packed row of a block
-constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a block
+constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a block
 constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel (GEMM)
 constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile

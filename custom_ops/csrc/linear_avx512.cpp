@@ -35,7 +35,7 @@
 namespace tilefx {
 namespace {
 
-constexpr int64_t kPairStride = kBlockN * 2;  // bf16 elements per K pair in a block: two zmm
+constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a block: two zmm
 constexpr int64_t kKChunk = 128;              // K pairs per L1-resident weight panel (GEMM): 16 KiB
 constexpr int kTileRows = 8;                  // rows of x per GEMM micro-tile (x 2 zmm accumulators)
 

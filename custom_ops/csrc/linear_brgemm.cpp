@@ -14,6 +14,7 @@
 
 #include "dispatch.h"
 #include "kernels.h"
+#include "layout.h"
 #include "ops.h"
 
 namespace tilefx {
@@ -24,7 +25,6 @@ namespace {
 // brgemm walks them, where a whole K of 8192 read both from L3 (docs/PERFORMANCE.md).
 constexpr int64_t kBrgemmRows = 64;
 constexpr int64_t kBrgemmPairs = 1024;
-constexpr int64_t kPanelElems = 2 * kBlockN;  // bf16 elements per K pair of a block
 
 const UnitEpilogue& epilogue_of(LinearUnit unit) {
   switch (unit) {
@@ -54,14 +54,14 @@ bool amx_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
   const int64_t tile = std::min(p.M, kBrgemmRows);
-  const int64_t panels = p.format == WeightFormat::bf16 ? 0 : p.K_pairs * kPanelElems;  // two bf16 panels
+  const int64_t panels = p.format == WeightFormat::bf16 ? 0 : block_values(p.K_pairs);  // two bf16 panels, in floats
   return 2 * tile * kBlockN + panels;
 }
 
 void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
   TORCH_CHECK(p.x_form == ActivationForm::bf16_pairs, "tilefx brgemm: x must be bf16 pairs");
   const UnitEpilogue& epilogue = epilogue_of(unit);
-  const int64_t block_elems = p.K_pairs * kPanelElems;
+  const int64_t block_elems = block_values(p.K_pairs);
   const int64_t tile = std::min(p.M, kBrgemmRows);
   float* results[2] = {scratch, scratch + tile * kBlockN};
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * tile * kBlockN);
@@ -78,7 +78,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
     for (int64_t q = 0; q < p.K_pairs; q += kBrgemmPairs) {
       const int64_t pairs = std::min(kBrgemmPairs, p.K_pairs - q);
       at::native::cpublas::brgemm(rows, kBlockN, 2 * pairs, p.ldx, kBlockN, kBlockN, /*add_C=*/q > 0,
-                                  x + row * p.ldx + 2 * q, b + q * kPanelElems, c);
+                                  x + row * p.ldx + 2 * q, b + block_values(q), c);
     }
     if (p.format == WeightFormat::int8) {  // the dequantized panel is unscaled: its column scales apply here
       const float* s = p.scales + block * kBlockN;

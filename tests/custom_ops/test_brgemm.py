@@ -77,7 +77,7 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     if path == "reference" or not tuning.brgemm_has_kernel():
         pytest.skip("brgemm has no compiled kernel on this CPU: nothing is timed (the unit's GEMM stays)")
     monkeypatch.setattr(tuning, "GEMM_SHAPES", ((96, 128),))
-    monkeypatch.setattr(tuning, "GEMM_ROWS", 16)
+    monkeypatch.setattr(tuning, "GEMM_ROWS", (8, 16))
     monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
     before = isa.native.get_prefill_gemm("int8")
     try:
