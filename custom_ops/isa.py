@@ -5,9 +5,11 @@ path lives in its own translation unit and runs only where CPUID says it can. Th
 native CPU kernels are registered with the dispatcher directly (no Python per
 call) and read the current path: by default the fastest this CPU supports. One
 table in ``csrc/dispatch.cpp`` says which unit each op family runs on each path
-(``kernel_units(path)`` reads it): on amx, linears of more than 4 rows run brgemm
-on AMX tiles and everything else the AVX512-BF16 unit every AMX CPU also has;
-attention has AVX2 kernels only and runs them on every native path; ``reference``
+(``kernel_units(path)`` reads it): on amx, the linear ops and experts of more than 4 rows
+run oneDNN's brgemm on AMX tiles by default (``tuning`` may choose brgemm on other
+AVX512-BF16 CPUs too) and everything else the AVX512-BF16 unit every AMX CPU also has;
+attention has AVX2 kernels only and runs them on every native path (a prompt: or PyTorch's
+SDPA where tuning finds it faster); ``reference``
 runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).

@@ -78,14 +78,20 @@ def current(unit: str, format: str) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def forced(unit: str, format: str, streams: int, prefetch_bytes: int):
-    """Run a block with the given walk (tests, benchmarks)."""
-    previous = current(unit, format)
-    isa.native.set_walk_tuning(unit, format, streams, prefetch_bytes)
+def _temporarily(getter, setter, key: tuple, value: tuple):
+    """A native table's entry ``key`` at ``value`` for a block, then back to what it was."""
+    previous = getter(*key)
+    setter(*key, *value)
     try:
         yield
     finally:
-        isa.native.set_walk_tuning(unit, format, *previous)
+        setter(*key, *(previous if isinstance(previous, tuple) else (previous,)))
+
+
+def forced(unit: str, format: str, streams: int, prefetch_bytes: int):
+    """Run a block with the given walk (tests, benchmarks)."""
+    return _temporarily(isa.native.get_walk_tuning, isa.native.set_walk_tuning, (unit, format),
+                        (streams, prefetch_bytes))
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int], ...]:
@@ -292,15 +298,9 @@ class AttentionChoice:
         return f"{what} ({self.how}: {timed}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
-@contextlib.contextmanager
 def forced_sdpa(family: str, tokens: int):
     """Run a block with SDPA taking ``family``'s prefill from ``tokens`` new tokens on (0: never)."""
-    previous = isa.native.get_sdpa_from_tokens(family)
-    isa.native.set_sdpa_from_tokens(family, tokens)
-    try:
-        yield
-    finally:
-        isa.native.set_sdpa_from_tokens(family, previous)
+    return _temporarily(isa.native.get_sdpa_from_tokens, isa.native.set_sdpa_from_tokens, (family,), (tokens,))
 
 
 def _prefill_call(shape: AttentionShape, seq: int):
@@ -412,15 +412,9 @@ def brgemm_has_kernel() -> bool:
     return isa.native is not None and (isa.native.cpu_has("amx") or isa.native.cpu_has("avx512_bf16"))
 
 
-@contextlib.contextmanager
 def forced_gemm(format: str, gemm: str):
     """Run a block with the linear ops' prefill GEMM for ``format`` weights forced ("unit", "brgemm", "default")."""
-    previous = isa.native.get_prefill_gemm(format)
-    isa.native.set_prefill_gemm(format, gemm)
-    try:
-        yield
-    finally:
-        isa.native.set_prefill_gemm(format, previous)
+    return _temporarily(isa.native.get_prefill_gemm, isa.native.set_prefill_gemm, (format,), (gemm,))
 
 
 def tune_gemm(format: str, path: str) -> GemmChoice:
@@ -476,16 +470,9 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
 def untuned():
     """Run a block with the prefill choices at their defaults (the path's GEMM, the unit's attention), as
     the op tests expect whatever an earlier compile_model in the process tuned."""
-    gemms = {f: isa.native.get_prefill_gemm(f) for f in formats.FORMATS}
-    sdpa = {family: isa.native.get_sdpa_from_tokens(family) for family in ("extend", "mla")}
-    for f in gemms:
-        isa.native.set_prefill_gemm(f, "default")
-    for family in sdpa:
-        isa.native.set_sdpa_from_tokens(family, 0)
-    try:
+    with contextlib.ExitStack() as stack:
+        for format in formats.FORMATS:
+            stack.enter_context(forced_gemm(format, "default"))
+        for family in ("extend", "mla"):
+            stack.enter_context(forced_sdpa(family, 0))
         yield
-    finally:
-        for f, gemm in gemms.items():
-            isa.native.set_prefill_gemm(f, gemm)
-        for family, tokens in sdpa.items():
-            isa.native.set_sdpa_from_tokens(family, tokens)

@@ -61,7 +61,7 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dty
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
   TORCH_CHECK(is_packing(out, 0), "pack_vnni_blocks: out must be [blocks, pairs, ",
               kBlockN, ", 2], got ", out.sizes());
-  TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == 2 && out.stride(1) == 2 * kBlockN,
+  TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == 2 && out.stride(1) == kPairValues,
               "pack_vnni_blocks: each block of out must be contiguous");
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "pack_vnni_blocks: weight must be 2-D with contiguous rows");
   TORCH_CHECK(out.element_size() == 2 && weight.scalar_type() == out.scalar_type(),
