@@ -8,7 +8,7 @@
 (bf16; an FP8 checkpoint is dequantized on a machine without a GPU) and one generate(),
 to set tilefx's memory beside it.
 
-Run it in a fresh process per measurement: the peak (``ru_maxrss``) only grows.
+Run it in a fresh process per measurement: the peak (the kernel's ``VmHWM``) only grows.
 ``import_rss`` is the process's RSS after importing torch, transformers and tilefx;
 ``baseline`` its RSS after it also compiled a tiny model of the same kind (``--stack``),
 which brings in what every compile costs once whatever the model (Dynamo, Inductor,
@@ -34,6 +34,15 @@ def _rss() -> int:
 
 
 def _peak() -> int:
+    """This process's peak RSS: the kernel's high-water mark of its own memory (``VmHWM``). Not ``ru_maxrss``:
+    a process started by a large one (pytest) inherits its parent's RSS there through fork and exec."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
@@ -93,6 +102,9 @@ def main(argv=None) -> int:
         "peak_over_checkpoint": round(peak / ckpt, 3),
         "over_checkpoint": round((peak - baseline - cache) / ckpt, 3),
         "compile_seconds": round(compiled_at - start, 1),
+        # what this compile timed or read from the tuning cache, and where its time went
+        **({} if args.hf else {"explain": [line for line in tilefx.explain(model).splitlines()
+                                           if line.startswith(("decode walk", "prefill", "startup", "graph cache"))]}),
     }))
     return 0
 

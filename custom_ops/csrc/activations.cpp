@@ -11,7 +11,7 @@ namespace tilefx {
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
   if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
-  return unit == LinearUnit::avx2 ? ActivationForm::fp32 : ActivationForm::bf16_pairs;
+  return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
 
 namespace {
@@ -33,11 +33,11 @@ constexpr int64_t kRowsPerTask = 64;
 
 }  // namespace
 
-int64_t Activations::row_elems() const { return unit_ == LinearUnit::avx2 ? ldx_ : ldx_ / 2; }
+int64_t Activations::row_elems() const { return reads_pairs(unit_) ? ldx_ / 2 : ldx_; }
 
 void Activations::write_row(int64_t r, const uint16_t* src, int64_t n) {
   uint32_t* dst = base_.data() + r * row_elems();
-  if (unit_ == LinearUnit::avx2) {
+  if (!reads_pairs(unit_)) {
     float* row = reinterpret_cast<float*>(dst);
     bf16_to_float_avx2(src, row, n);
     if (ldx_ > n) row[n] = 0.0f;
@@ -51,7 +51,7 @@ void Activations::write_row(int64_t r, const uint16_t* src, int64_t n) {
 Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n,
                          int64_t src_stride, int64_t ldx, bool every_row_words)
     : Activations(unit, format, count, ldx) {
-  const bool already_pairs = unit != LinearUnit::avx2 && n == ldx && (src_stride == ldx || count == 1) &&
+  const bool already_pairs = reads_pairs(unit) && n == ldx && (src_stride == ldx || count == 1) &&
                              reinterpret_cast<uintptr_t>(src) % alignof(uint32_t) == 0;
   if (already_pairs) {  // bf16 x with even K is the AVX512-BF16 units' pairs as it is
     rows_ = src;
@@ -67,7 +67,7 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* s
 Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
                          bool every_row_words)
     : Activations(unit, format, count, ldx) {
-  if (unit == LinearUnit::avx2) {
+  if (!reads_pairs(unit)) {
     rows_ = rows;
   } else {  // round to bf16 pairs (nearest even), as HF's bf16 experts read their activations
     base_.resize(count * row_elems());
@@ -85,7 +85,7 @@ void Activations::make_words(bool every_row_words) {
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
-  const int64_t row_bytes = ldx_ * (unit_ == LinearUnit::avx2 ? sizeof(float) : sizeof(uint16_t));
+  const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
     quantize_words(unit_, static_cast<const char*>(rows_) + begin * row_bytes, end - begin, ldx_,
                    words_.data() + begin * ldw, word_scales_.data() + begin);
@@ -100,7 +100,7 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     p.x_scales = word_scales_.data() + row;
     return;
   }
-  const int64_t row_bytes = ldx_ * (unit_ == LinearUnit::avx2 ? sizeof(float) : sizeof(uint16_t));
+  const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   p.x = static_cast<const char*>(rows_) + row * row_bytes;
   p.x_scales = nullptr;
 }

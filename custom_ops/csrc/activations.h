@@ -22,9 +22,13 @@ constexpr int64_t kWordRows = 2;
 // the AVX512-BF16 units).
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
 
-// The unit whose base form a GEMM reads: oneDNN's brgemm (linear_brgemm.cpp) reads bf16
-// pairs, the AVX512-BF16 units' base form, whichever unit's epilogue it uses.
-inline LinearUnit gemm_reader(LinearUnit unit, bool brgemm) { return brgemm ? LinearUnit::avx512 : unit; }
+// Whether `unit`'s base form is bf16 pairs (the AVX512-BF16 units) rather than fp32 rows (AVX2).
+inline bool reads_pairs(LinearUnit unit) { return unit != LinearUnit::avx2; }
+// The unit whose base form a GEMM reads: oneDNN's brgemm (linear_brgemm.cpp) reads bf16 pairs,
+// whichever unit's epilogue it uses.
+inline LinearUnit gemm_reader(LinearUnit unit, bool brgemm) {
+  return brgemm && !reads_pairs(unit) ? LinearUnit::avx512 : unit;
+}
 
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem

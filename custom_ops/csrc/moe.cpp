@@ -50,8 +50,7 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
     return a.count < b.count;
   });
   const LinearProblem widest = make_problem(largest);
-  const bool pairs = gemm_reader(isa, true) == gemm_reader(isa, false);
-  auto on_brgemm = [&](const LinearProblem& p) { return pairs && prefill_on_brgemm(units, p.format, p.M); };
+  auto on_brgemm = [&](const LinearProblem& p) { return reads_pairs(isa) && prefill_on_brgemm(units, p.format, p.M); };
   const size_t scratch_floats =
       std::max(linear_scratch_floats(widest), on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
   parallel_chunks(work, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
