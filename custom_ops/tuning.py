@@ -130,10 +130,15 @@ def _cpu_key() -> str:
     return f"{model}|{hashlib.sha256(f'{flags}|{custom_ops.source_hash()}'.encode()).hexdigest()[:16]}"
 
 
-def _machine_key(unit: str, format: str) -> str:
-    """What the best walk depends on: the CPU, its flags, the threads, the kernels' sources, unit and format."""
+def _machine_key(*parts) -> str:
+    """A tuning cache key: what every choice depends on (the CPU, its flags, the threads, the kernels' sources)
+    and ``parts``, what names the choice (a walk's unit and format; a path and what was timed on it)."""
     model, digest = _cpu_key().rsplit("|", 1)
-    return f"{model}|threads={torch.get_num_threads()}|{unit}|{format}|{digest}"
+    return "|".join([model, f"threads={torch.get_num_threads()}", *map(str, parts), digest])
+
+
+def _store(cache: pathlib.Path | None) -> pathlib.Path:
+    return (cache or cache_root()) / "tuning.json"
 
 
 def _last_level_cache_bytes() -> int:
@@ -227,7 +232,7 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
     if isa.native is None or path == "reference":
         return []
     results = []
-    store = (cache or cache_root()) / "tuning.json"
+    store = _store(cache)
     saved = _saved(store)
     changed = False
     for unit in decode_units(path):
@@ -362,11 +367,9 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
         return None
     if not enabled:
         return AttentionChoice(shape, isa.native.get_sdpa_from_tokens(shape.family), "untuned")
-    store = (cache or cache_root()) / "tuning.json"
+    store = _store(cache)
     saved = _saved(store)
-    model, digest = _cpu_key().rsplit("|", 1)
-    key = (f"{model}|threads={torch.get_num_threads()}|{path}|attention|{shape.family}|{shape.heads}|"
-           f"{shape.kv_heads}|{shape.head_dim}|{shape.rope_dim}|{digest}")
+    key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim)
     entry = saved.get(key)
     if entry is not None:
         isa.native.set_sdpa_from_tokens(shape.family, entry["sdpa_from"])
@@ -446,12 +449,11 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
         return []
     if not enabled:
         return [GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in sorted(set(formats_used))]
-    store = (cache or cache_root()) / "tuning.json"
+    store = _store(cache)
     saved = _saved(store)
-    model, digest = _cpu_key().rsplit("|", 1)
     results, changed = [], False
     for format in sorted(set(formats_used)):
-        key = f"{model}|threads={torch.get_num_threads()}|{path}|prefill_gemm|{format}|{digest}"
+        key = _machine_key(path, "prefill_gemm", format)
         entry = saved.get(key)
         if entry is not None:
             isa.native.set_prefill_gemm(format, entry["gemm"])

@@ -48,6 +48,11 @@ class Source:
     def world_size(self) -> int:
         return self.tp.world_size if self.tp is not None else 1
 
+    @property
+    def rank_config(self):
+        """The config of what this rank computes: the local heads and widths with tensor parallelism."""
+        return self.plan.local_config if self.plan is not None else self.config
+
 
 @dataclasses.dataclass(frozen=True)
 class Loaded:

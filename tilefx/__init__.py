@@ -88,9 +88,8 @@ def compile_model(
     report.walks = tuning.ensure_tuned(formats, enabled=opts.tune)
     bar.set_postfix_str("tune prefill")
     report.gemms = tuning.ensure_gemm_tuned(formats, enabled=opts.tune)
-    local_config = resolved.plan.local_config if resolved.plan is not None else resolved.config
-    report.attention = tuning.ensure_attention_tuned(resolved.adapter.prefill_attention(local_config, opts.mla),
-                                                     enabled=opts.tune)
+    report.attention = tuning.ensure_attention_tuned(
+        resolved.adapter.prefill_attention(resolved.rank_config, opts.mla), enabled=opts.tune)
     bar.set_postfix_str("load")
     start = time.perf_counter()
     loaded = load_for_rank(resolved, dtype=dtype, placed=placed)
