@@ -22,7 +22,7 @@ import torch
 
 from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import layouts
-from tilefx.custom_ops.weights.formats import FP8_GROUP, check_scales, dequantize, format_of
+from tilefx.custom_ops.weights.formats import FP8_GROUP, check_scales, dequantize, format_of, logical_shape
 from tilefx.custom_ops.weights.layouts import (
     gate_up_shape,
     in_features_of,
@@ -80,14 +80,14 @@ def _check(x, packed_weight, bias, out_features, scales=None) -> None:
     torch._check(layouts.is_linear_packing(packed_weight.shape),
                  lambda: f"tilefx.linear: weight is not packed (shape {tuple(packed_weight.shape)}); "
                          "use tilefx.custom_ops.weights.pack_linear_weight")
-    torch._check(packed_weight.shape == packed_shape(out_features, x.shape[-1]),
+    torch._check(logical_shape(packed_weight) == packed_shape(out_features, x.shape[-1]),
                  lambda: f"tilefx.linear: packed weight {tuple(packed_weight.shape)} does not fit "
                          f"x [..., {x.shape[-1]}] -> {out_features} features")
 
 
 def _check_gate_up(x, packed_gate_up, out_features, scales=None) -> None:
     check_scales("linear_silu_mul", packed_gate_up, scales)
-    torch._check(tuple(packed_gate_up.shape) == gate_up_shape(out_features, x.shape[-1]),
+    torch._check(logical_shape(packed_gate_up) == gate_up_shape(out_features, x.shape[-1]),
                  lambda: f"tilefx.linear_silu_mul: packed weight {tuple(packed_gate_up.shape)} does not fit "
                          f"x [..., {x.shape[-1]}] -> {out_features} features; use pack_gate_up_weight")
 
@@ -117,6 +117,11 @@ def packed_embedding_reference(ids, packed_weight, embedding_dim, scales=None):
     to bf16 where the weight is quantized."""
     blocks, pairs, _, _ = packed_weight.shape
     block, column = layouts.row_positions(ids)
+    if format_of(packed_weight) == "int4":  # the looked-up rows' blocks, dequantized
+        flat_block, flat_column = block.reshape(-1), column.reshape(-1)
+        values = dequantize(packed_weight[flat_block], scales[flat_block])  # [n, pairs, 32, 2]
+        rows = values[torch.arange(flat_block.numel()), :, flat_column, :].to(torch.bfloat16)
+        return rows.reshape(*ids.shape, in_features_of(logical_shape(packed_weight)))[..., :embedding_dim]
     rows = packed_weight[block, :, column, :]
     if scales is not None:  # only the rows looked up are dequantized
         if format_of(packed_weight) == "int8":

@@ -187,18 +187,19 @@ def _check_packed(hidden_states, w13, w2, topk_weights, topk_ids, w13_scales=Non
                  lambda: f"tilefx.fused_moe: hidden_states must be [tokens, hidden], got {tuple(hidden_states.shape)}")
     hidden = hidden_states.shape[1]
     torch._check(w13.dim() == 5 and w13.shape[1] % 2 == 0
-                 and tuple(w13.shape) == expert_gate_up_shape(w13.shape[0], expert_intermediate(w13.shape), hidden),
+                 and packed_weights.logical_shape(w13) == expert_gate_up_shape(w13.shape[0],
+                                                                               expert_intermediate(w13.shape), hidden),
                  lambda: f"tilefx.fused_moe: w13 {tuple(w13.shape)} is not a packed gate_up_proj for hidden size "
                          f"{hidden}; use tilefx.custom_ops.weights.pack_expert_gate_up_weight")
     experts, intermediate = w13.shape[0], expert_intermediate(w13.shape)
-    torch._check(tuple(w2.shape) == expert_down_shape(experts, hidden, intermediate),
+    torch._check(packed_weights.logical_shape(w2) == expert_down_shape(experts, hidden, intermediate),
                  lambda: f"tilefx.fused_moe: w2 {tuple(w2.shape)} is not a packed down_proj for {experts} experts, "
                          f"hidden {hidden}, intermediate {intermediate}; use pack_expert_down_weight")
     for name, packed, scales in (("w13", w13, w13_scales), ("w2", w2, w2_scales)):
         quantized = packed.dtype in packed_weights.QUANTIZED_DTYPES
         torch._check(packed.dtype == hidden_states.dtype or quantized and hidden_states.dtype == torch.bfloat16,
                      lambda: f"tilefx.fused_moe: weights {w13.dtype}/{w2.dtype} and hidden_states "
-                             f"{hidden_states.dtype}: weights share the activations' dtype or are int8 / fp8")
+                             f"{hidden_states.dtype}: weights share the activations' dtype or are int8 / fp8 / int4")
         packed_weights.check_scales(f"fused_moe ({name})", packed, scales)
     _check_routing(hidden_states, topk_weights, topk_ids)
 

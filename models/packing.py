@@ -56,13 +56,15 @@ class PackGroup:
 _ROUTER_BF16 = "router weights (which experts run turns on small logit differences)"
 
 
-_DEQUANTIZED = ("fp8 checkpoint weights read unpacked (MLA's absorbed kv_b_proj; any linear with linear=False): "
+_DEQUANTIZED = ("quantized checkpoint weights read unpacked (MLA's absorbed kv_b_proj; any linear with linear=False): "
                 "dequantized to bf16 at load")
 
 
 def _own_format(params) -> str:
-    """What the checkpoint holds: fp8 where every source arrived as fp8 (models/fp8.py), else bf16."""
-    return "fp8" if all(weights.checkpoint_scales(p) is not None for p in params) else "bf16"
+    """What the checkpoint holds: fp8 / int4 where every source arrived so (models/fp8.py, models/int4.py), else
+    bf16."""
+    held = {weights.checkpoint_format(p) for p in params}
+    return held.pop() if len(held) == 1 else "bf16"
 
 
 def _formatted(group: PackGroup, format: str) -> PackGroup:
@@ -182,7 +184,7 @@ def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progr
     start = time.perf_counter()
     narrow_exact_routers(model, adapter)
     parts = plan(model, adapter, options)
-    fp8_checkpoint = any(group.stored == "fp8" for _, groups in parts for group in groups)
+    quantized_checkpoint = any(group.stored in ("fp8", "int4") for _, groups in parts for group in groups)
     with torch.no_grad():
         for _, groups in tqdm(parts, desc="tilefx: packing weights", unit="layer", disable=not progress,
                               leave=False):
@@ -194,10 +196,10 @@ def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progr
                 summary.add(group.format, weights.packing_of(group.params[0]).nbytes)  # values and scales
                 if group.kept_bf16:
                     summary.kept_bf16[group.kept_bf16] = summary.kept_bf16.get(group.kept_bf16, 0) + 1
-                if fp8_checkpoint and group.stored == "bf16":  # a bf16 tensor of an fp8 checkpoint is bf16
+                if quantized_checkpoint and group.stored == "bf16":  # a bf16 tensor of a quantized checkpoint is bf16
                     summary.stored_bf16.extend(group.names)
                 summary.released_bytes += weights.release(packed)
-        # An fp8 checkpoint's weights no packing took (MLA's kv_b_proj, absorbed per head when the graph
+        # A quantized checkpoint's weights no packing took (MLA's kv_b_proj, absorbed per head when the graph
         # compiles; every linear with linear=False) run as bf16 in the graphs.
         for name, param in model.named_parameters():
             if weights.checkpoint_scales(param) is not None:

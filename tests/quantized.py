@@ -12,6 +12,8 @@ def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
     values, scales = weights.quantize_rows(weight, format)
     if format == "int8":
         return values.float() * scales[:, None]
+    if format == "int4":
+        return weights.dequantize_int4_rows(values, scales, torch.float32)
     n, k = weight.shape
     group = weights.FP8_GROUP
     return values.float() * scales.repeat_interleave(group, 0).repeat_interleave(group, 1)[:n, :k]

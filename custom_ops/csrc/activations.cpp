@@ -5,12 +5,13 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace tilefx {
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
-  if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
+  if (reads_words(format) && rows <= kWordRows) return ActivationForm::int16_words;
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
 
@@ -81,14 +82,27 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows
 
 void Activations::make_words(bool every_row_words) {
   if (rows_ == nullptr) rows_ = base_.data();
-  if (format_ != WeightFormat::int8 || (!every_row_words && count_ > kWordRows)) return;
+  if (!reads_words(format_) || (!every_row_words && count_ > kWordRows)) return;
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
+  const bool sums = format_ == WeightFormat::int4;
+  const int64_t groups = (ldw + kInt4GroupPairs - 1) / kInt4GroupPairs;  // the last may be partial
+  if (sums) word_sums_.resize(count_ * groups);
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
     quantize_words(unit_, static_cast<const char*>(rows_) + begin * row_bytes, end - begin, ldx_,
                    words_.data() + begin * ldw, word_scales_.data() + begin);
+    if (!sums) return;
+    // int4's zero points: per row, the sum of its words over each group (at most 128 * 32767: exact in fp32)
+    for (int64_t r = begin; r < end; ++r) {
+      const int16_t* row = reinterpret_cast<const int16_t*>(words_.data() + r * ldw);
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = g * 2 * kInt4GroupPairs; k < std::min((g + 1) * 2 * kInt4GroupPairs, ldx_); ++k) sum += row[k];
+        word_sums_[r * groups + g] = static_cast<float>(sum);
+      }
+    }
   });
 }
 
@@ -98,11 +112,13 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     TORCH_CHECK(!words_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as words");
     p.x = words_.data() + row * (ldx_ / 2);
     p.x_scales = word_scales_.data() + row;
+    p.x_sums = word_sums_.empty() ? nullptr : word_sums_.data() + row * ((ldx_ / 2 + kInt4GroupPairs - 1) / kInt4GroupPairs);
     return;
   }
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   p.x = static_cast<const char*>(rows_) + row * row_bytes;
   p.x_scales = nullptr;
+  p.x_sums = nullptr;
 }
 
 }  // namespace tilefx

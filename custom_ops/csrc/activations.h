@@ -13,12 +13,13 @@
 
 namespace tilefx {
 
-// Rows up to which int8 weights are read against x as int16 words (the decode GEMVs);
+// Rows up to which int8 and int4 weights are read against x as int16 words (the decode GEMVs);
 // above it the GEMM dequantizes a block to bf16 and reads the unit's base form.
 constexpr int64_t kWordRows = 2;
+inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights:
-// int16 words for int8 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
+// int16 words for int8 and int4 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
 // the AVX512-BF16 units).
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
 
@@ -74,6 +75,7 @@ class Activations {
   std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
   std::vector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
   std::vector<float> word_scales_;
+  std::vector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
 };
 
 }  // namespace tilefx

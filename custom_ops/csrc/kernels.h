@@ -24,11 +24,25 @@ constexpr int64_t kPairValues = 2 * kBlockN;
 //   int8: symmetric, scales[block][kBlockN], one per packed column;
 //   fp8:  e4m3, scales[block][k_groups], one per block and kFp8GroupPairs K pairs (128 inputs:
 //         the hub's 128 x 128 weight_scale_inv, repeated for the 4 blocks of a 128-row group).
+//   int4: unsigned nibbles q with, per block, 128 inputs (kInt4GroupPairs K pairs; the last group may be
+//         shorter, K a multiple of 4) and column, an fp16
+//         scale s and zero point z (W = (q - z) * s: GPTQ's and AWQ's meaning; symmetric is z = 8) in
+//         int4_params[block][group][2][kBlockN] (the scales, then the zeros). Half a byte per value: the
+//         64 bytes of K pairs 2t and 2t + 1 hold, in each 32-bit lane l (16 lanes), the nibbles of
+//         columns l and l + 16 of both pairs, nibble s (bits 4s..4s+3) and nibble s + 4 (bits 16+4s..)
+//         one column's two values of one pair: s = 0 column l of pair 2t, 1 column l + 16 of pair 2t,
+//         2 column l of pair 2t + 1, 3 column l + 16 of pair 2t + 1. So (lane >> 4s) & 0x000F000F is
+//         that column's pair of values as two int16 words, what `vpdpwssd` / `vpmaddwd` read.
 // The decode GEMVs widen the values in registers and apply the scales to fp32 partial
 // sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
-enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2 };
+enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
+constexpr int kWeightFormats = 4;
 constexpr int64_t kFp8GroupPairs = 64;
-constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of a quantized block: one cache line
+constexpr int64_t kInt4GroupPairs = 64;
+constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of an int8 / fp8 block: one cache line
+constexpr int64_t kInt4PairBytes = kBlockN;   // bytes per K pair of an int4 block: half a cache line
+// Bytes per K pair of a block of a quantized format.
+inline int64_t pair_bytes(WeightFormat format) { return format == WeightFormat::int4 ? kInt4PairBytes : kQPairBytes; }
 // The AVX2 unit widens e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the value
 // times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;
@@ -38,7 +52,8 @@ constexpr float kFp8Unscale = 256.0f;
 //   bf16_pairs:  [M, ldx / 2] uint32, x[2p] in the low half of element p, x[2p + 1] in the high
 //                half (what `vdpbf16ps` broadcasts; the AVX512-BF16 units' base form);
 //   int16_words: the same pairs as int16, x ~= x_scales[m] * q, one scale per row (15 bits):
-//                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`).
+//                int8 and int4 decode on every unit (`vpmaddwd` / `vpdpwssd`); for int4 also x_sums,
+//                per row the sum of its words over each 128 inputs (the zero points' share).
 enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2 };
 
 struct LinearProblem {
@@ -56,11 +71,13 @@ struct LinearProblem {
   bool silu_mul;
   ActivationForm x_form = ActivationForm::fp32;
   const float* x_scales = nullptr;  // int16_words: one per row
+  const float* x_sums = nullptr;    // int16_words over int4 weights: [M][k_groups]
   // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and their scales.
   WeightFormat format = WeightFormat::bf16;
   const uint8_t* wq = nullptr;
   const float* scales = nullptr;
-  int64_t k_groups = 0;  // fp8: scales per block
+  int64_t k_groups = 0;  // fp8 / int4: scale groups per block
+  const uint16_t* int4_params = nullptr;  // int4: fp16 [blocks][k_groups][2][kBlockN] (scales, zeros)
   // How a decode walk (M <= 2) streams the weight, per machine (tuning.h): for M = 1 a thread
   // reads `streams` blocks at once (2, or 1 where the unit has one quantized stream), and each
   // stream prefetches `prefetch_bytes` ahead of its loads (0: at its own row, i.e. none).
@@ -84,6 +101,11 @@ inline int64_t linear_scratch_floats(const LinearProblem& p) {
   return 2 * rows * kBlockN + (p.format != WeightFormat::bf16 && p.M > 2 ? p.K_pairs * kBlockN : 0);
 }
 
+// int4: the fp16 scales of block `block`'s group `group` (kBlockN), its zero points kBlockN further.
+inline const uint16_t* int4_group_params(const LinearProblem& p, int64_t block, int64_t group) {
+  return p.int4_params + (block * p.k_groups + group) * 2 * kBlockN;
+}
+
 // Rows of bf16 x ([rows, ldx], ldx a multiple of 2) as int16 words (ActivationForm::int16_words),
 // as quantize_words_avx2 makes them from fp32 (the AVX512 units read bf16 activations).
 void quantize_words_avx512(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
@@ -103,7 +125,7 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 // in the packed order (the unit's GEMM panel: fp8 scaled, int8 not), and the stores of fp32
 // result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul).
 struct UnitEpilogue {
-  void (*dequantize[3])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
+  void (*dequantize[kWeightFormats])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
   void (*store)(const LinearProblem& p, int64_t col0, const float* c);
   void (*store_silu_mul)(const LinearProblem& p, int64_t col0, const float* gate, const float* up);
 };

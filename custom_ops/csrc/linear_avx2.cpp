@@ -306,6 +306,95 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   }
 }
 
+// int4 decode over x as int16 words (kernels.h has the nibble order): each 32-byte half of a 64-byte
+// load (two K pairs) holds 8 lanes; four shift-and-masks give, per half, columns 8h..8h+7 and
+// 16+8h..16+8h+7 of both pairs as int16 words for `vpmaddwd`. The nibbles are unsigned: a group's
+// sum over x q minus z times the group's sum of x's words (x_sums) is its sum over x (q - z).
+template <int Rows>
+static void int4_word_gemv(const LinearProblem& p, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const int64_t ldw = p.ldx / 2;
+  const __m256i nibbles = _mm256_set1_epi32(0x000F000F);
+  __m256 total[Rows][4];  // columns 8j..8j+7
+  for (auto& row : total)
+    for (auto& t : row) t = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    __m256i acc[Rows][4];
+    for (auto& row : acc)
+      for (auto& a : row) a = _mm256_setzero_si256();
+    for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
+      const uint8_t* row = w + q * kInt4PairBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * half));
+        const __m256i even_lo = _mm256_and_si256(raw, nibbles);
+        const __m256i even_hi = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nibbles);
+        const __m256i odd_lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nibbles);
+        const __m256i odd_hi = _mm256_and_si256(_mm256_srli_epi32(raw, 12), nibbles);
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i x_even = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
+          const __m256i x_odd = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q + 1]));
+          acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_add_epi32(_mm256_madd_epi16(even_lo, x_even),
+                                                                         _mm256_madd_epi16(odd_lo, x_odd)));
+          acc[r][2 + half] = _mm256_add_epi32(acc[r][2 + half], _mm256_add_epi32(_mm256_madd_epi16(even_hi, x_even),
+                                                                                 _mm256_madd_epi16(odd_hi, x_odd)));
+        }
+      }
+    }
+    const uint16_t* params = int4_group_params(p, block, g);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * j)));
+      const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockN + 8 * j)));
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 x_sum = _mm256_set1_ps(p.x_sums[r * p.k_groups + g]);
+        const __m256 dot = _mm256_cvtepi32_ps(acc[r][j]);
+        total[r][j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, x_sum, dot), scale, total[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    const __m256 x_scale = _mm256_set1_ps(p.x_scales[r]);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(c + r * kBlockN + 8 * j, _mm256_mul_ps(total[r][j], x_scale));
+  }
+}
+
+// 8 fp32 -> their bf16 bits (round to nearest even) in the low half of each 32-bit lane.
+static inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+// An int4 block as bf16 in the packed order, scaled: q * s - z * s in fp32 is (q - z) * s exactly,
+// rounded to bf16 once (as linear_avx512.cpp's dequantize_int4_block).
+static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    const uint16_t* params = int4_group_params(p, block, g);
+    __m256 scale[4], shift[4];  // columns 8j..8j+7
+    for (int j = 0; j < 4; ++j) {
+      scale[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * j)));
+      const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockN + 8 * j)));
+      shift[j] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(zero, scale[j]));
+    }
+    for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * kInt4PairBytes + 32 * half));
+        for (int s = 0; s < 4; ++s) {  // nibble s: pair q + s / 2, columns 16 * (s % 2) + 8 * half on
+          const int j = 2 * (s & 1) + half;
+          const __m256i lanes = _mm256_srli_epi32(raw, 4 * s);
+          const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, nibble));
+          const __m256 second = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 16), nibble));
+          const __m256i pair = _mm256_or_si256(bf16_bits8(_mm256_fmadd_ps(first, scale[j], shift[j])),
+                                               _mm256_slli_epi32(bf16_bits8(_mm256_fmadd_ps(second, scale[j], shift[j])), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q + s / 2) * kPairStride + 16 * j), pair);
+        }
+      }
+    }
+  }
+}
+
 template <WeightFormat F>
 static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
@@ -332,13 +421,19 @@ struct Avx2Unit {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows>(p, blocks[0], c[0]);
+    } else if constexpr (F == WeightFormat::int4) {
+      int4_word_gemv<Rows>(p, blocks[0], c[0]);
     } else {
       for (int r = 0; r < Rows; ++r) fp8_gemv_row(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
     }
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
-    dequantize_block<F>(p, block, out);
+    if constexpr (F == WeightFormat::int4) {
+      dequantize_int4_block(p, block, out);
+    } else {
+      dequantize_block<F>(p, block, out);
+    }
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
@@ -362,7 +457,7 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
 
 const UnitEpilogue& unit_epilogue_avx2() {
   static const UnitEpilogue epilogue{
-      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>},
+      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
       store_block_silu_mul};
   return epilogue;

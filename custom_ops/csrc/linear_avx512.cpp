@@ -458,6 +458,107 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
   }
 }
 
+// int4 decode over x as int16 words (kernels.h has the nibble order): one 64-byte load holds two K
+// pairs of the block's 32 columns, and four shift-and-masks turn it into four vectors of one
+// column half's pair of values as int16 words, each one `vpdpwssd` against the broadcast pair of x:
+// 11 instructions per 64 weight bytes, where int8 needs 4 per 64 bytes but reads twice the bytes.
+// The nibbles are unsigned: a group's sum over x q minus z times the group's sum of x's words
+// (x_sums) is its sum over x (q - z), then times s. A group of 64 pairs is 32 loads, each adding at
+// most 2 * 15 * 32767 per lane and accumulator: far within int32.
+template <int Rows, int Blocks>
+static void int4_word_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+  const uint8_t* w[Blocks];
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
+  const int64_t ldw = p.ldx / 2;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  __m512 total[Rows * Blocks][2];
+  for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    // [i][0]: columns 0-15, [i][1]: 16-31; even and odd K pairs accumulate apart
+    __m512i even[Rows * Blocks][2], odd[Rows * Blocks][2];
+    for (auto& a : even) a[0] = a[1] = _mm512_setzero_si512();
+    for (auto& a : odd) a[0] = a[1] = _mm512_setzero_si512();
+    for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
+      for (int b = 0; b < Blocks; ++b) {
+        const uint8_t* row = w[b] + q * kInt4PairBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+        const __m512i raw = _mm512_loadu_si512(row);
+        const __m512i even_lo = _mm512_and_si512(raw, nibbles);
+        const __m512i even_hi = _mm512_and_si512(_mm512_srli_epi32(raw, 4), nibbles);
+        const __m512i odd_lo = _mm512_and_si512(_mm512_srli_epi32(raw, 8), nibbles);
+        const __m512i odd_hi = _mm512_and_si512(_mm512_srli_epi32(raw, 12), nibbles);
+        for (int r = 0; r < Rows; ++r) {
+          const int i = r * Blocks + b;
+          const __m512i x_even = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
+          const __m512i x_odd = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q + 1]));
+          even[i][0] = _mm512_dpwssd_epi32(even[i][0], even_lo, x_even);
+          even[i][1] = _mm512_dpwssd_epi32(even[i][1], even_hi, x_even);
+          odd[i][0] = _mm512_dpwssd_epi32(odd[i][0], odd_lo, x_odd);
+          odd[i][1] = _mm512_dpwssd_epi32(odd[i][1], odd_hi, x_odd);
+        }
+      }
+    }
+    for (int b = 0; b < Blocks; ++b) {
+      const uint16_t* params = int4_group_params(p, blocks[b], g);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
+        const __m512 zero =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
+        for (int r = 0; r < Rows; ++r) {
+          const int i = r * Blocks + b;
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[i][h], odd[i][h]));
+          const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
+          total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot), scale, total[i][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    const __m512 x_scale = _mm512_set1_ps(p.x_scales[r]);
+    for (int b = 0; b < Blocks; ++b) {
+      float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(total[r * Blocks + b][h], x_scale));
+    }
+  }
+}
+
+// 16 fp32 -> their bf16 bits (round to nearest even) in the low half of each 32-bit lane.
+static inline __m512i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+}
+
+// An int4 block as bf16 in the packed order, scaled: each value q * s - z * s in fp32, which is
+// (q - z) * s exactly (at most 4 + 11 significant bits), rounded to bf16 once, as a checkpoint's
+// dequantized bf16 weight would be.
+static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const __m512i nibble = _mm512_set1_epi32(0xF);
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    const uint16_t* params = int4_group_params(p, block, g);
+    __m512 scale[2], shift[2];
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
+      const __m512 zero =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
+      shift[h] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zero, scale[h]));
+    }
+    for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
+      const __m512i raw = _mm512_loadu_si512(w + q * kInt4PairBytes);
+      for (int s = 0; s < 4; ++s) {  // nibble s: pair q + s / 2, columns 16 * (s % 2) on
+        const int h = s & 1;
+        const __m512i lanes = _mm512_srli_epi32(raw, 4 * s);
+        const __m512 first = _mm512_cvtepi32_ps(_mm512_and_si512(lanes, nibble));
+        const __m512 second = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, 16), nibble));
+        const __m512i pair = _mm512_or_si512(bf16_bits16(_mm512_fmadd_ps(first, scale[h], shift[h])),
+                                             _mm512_slli_epi32(bf16_bits16(_mm512_fmadd_ps(second, scale[h], shift[h])), 16));
+        _mm512_storeu_si512(out + (q + s / 2) * kPairStride + 32 * h, pair);
+      }
+    }
+  }
+}
+
 // Block `block` as bf16 in the packed order (fp8 scaled, int8 not), for the GEMM, through the
 // decode's byte tables: 9 instructions per K pair row instead of 16 widening to fp32. int8's
 // are exact and its column scales apply to the result; fp8's carry each group's block scale
@@ -486,13 +587,19 @@ struct Avx512Unit {
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows, Blocks>(p, blocks, c);
+    } else if constexpr (F == WeightFormat::int4) {
+      int4_word_gemv<Rows, Blocks>(p, blocks, c);
     } else {
       fp8_gemv<Rows, Blocks>(p, blocks, c);
     }
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
-    dequantize_block<F>(p, block, out);
+    if constexpr (F == WeightFormat::int4) {
+      dequantize_int4_block(p, block, out);
+    } else {
+      dequantize_block<F>(p, block, out);
+    }
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     gemv_row_two_blocks(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
@@ -545,7 +652,7 @@ void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_be
 
 const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
   static const UnitEpilogue epilogue{
-      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>},
+      {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
       store_block_silu_mul};
   return epilogue;

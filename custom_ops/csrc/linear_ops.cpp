@@ -38,7 +38,10 @@ WeightFormat weight_format(const at::Tensor& packed) {
     case at::kBFloat16: return WeightFormat::bf16;
     case at::kChar: return WeightFormat::int8;
     case at::kFloat8_e4m3fn: return WeightFormat::fp8;
-    default: TORCH_CHECK(false, "tilefx: packed weights are bf16, int8 or float8_e4m3fn, got ", packed.scalar_type());
+    case at::kByte: return WeightFormat::int4;
+    default:
+      TORCH_CHECK(false, "tilefx: packed weights are bf16, int8, float8_e4m3fn or uint8 (int4), got ",
+                  packed.scalar_type());
   }
 }
 
@@ -49,17 +52,25 @@ void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::option
     p.w = bf16_bits(packed);
     return;
   }
-  // [..., blocks, pairs, 32, 2] -> scales [..., blocks, scales_per_block]
+  // [..., blocks, pairs, 32 (int4: 16), 2] -> scales: scales_per_block values per block
+  const bool int4 = p.format == WeightFormat::int4;
   const int64_t pairs = packed_pairs(packed);
   const int64_t per_block = scales_per_block(p.format, pairs);
-  TORCH_CHECK(scales && scales->scalar_type() == at::kFloat && scales->is_contiguous() &&
-                  scales->dim() == packed.dim() - 2 && scales->size(-1) == per_block &&
-                  scales->numel() == packed.numel() / block_values(pairs) * per_block,
-              "tilefx: a ", packed.scalar_type(), " weight ", packed.sizes(), " needs contiguous fp32 scales [..., ",
-              packed_blocks(packed), ", ", per_block, "] (weights.packed_scales)");
+  const int64_t blocks = packed.numel() / (pairs * pair_bytes(p.format));
+  const at::ScalarType scale_type = int4 ? at::kHalf : at::kFloat;
+  TORCH_CHECK(scales && scales->scalar_type() == scale_type && scales->is_contiguous() &&
+                  scales->numel() == blocks * per_block,
+              "tilefx: a ", packed.scalar_type(), " weight ", packed.sizes(), " needs contiguous ", scale_type,
+              " scales, ", per_block, " per packed block (weights.packed_scales)");
+  TORCH_CHECK(!int4 || pairs % 2 == 0, "tilefx: an int4 weight's inputs come in fours (two K pairs a load), got ",
+              2 * pairs);
   p.wq = static_cast<const uint8_t*>(packed.data_ptr());
-  p.scales = scales->data_ptr<float>();
-  p.k_groups = p.format == WeightFormat::fp8 ? per_block : 0;
+  p.k_groups = p.format == WeightFormat::int8 ? 0 : groups_per_block(p.format, pairs);
+  if (int4) {
+    p.int4_params = reinterpret_cast<const uint16_t*>(scales->data_ptr<at::Half>());
+  } else {
+    p.scales = scales->data_ptr<float>();
+  }
 }
 
 namespace {

@@ -80,11 +80,11 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
   }
 }
 
-// Quantized weights in format F (p.format int8 / fp8). `Unit` also supplies:
+// Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2:
 //                                             two streams, Rows = 1 only), scales applied; c[i] gets block i's
-//   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8: scaled; int8: not)
-// Decode reads the 1-byte values in registers (q_blocks; int8 against x as int16 words); a GEMM
+//   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
+// Decode reads the values in registers (q_blocks; int8 and int4 against x as int16 words); a GEMM
 // dequantizes each block into scratch once and runs one_block over it, then applies int8's column scales.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
@@ -150,6 +150,7 @@ void walk(const LinearProblem& p, int64_t block_begin, int64_t block_end, float*
     case WeightFormat::bf16: return walk_blocks<Unit>(p, block_begin, block_end, scratch);
     case WeightFormat::int8: return walk_quantized<Unit, WeightFormat::int8>(p, block_begin, block_end, scratch);
     case WeightFormat::fp8: return walk_quantized<Unit, WeightFormat::fp8>(p, block_begin, block_end, scratch);
+    case WeightFormat::int4: return walk_quantized<Unit, WeightFormat::int4>(p, block_begin, block_end, scratch);
   }
 }
 

@@ -90,6 +90,9 @@ struct ExpertWeights {
     p.prefetch_bytes = whole.prefetch_bytes;
     if (whole.format == WeightFormat::bf16) {
       p.w = whole.w + e * values_per_expert;
+    } else if (whole.format == WeightFormat::int4) {
+      p.wq = whole.wq + e * values_per_expert;
+      p.int4_params = whole.int4_params + e * scales_per_expert;
     } else {
       p.wq = whole.wq + e * values_per_expert;
       p.scales = whole.scales + e * scales_per_expert;

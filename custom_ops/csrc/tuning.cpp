@@ -8,7 +8,7 @@
 namespace tilefx {
 namespace {
 
-constexpr int kUnits = 3, kFormats = 3;
+constexpr int kUnits = 3, kFormats = kWeightFormats;
 
 // The defaults, before (or without) tuning: the walk the AMD Zen measurements chose (docs/PERFORMANCE.md).
 // The AVX2 unit streams one quantized block at a time (two would spill its registers); quantized
@@ -50,7 +50,8 @@ WeightFormat parse_format(const std::string& name) {
   if (name == "bf16") return WeightFormat::bf16;
   if (name == "int8") return WeightFormat::int8;
   if (name == "fp8") return WeightFormat::fp8;
-  TORCH_CHECK(false, "tilefx tuning: unknown weight format '", name, "' (bf16, int8, fp8)");
+  if (name == "int4") return WeightFormat::int4;
+  TORCH_CHECK(false, "tilefx tuning: unknown weight format '", name, "' (bf16, int8, fp8, int4)");
 }
 
 Slot& slot(LinearUnit unit, WeightFormat format) {

@@ -5,8 +5,8 @@ The package is split by concern; each name below has its home in one module:
 
 - ``layouts``: the packed layouts' shapes, block counts, gate/up interleave and element orders
   (``BLOCK_N``, ``packed_shape``, ``unpack_*``); the C++ side's one home is ``csrc/layout.h``;
-- ``formats``: bf16, int8, fp8; quantizing, dequantizing, scales; fp8 checkpoints' block
-  scales; ``can_pack``;
+- ``formats``: bf16, int8, fp8, int4; quantizing, dequantizing, scales; quantized checkpoints'
+  scales (fp8 blocks, int4 groups); ``can_pack``;
 - ``fill``: writing sources into a layout a chunk at a time (the reference packing too);
 - ``registry``: ``PackedWeight``, ``pack``, ``release``, the tensor-parallel ``Shard``;
 - ``memory``: huge pages, never-touched zeros, the pages of safetensors mappings;
@@ -25,15 +25,20 @@ from tilefx.custom_ops.weights.formats import (
     FORMATS,
     FP8_GROUP,
     FP8_MAX,
+    INT4_GROUP,
     QUANTIZED_DTYPES,
+    SCALE_DTYPES,
     QUANTIZED_LAYOUTS,
     attach_checkpoint_scales,
     can_pack,
     check_scales,
+    checkpoint_format,
     checkpoint_scales,
     dequantize,
+    dequantize_int4_rows,
     dequantize_blocks,
     format_of,
+    logical_shape,
     quantize_rows,
     scales_shape,
 )

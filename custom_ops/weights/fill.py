@@ -28,31 +28,41 @@ def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
 def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
                  source_scales=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
-    rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is an fp8
-    checkpoint's, with these 128 x 128 block scales: copied as they are into an fp8 packing, else dequantized a
-    chunk at a time."""
-    fp8_source = source_scales is not None
-    if fp8_source:
+    rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is a
+    quantized checkpoint's (fp8 with its 128 x 128 block scales, or int4 nibbles with their per-row group scales
+    and zeros): copied as it is into a packing of its own format, else dequantized a chunk at a time."""
+    source_format = None if source_scales is None else ("int4" if weight.dtype == torch.uint8 else "fp8")
+    if source_format == "fp8":
         formats.check_checkpoint_scales(weight, source_scales)
-    step = formats.FP8_GROUP if scales is not None or fp8_source else BLOCK_N  # chunks never split a scale block
-    row_bytes = weight[0].numel() * (4 if fp8_source else weight.element_size())  # fp8: dequantized in fp32
+    step = formats.FP8_GROUP if scales is not None or source_format else BLOCK_N  # chunks never split a scale block
+    row_bytes = weight[0].numel() * (4 if source_format else weight.element_size())  # dequantized in fp32
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes) // step) * step
+    out_format = formats.format_of(out)
     for row in range(0, weight.shape[0], rows_per_chunk):
         source = weight[row : row + rows_per_chunk]
         block = row // BLOCK_N
         blocks = layouts.blocks_of(source.shape[0])
         values, row_scales = source, None
-        if fp8_source:
+        if source_format == "fp8":
             formats.refuse_nan_codes(source)
             groups = source_scales[row // formats.FP8_GROUP : -(-(row + source.shape[0]) // formats.FP8_GROUP)]
-            if formats.format_of(out) == "fp8":  # the checkpoint's own values and scales
+            if out_format == "fp8":  # the checkpoint's own values and scales
                 row_scales = groups
             else:
                 values = formats.dequantize_blocks(source, groups)
+        elif source_format == "int4":
+            params = source_scales[row : row + source.shape[0]]
+            if out_format == "int4":
+                row_scales = params
+            else:
+                values = formats.dequantize_int4_rows(source, params)
         if scales is not None and row_scales is None:
-            values, row_scales = formats.quantize_rows(values, formats.format_of(out))
+            values, row_scales = formats.quantize_rows(values, out_format)
         if scales is None:
             write_blocks(out[block : block + blocks], values, native)
+        elif out_format == "int4":  # nibbles one a byte -> two a byte, in the int4 order
+            out[block : block + blocks].copy_(layouts.int4_interleave(layouts.linear_order(values)))
+            formats.write_scales(scales[block : block + blocks], row_scales)
         else:
             write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
             formats.write_scales(scales[block : block + blocks], row_scales)
@@ -112,20 +122,25 @@ def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
 
 
 def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> None:
-    """Turn an fp8 checkpoint weight that no packing reads into ``dtype`` in place (one 2-D slice at a time
-    alongside the result)."""
+    """Turn a quantized checkpoint weight (fp8 or int4) that no packing reads into ``dtype`` in place (one 2-D
+    slice at a time alongside the result)."""
     scales = formats.checkpoint_scales(weight)
     if scales is None:
         return
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
     flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
-    halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
-    for v, s, o in zip(flat_values, flat_scales, flat_out):
-        for part_v, part_s, part_o in zip(v.chunk(halves), s.chunk(halves), o.chunk(halves)):
-            formats.check_checkpoint_scales(part_v, part_s)
-            formats.refuse_nan_codes(part_v)
-            part_o.copy_(formats.dequantize_blocks(part_v, part_s, dtype))
+    if values.dtype == torch.uint8:  # int4: the params are per row
+        flat_scales = scales.reshape(-1, *scales.shape[-3:])
+        for v, s, o in zip(flat_values, flat_scales, flat_out):
+            o.copy_(formats.dequantize_int4_rows(v, s, dtype))
+    else:
+        halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
+        for v, s, o in zip(flat_values, flat_scales, flat_out):
+            for part_v, part_s, part_o in zip(v.chunk(halves), s.chunk(halves), o.chunk(halves)):
+                formats.check_checkpoint_scales(part_v, part_s)
+                formats.refuse_nan_codes(part_v)
+                part_o.copy_(formats.dequantize_blocks(part_v, part_s, dtype))
     weight.data = out
     formats.forget_checkpoint_scales(weight)
     memory.drop_file_pages(values, memory.file_mappings())

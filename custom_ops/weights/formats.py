@@ -2,9 +2,13 @@
 
 ``FORMATS``: ``bf16``; ``int8`` (symmetric, one fp32 scale per output channel); ``fp8``
 (e4m3, one fp32 scale per 128 x 128 block of the source, the hub's ``weight_scale_inv``:
-``W = q * scale``). A quantized packing holds its 1-byte values in the same element order
-as bf16 (``[blocks, K/2, 32, 2]``) and its scales in packed-block order, ``[blocks, 32]``
-(int8: per packed column) or ``[blocks, K/128]`` (fp8: per block and 128 inputs), so
+``W = q * scale``); ``int4`` (unsigned nibbles with an fp16 scale and zero point per output
+channel and 128 inputs, ``W = (q - z) * s``: GPTQ's and AWQ's meaning, RTN symmetric is z = 8).
+A quantized packing holds its 1-byte values in the same element order as bf16 (``[blocks, K/2,
+32, 2]``; int4 two a byte, ``[blocks, K/2, 16, 2]`` in the order ``layouts.int4_interleave``
+gives) and its scales in packed-block order, ``[blocks, 32]`` (int8: per packed column),
+``[blocks, K/128]`` (fp8: per block and 128 inputs) or ``[blocks, K/128, 2, 32]`` (int4: per
+group, the 32 columns' scales then their zero points), so
 kernels never map a block back to its source rows and gate/up interleaving or sibling
 fusion need no scale bookkeeping of their own. ``quantize_rows`` is the specification of
 quantizing, ``dequantize`` of reading a packed tensor back.
@@ -22,10 +26,12 @@ from tilefx.custom_ops.weights import layouts
 from tilefx.custom_ops.weights.layouts import BLOCK_N
 
 # format -> the packed tensor's dtype (the kernels read the format from it)
-FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+FORMATS = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "int4": torch.uint8}
 FP8_GROUP = 128  # fp8 scale blocks: 128 output channels x 128 inputs (the hub's weight_block_size)
 FP8_MAX = 448.0  # largest finite e4m3 value
-QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+INT4_GROUP = 128  # int4 scale groups: 128 inputs of one output channel (csrc/kernels.h kInt4GroupPairs)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.uint8)
+SCALE_DTYPES = {"int8": torch.float32, "fp8": torch.float32, "int4": torch.float16}
 # what the quantized kernels read (MLA's per-head halves: bf16); "experts" is can_pack's name for the pair
 QUANTIZED_LAYOUTS = ("linear", "gate_up", "experts", "expert_gate_up", "expert_down")
 
@@ -44,14 +50,32 @@ def check_format(format: str) -> None:
 
 
 def scales_shape(packed_shape: tuple[int, ...], format: str) -> tuple[int, ...]:
-    """The scales of a packing of ``packed_shape`` (``[..., blocks, pairs, 32, 2]``) in ``format``: int8
-    ``[..., blocks, 32]``, fp8 ``[..., blocks, ceil(K / 128)]``; bf16 has none (``()``)."""
+    """The scales of a packing of ``packed_shape`` (``[..., blocks, pairs, 32 (int4: 16), 2]``) in ``format``:
+    int8 ``[..., blocks, 32]``, fp8 ``[..., blocks, ceil(K / 128)]``, int4 ``[..., blocks, ceil(K / 128), 2, 32]``;
+    bf16 has none (``()``)."""
     *lead, blocks, pairs, _, _ = packed_shape
     if format == "int8":
         return (*lead, blocks, BLOCK_N)
     if format == "fp8":
         return (*lead, blocks, -(-2 * pairs // FP8_GROUP))
+    if format == "int4":
+        return (*lead, blocks, -(-2 * pairs // INT4_GROUP), 2, BLOCK_N)
     return ()
+
+
+def logical_shape(packed: torch.Tensor) -> tuple[int, ...]:
+    """The layout shape ``[..., blocks, pairs, 32, 2]`` a packed tensor holds (``stored_shape``'s inverse)."""
+    if packed.dtype == torch.uint8:
+        return (*packed.shape[:-2], BLOCK_N, 2)
+    return tuple(packed.shape)
+
+
+def stored_shape(layout_shape: tuple[int, ...], format: str) -> tuple[int, ...]:
+    """The packed tensor's shape for a layout's ``[..., blocks, pairs, 32, 2]`` in ``format`` (int4: two values a
+    byte, ``[..., blocks, pairs, 16, 2]``)."""
+    if format == "int4":
+        return (*layout_shape[:-2], BLOCK_N // 2, 2)
+    return tuple(layout_shape)
 
 
 def check_scales(op: str, packed: torch.Tensor, scales: torch.Tensor | None) -> None:
@@ -61,10 +85,13 @@ def check_scales(op: str, packed: torch.Tensor, scales: torch.Tensor | None) -> 
         torch._check(scales is None, lambda: f"tilefx.{op}: a {packed.dtype} weight takes no scales")
         return
     format = format_of(packed)
-    want = scales_shape(tuple(packed.shape), format)
-    torch._check(scales is not None and scales.dtype == torch.float32 and tuple(scales.shape) == want,
-                 lambda: f"tilefx.{op}: a {format} weight needs its fp32 scales {list(want)} (packed_scales), got "
+    want, dtype = scales_shape(tuple(packed.shape), format), SCALE_DTYPES[format]
+    torch._check(scales is not None and scales.dtype == dtype and tuple(scales.shape) == want,
+                 lambda: f"tilefx.{op}: a {format} weight needs its {dtype} scales {list(want)} (packed_scales), got "
                          f"{None if scales is None else (scales.dtype, tuple(scales.shape))}")
+    if format == "int4":
+        torch._check(packed.shape[-3] % 2 == 0, lambda: f"tilefx.{op}: an int4 weight's inputs come in fours, got "
+                                                        f"{2 * packed.shape[-3]}")
 
 
 def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +100,9 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     int8: symmetric per row, ``scale = max|w| / 127``, values rounded to nearest in [-127, 127], scales ``[n]``.
     fp8: e4m3 per 128 x 128 block, ``scale = max|w| / 448`` (the hub's ``weight_scale_inv``), values
     rounded to nearest e4m3, scales ``[ceil(n / 128), ceil(k / 128)]``. All-zero rows or blocks get scale 1.
+    int4: round to nearest (RTN), symmetric per row and 128 inputs: ``scale = max|w| / 7`` rounded to fp16,
+    values ``round(w / scale)`` in [-7, 7] stored as unsigned nibbles plus 8 (uint8 ``[n, k]``), scales
+    ``[n, ceil(k / 128), 2]`` fp16 (the scale, and the zero point 8).
     """
     w = weight.float()
     n, k = w.shape
@@ -80,8 +110,16 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
         scale = w.abs().amax(dim=1) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    if format == "int4":
+        groups = -(-k // INT4_GROUP)
+        padded = torch.nn.functional.pad(w, (0, groups * INT4_GROUP - k)).view(n, groups, INT4_GROUP)
+        scale = (padded.abs().amax(dim=2) / 7.0).half()
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an underflow to 0 included)
+        values = torch.round(padded / scale.float()[..., None]).clamp_(-7, 7).add_(8).to(torch.uint8)
+        params = torch.stack([scale, torch.full_like(scale, 8.0)], dim=-1)
+        return values.view(n, -1)[:, :k], params
     if format != "fp8":
-        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8)")
+        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8, int4)")
     rows, cols = -(-n // FP8_GROUP), -(-k // FP8_GROUP)
     blocks = torch.nn.functional.pad(w, (0, cols * FP8_GROUP - k, 0, rows * FP8_GROUP - n))
     blocks = blocks.view(rows, FP8_GROUP, cols, FP8_GROUP)
@@ -97,6 +135,10 @@ def write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:
         padded = torch.zeros(out.shape[0] * BLOCK_N)
         padded[: row_scales.shape[0]] = row_scales
         out.copy_(padded.view(-1, BLOCK_N))
+    elif row_scales.dim() == 3:  # int4: [rows, groups, 2] -> [blocks, groups, 2, 32] (padding rows: 0 and 0)
+        padded = row_scales.new_zeros((out.shape[0] * BLOCK_N, *row_scales.shape[1:]))
+        padded[: row_scales.shape[0]] = row_scales
+        out.copy_(padded.view(out.shape[0], BLOCK_N, *row_scales.shape[1:]).permute(0, 2, 3, 1))
     else:  # fp8: a 128-row scale block covers 4 packed blocks
         out.copy_(row_scales.repeat_interleave(FP8_GROUP // BLOCK_N, dim=0)[: out.shape[0]])
 
@@ -105,6 +147,12 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
     """A packed tensor's values in fp32, same shape and order (the references' first step; bf16: widened)."""
     if packed.dtype == torch.bfloat16:
         return packed.float()
+    if format_of(packed) == "int4":  # scales [..., blocks, groups, 2, 32]: per group of 64 pairs and column
+        values = layouts.int4_values(packed).float()  # [..., blocks, pairs, 32, 2]
+        pairs = values.shape[-3]
+        per_pair = scales.float().repeat_interleave(INT4_GROUP // 2, dim=-3)[..., :pairs, :, :]
+        scale, zero = per_pair[..., 0, :], per_pair[..., 1, :]
+        return (values - zero[..., None]) * scale[..., None]
     values = packed.float()
     if format_of(packed) == "int8":  # scales [..., blocks, 32]: per column of the block
         return values * scales[..., :, None, :, None]
@@ -113,17 +161,27 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
     return values * per_pair[..., None, None]
 
 
-# -- fp8 checkpoints: weights that arrive quantized ----------------------------------------------------------
+# -- checkpoints whose weights arrive quantized: fp8 (block scales), int4 (GPTQ / AWQ, models/int4.py) ----------
 
-# parameter -> its fp8 checkpoint block scales (held by the parameter object's identity, not on the tensor)
+# parameter -> its checkpoint scales (held by the parameter object's identity, not on the tensor)
 _checkpoint_scales = WeakTensorKeyDictionary()
 
 
 def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """Mark ``weight`` (e4m3 values as an fp8 checkpoint holds them) with its ``weight_scale_inv``: one fp32 per
-    128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``; 3-D experts ``[E, ...]`` per expert, and a fused
-    gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of its own rows). ``pack`` then reads it as is
-    (fp8) or dequantizes it a chunk at a time (other formats), so no bf16 copy of it ever exists whole."""
+    """Mark ``weight`` as a quantized checkpoint's values with their scales; ``pack`` then reads them as they are
+    (same format) or dequantizes them a chunk at a time (other formats), so no bf16 copy of it ever exists whole.
+
+    fp8: e4m3 values with their ``weight_scale_inv``, one fp32 per 128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``;
+    3-D experts ``[E, ...]`` per expert, and a fused gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of
+    its own rows). int4: unsigned nibbles one a byte (uint8 ``[..., N, K]``) with fp16 ``[..., N, ceil(K / 128),
+    2]``: per row and 128 inputs the scale and the zero point (``W = (q - z) * s``)."""
+    if weight.dtype == torch.uint8:
+        if scale_inv.dtype != torch.float16 or tuple(scale_inv.shape) != (
+                *weight.shape[:-1], -(-weight.shape[-1] // INT4_GROUP), 2):
+            raise ValueError(f"int4 checkpoint values {tuple(weight.shape)} need fp16 scales and zero points "
+                             f"[..., N, ceil(K / {INT4_GROUP}), 2], got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+        _checkpoint_scales[weight] = scale_inv
+        return
     if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise ValueError(f"an fp8 checkpoint weight is float8_e4m3fn with float32 scales, got {weight.dtype} "
                          f"with {scale_inv.dtype}")
@@ -135,13 +193,28 @@ def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> N
 
 
 def checkpoint_scales(weight: torch.Tensor) -> torch.Tensor | None:
-    """The block scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight)."""
+    """The scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight)."""
     return _checkpoint_scales.get(weight)
+
+
+def checkpoint_format(weight: torch.Tensor) -> str:
+    """The format a weight arrived in: ``fp8`` / ``int4`` for a quantized checkpoint's (with its scales), else bf16."""
+    if checkpoint_scales(weight) is None:
+        return "bf16"
+    return "int4" if weight.dtype == torch.uint8 else "fp8"
 
 
 def forget_checkpoint_scales(weight: torch.Tensor) -> None:
     """``weight`` no longer holds checkpoint values (dequantized, or released after packing)."""
     _checkpoint_scales.pop(weight, None)
+
+
+def dequantize_int4_rows(values: torch.Tensor, params: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """int4 checkpoint nibbles ``values [n, k]`` with their ``params [n, groups, 2]`` in ``dtype``: ``(q - z) * s``
+    in fp32 (exact), rounded once."""
+    n, k = values.shape
+    per_input = params.float().repeat_interleave(INT4_GROUP, dim=1)[:, :k]
+    return ((values.float() - per_input[..., 1]) * per_input[..., 0]).to(dtype)
 
 
 def check_checkpoint_scales(weight: torch.Tensor, scales: torch.Tensor) -> None:
@@ -184,8 +257,10 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: s
         return f"{format} weights: the {layout} kernels read bf16 only"
     dtypes = {w.dtype for w in weights}
     if any(w.dtype != torch.bfloat16 and checkpoint_scales(w) is None for w in weights):
-        return (f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 or from an fp8 checkpoint's "
-                f"weights (with their scales)")
+        return (f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 or from a quantized "
+                f"checkpoint's weights (with their scales)")
+    if format == "int4" and any(w.shape[-1] % 4 for w in weights):
+        return f"in_features {[w.shape[-1] for w in weights]}: int4 reads inputs in fours"
     if len(dtypes) > 1 and layout != "experts":  # experts: gate_up and down are packed apart
         return f"siblings of different dtypes {sorted(map(str, dtypes))}"
     if x_dtype is not None and x_dtype != torch.bfloat16:

@@ -16,7 +16,8 @@ def _fake(layout: str, weights, args: tuple = (), format: str = "bf16") -> torch
     torch._check(format in formats.FORMATS, lambda: f"pack ({layout}): unknown format {format!r}")
     if layout.startswith("mla"):
         layouts.mla_part(weights[0], *args, value=layout == "mla_value")  # its shape check
-    return weights[0].new_empty(layouts.layout_shape(layout, weights, args), dtype=formats.FORMATS[format])
+    shape = formats.stored_shape(layouts.layout_shape(layout, weights, args), format)
+    return weights[0].new_empty(shape, dtype=formats.FORMATS[format])
 
 
 # Each packing op's schema, and how its arguments become one request (layout, weights, layout args, format): the
@@ -59,7 +60,7 @@ def _reference(request):
 def _packed_scales_fake(packed: torch.Tensor) -> torch.Tensor:
     format = formats.format_of(packed)
     torch._check(format != "bf16", lambda: "tilefx.packed_scales: a bf16 packing has no scales")
-    return packed.new_empty(formats.scales_shape(tuple(packed.shape), format), dtype=torch.float32)
+    return packed.new_empty(formats.scales_shape(tuple(packed.shape), format), dtype=formats.SCALE_DTYPES[format])
 
 
 _LIB = torch.library.Library("tilefx", "FRAGMENT")

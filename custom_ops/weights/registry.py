@@ -160,8 +160,9 @@ def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = (), fo
     if format != "bf16":
         why = formats.can_pack(layout, weights, format=format)
         torch._check(why is None, lambda: f"pack ({layout}, {format}): {why}")
-    shape = layouts.layout_shape(layout, weights, args)
-    scales = torch.zeros(formats.scales_shape(shape, format)) if format != "bf16" else None
+    shape = formats.stored_shape(layouts.layout_shape(layout, weights, args), format)
+    scales = torch.zeros(formats.scales_shape(shape, format), dtype=formats.SCALE_DTYPES[format]) \
+        if format != "bf16" else None
     data = fill.fill(layout, weights, tuple(args), memory.huge_page_empty(shape, formats.FORMATS[format]),
                      scales=scales)
     packed = PackedWeight(layout, data, tuple(tuple(w.shape) for w in weights), tuple(names), tuple(args),

@@ -61,7 +61,7 @@ def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
     with pytest.raises(RuntimeError, match="unknown prefill GEMM"):
         isa.native.set_prefill_gemm("bf16", "mkl")
     with pytest.raises(RuntimeError, match="unknown weight format"):
-        isa.native.set_prefill_gemm("int4", "unit")
+        isa.native.set_prefill_gemm("int3", "unit")
     with tuning.untuned():
         assert {isa.native.get_prefill_gemm(f) for f in weights.FORMATS} == {"default"}
     for path in isa.supported():

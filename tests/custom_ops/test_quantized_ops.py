@@ -1,4 +1,4 @@
-"""Quantized weights (int8, fp8): packing and scales, and every linear kernel path against a reference that
+"""Quantized weights (int8, fp8, int4): packing and scales, and every linear kernel path against a reference that
 dequantizes the weight then multiplies in fp32."""
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from tilefx.custom_ops import weights
 
 from quantized import dequantized
 
-FORMATS = ["int8", "fp8"]
+FORMATS = ["int8", "fp8", "int4"]
+
+
+def _skip_unless_fits(format, in_features):
+    if format == "int4" and in_features % 4:
+        pytest.skip("int4 reads inputs in fours (can_pack refuses other K)")
 
 
 def _relative_error(got, want):
@@ -41,6 +46,7 @@ SHAPES = [
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("rows,out_features,in_features", SHAPES)
 def test_quantized_linear_matches_dequantized_matmul(kernel_path, format, rows, out_features, in_features, bias):
+    _skip_unless_fits(format, in_features)
     weight = _weight(out_features, in_features, seed=out_features + in_features)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(*rows, in_features, generator=g).to(torch.bfloat16)
@@ -123,6 +129,7 @@ def test_quantized_linear_silu_mul(kernel_path, format, rows):
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("rows", [(2,), (3, 5)], ids=["batch2", "prefill"])
 def test_quantized_strided_activations(kernel_path, format, rows):
+    _skip_unless_fits(format, 130)
     wide = torch.randn(*rows, 2 * 130, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     x = wide[..., 5:135]
     weight = _weight(96, 130, seed=6)
@@ -176,9 +183,14 @@ def test_quantize_rows():
     assert values.dtype == torch.float8_e4m3fn and values.shape == (200, 300) and scales.shape == (2, 3)
     assert float(values.float().abs().amax()) == weights.FP8_MAX  # each block's largest value maps to 448
     assert not values.float().isnan().any()
+    values, params = weights.quantize_rows(weight, "int4")  # per row and 128 inputs: scale, zero point 8
+    assert values.dtype == torch.uint8 and values.shape == (200, 300) and params.shape == (200, 3, 2)
+    assert params.dtype == torch.float16 and bool((params[..., 1] == 8).all()) and int(values.max()) <= 15
+    assert int((values.int() - 8).abs().amax(dim=1).min()) == 7  # each row's largest |w| maps to +-7
     zero = torch.zeros(40, 50, dtype=torch.bfloat16)
     for format in FORMATS:
         _, scales = weights.quantize_rows(zero, format)
+        scales = scales[..., 0] if format == "int4" else scales
         assert torch.equal(scales, torch.ones_like(scales))  # no division by zero
 
 
@@ -187,12 +199,19 @@ def test_quantized_packing_layout_and_scales(format):
     """Values in the bf16 layout's element order; scales in packed-block order (each sibling's own)."""
     q, k = _weight(160, 72, seed=8), _weight(40, 72, seed=9)
     fused = weights.pack("linear", [q, k], format=format)
-    assert fused.dtype == weights.FORMATS[format] and fused.shape == weights.packed_shape(200, 72)
+    assert fused.dtype == weights.FORMATS[format] and weights.logical_shape(fused) == weights.packed_shape(200, 72)
     scales = weights.scales_of(fused)
     assert tuple(scales.shape) == weights.scales_shape(tuple(fused.shape), format)
     for source, first, blocks in ((q, 0, 5), (k, 5, 2)):
         values, row_scales = weights.quantize_rows(source, format)
-        unpacked = weights.unpack_linear_weight(fused[first : first + blocks], source.shape[0], 72)
+        part = fused[first : first + blocks]
+        if format == "int4":  # nibbles in the int4 order, params per block [groups, 2, 32]
+            unpacked = weights.unpack_linear_weight(weights.layouts.int4_values(part), source.shape[0], 72)
+            assert torch.equal(unpacked, values)
+            params = scales[first : first + blocks].permute(0, 3, 1, 2).reshape(-1, 1, 2)
+            assert torch.equal(params[: source.shape[0]], row_scales)
+            continue
+        unpacked = weights.unpack_linear_weight(part, source.shape[0], 72)
         assert torch.equal(unpacked.view(torch.uint8), values.view(torch.uint8))
         if format == "int8":
             assert torch.equal(scales[first : first + blocks].flatten()[: source.shape[0]], row_scales)
@@ -221,8 +240,9 @@ def test_can_pack_says_which_layouts_take_quantized_formats():
     kv_b = _weight(64, 32, seed=2)
     assert "bf16 only" in weights.can_pack("mla", [kv_b], format="int8")  # MLA's per-head halves
     assert weights.can_pack("linear", [_weight(32, 64, seed=1)], format="fp8") is None
+    assert "in fours" in weights.can_pack("linear", [_weight(32, 66, seed=1)], format="int4")
     with pytest.raises(ValueError, match="unknown weight format"):
-        weights.can_pack("linear", [_weight(32, 64, seed=1)], format="int4")
+        weights.can_pack("linear", [_weight(32, 64, seed=1)], format="int3")
 
 
 def _bf16_experts():
@@ -233,12 +253,12 @@ def _bf16_experts():
 
 @pytest.mark.parametrize("format", FORMATS)
 def test_quantized_packed_embedding(format):
-    weight = _weight(100, 70, seed=11)
+    weight = _weight(100, 72, seed=11)
     packed = weights.pack_linear_weight(weight, format)
-    ids = torch.tensor([[0, 5, 99], [31, 32, 64]])
-    got = linear_ops.packed_embedding(ids, packed, 70, weights.packed_scales(packed))
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got, dequantized(weight, format).to(torch.bfloat16)[ids])
+    for ids in (torch.tensor([[0, 5, 99], [31, 32, 64]]), torch.tensor(37)):
+        got = linear_ops.packed_embedding(ids, packed, 72, weights.packed_scales(packed))
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, dequantized(weight, format).to(torch.bfloat16)[ids])
 
 
 @pytest.mark.parametrize("format", FORMATS)
@@ -253,7 +273,7 @@ def test_opcheck_quantized(kernel_path, format):
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = weights.packed_scales(mode.from_tensor(packed))
-    assert fake.shape == scales.shape and fake.dtype == torch.float32
+    assert fake.shape == scales.shape and fake.dtype == scales.dtype == weights.SCALE_DTYPES[format]
     # test_schema compares the inputs before and after with arithmetic torch lacks for float8 on the CPU.
     checks = dict(test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
                   if format == "fp8" else torch.library._OPCHECK_DEFAULT_UTILS)
@@ -339,7 +359,7 @@ def test_checkpoint_fp8_release_and_checks():
     with pytest.raises(ValueError, match="float8_e4m3fn with float32"):
         weights.attach_checkpoint_scales(torch.zeros(64, 64), torch.ones(1, 1))
     unmarked = torch.zeros(64, 64, dtype=torch.float8_e4m3fn)
-    assert "packed from bf16 or from an fp8 checkpoint" in weights.can_pack("linear", [unmarked])
+    assert "packed from bf16 or from a quantized checkpoint" in weights.can_pack("linear", [unmarked])
     nan = _checkpoint_weight(64, 64, seed=4)
     nan.data.view(torch.uint8)[1, 2] = 0x7F
     with pytest.raises(ValueError, match="NaN e4m3 codes"):
@@ -361,6 +381,7 @@ def _experts(experts, hidden_size, inter, seed):
 def test_quantized_fused_moe_matches_dequantized_experts(kernel_path, format, tokens, hidden_size, inter):
     """Decode (1-2 tokens: GEMVs over 1-byte experts), prefill (GEMMs over dequantized panels); odd H, H not
     a multiple of 128, I spanning two 128-row scale blocks."""
+    _skip_unless_fits(format, hidden_size)
     from tilefx.custom_ops.moe import experts_reference
 
     experts = 6

@@ -76,7 +76,7 @@ def test_the_native_table_refuses_what_the_kernels_do_not_take():
         with pytest.raises(RuntimeError, match="tilefx tuning"):
             isa.native.set_walk_tuning(unit, "bf16", streams, prefetch)
     with pytest.raises(RuntimeError, match="unknown weight format"):
-        isa.native.set_walk_tuning(unit, "int4", 1, 0)
+        isa.native.set_walk_tuning(unit, "int3", 1, 0)
 
 
 def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):

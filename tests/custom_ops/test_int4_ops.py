@@ -1,0 +1,142 @@
+"""int4 weights as GPTQ / AWQ checkpoints hold them: unsigned nibbles with a scale and a zero point per row and
+128 inputs (asymmetric: any zero in [0, 15]), packed as they are and run on every kernel path, against the
+exactly dequantized weight. (``weights="int4"``'s own symmetric RTN runs in test_quantized_ops.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import tuning, weights
+
+
+def _checkpoint_int4(rows, in_features, seed, lead=()):
+    """Random nibbles and params ``[..., rows, groups, 2]`` (fp16 scale, integer zero point in [0, 15]), marked as
+    an int4 checkpoint's weight; and the fp32 weight they mean."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (*lead, rows, in_features), generator=g, dtype=torch.uint8)
+    groups = -(-in_features // weights.INT4_GROUP)
+    scales = (torch.rand(*lead, rows, groups, generator=g) * 0.02 + 0.005).half()
+    zeros = torch.randint(0, 16, (*lead, rows, groups), generator=g).half()
+    params = torch.stack([scales, zeros], dim=-1)
+    weight = torch.nn.Parameter(values, requires_grad=False)
+    weights.attach_checkpoint_scales(weight, params)
+    flat = [weights.dequantize_int4_rows(v, p, torch.float32)
+            for v, p in zip(values.reshape(-1, rows, in_features), params.reshape(-1, rows, groups, 2))]
+    return weight, torch.stack(flat).reshape(*lead, rows, in_features)
+
+
+def _relative_error(got, want):
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def test_dequantize_int4_rows_is_q_minus_z_times_s():
+    values = torch.tensor([[0, 15, 8, 3] + [1] * 124 + [7, 9]], dtype=torch.uint8)  # 130 inputs: two groups
+    params = torch.tensor([[[0.5, 8.0], [0.25, 3.0]]], dtype=torch.float16)
+    got = weights.dequantize_int4_rows(values, params, torch.float32)
+    assert got[0, :4].tolist() == [-4.0, 3.5, 0.0, -2.5] and got[0, 128:].tolist() == [1.0, 1.5]
+
+
+# decode (1, 2 rows: words), the smallest GEMM (3), prefill; K with a partial last group (200, 1000) and over many
+@pytest.mark.parametrize("rows", [1, 2, 3, 37])
+@pytest.mark.parametrize("out_features,in_features", [(70, 200), (64, 1000), (4096 + 32, 256)])
+def test_int4_checkpoint_linear_on_every_path(kernel_path, rows, out_features, in_features):
+    weight, want_weight = _checkpoint_int4(out_features, in_features, seed=rows + in_features)
+    packed = weights.pack_linear_weight(weight, "int4")
+    scales = weights.packed_scales(packed)
+    assert packed.dtype == torch.uint8 and scales.dtype == torch.float16
+    x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = x.float() @ want_weight.T + bias.float()
+    got = linear_ops.linear(x, packed, bias, out_features, scales)
+    assert _relative_error(got, want) < 1e-2
+    # the reference reads the packing back exactly
+    assert torch.equal(weights.unpack_linear_weight(weights.dequantize(packed, scales), out_features, in_features),
+                       want_weight)
+
+
+def test_int4_decode_holds_the_largest_products(kernel_path):
+    """Every nibble 15 against zero point 0 and every x at the row's maximum over K = 8192: each group's int32
+    sums stay exact, and a zero point of 15 cancels them to 0 exactly where the nibbles equal it."""
+    in_features = 8192
+    values = torch.full((64, in_features), 15, dtype=torch.uint8)
+    groups = in_features // weights.INT4_GROUP
+    params = torch.stack([torch.full((64, groups), 0.01), torch.zeros(64, groups)], dim=-1).half()
+    params[32:, :, 1] = 15  # the second block's columns: (15 - 15) * s = 0
+    weight = torch.nn.Parameter(values, requires_grad=False)
+    weights.attach_checkpoint_scales(weight, params)
+    packed = weights.pack_linear_weight(weight, "int4")
+    for rows in (1, 2):
+        x = torch.ones(rows, in_features).to(torch.bfloat16)
+        got = linear_ops.linear_float(x, packed, None, 64, weights.packed_scales(packed))
+        want = float(torch.tensor(0.01, dtype=torch.float16)) * 15 * in_features
+        assert torch.allclose(got[:, :32], torch.full((rows, 32), want), rtol=1e-4)
+        assert torch.equal(got[:, 32:], torch.zeros(rows, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int4_checkpoint_gate_up(kernel_path, rows):
+    gate, gate_w = _checkpoint_int4(96, 384, seed=1)
+    up, up_w = _checkpoint_int4(96, 384, seed=2)
+    packed = weights.pack_gate_up_weight(gate, up, "int4")
+    x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = torch.nn.functional.silu(x.float() @ gate_w.T) * (x.float() @ up_w.T)
+    got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
+    assert _relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 40])
+def test_int4_checkpoint_experts(kernel_path, tokens):
+    """A checkpoint's experts (each expert's gate and up rows stacked, as the loader fuses them), decode and
+    prefill, on the unit and (prefill) forced onto oneDNN's brgemm."""
+    from tilefx.custom_ops.moe import experts_reference
+
+    experts, hidden, inter = 5, 256, 96
+    gate_up, gate_up_w = _checkpoint_int4(2 * inter, hidden, seed=7, lead=(experts,))
+    down, down_w = _checkpoint_int4(hidden, inter, seed=8, lead=(experts,))
+    w13 = weights.pack_expert_gate_up_weight(gate_up, "int4")
+    w2 = weights.pack_expert_down_weight(down, "int4")
+    s13, s2 = weights.packed_scales(w13), weights.packed_scales(w2)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
+    topk_weights = torch.rand(tokens, 2, generator=g) + 0.1
+    want = experts_reference(x, gate_up_w.to(torch.bfloat16), down_w.to(torch.bfloat16), topk_weights, ids)
+    got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
+    assert _relative_error(got, want.float()) < 1e-2
+    if kernel_path != "reference" and tokens > 4:
+        with tuning.forced_gemm("int4", "brgemm"):
+            on_brgemm = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
+        assert _relative_error(on_brgemm, want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [5, 70])
+def test_int4_prefill_on_brgemm(kernel_path, rows):
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    weight, want_weight = _checkpoint_int4(5 * 32 + 7, 300, seed=11)
+    packed = weights.pack_linear_weight(weight, "int4")
+    x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    with tuning.forced_gemm("int4", "brgemm"):
+        got = torch.ops.tilefx.linear_float(x, packed, None, 5 * 32 + 7, weights.packed_scales(packed))
+    assert _relative_error(got, x.float() @ want_weight.T) < 1e-2
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_int4_checkpoint_packs_in_other_formats(kernel_path, format):
+    """An int4 checkpoint's weight asked for in another format is dequantized a chunk at a time, then packed."""
+    weight, want_weight = _checkpoint_int4(64, 256, seed=12)
+    packed = weights.pack_linear_weight(weight, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert _relative_error(linear_ops.linear(x, packed, None, 64, scales), x.float() @ want_weight.T) < 1e-2
+
+
+def test_int4_checkpoint_needs_its_params():
+    values = torch.zeros(32, 256, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fp16 scales and zero points"):
+        weights.attach_checkpoint_scales(values, torch.zeros(32, 2, 2))
+    with pytest.raises(ValueError, match="fp16 scales and zero points"):
+        weights.attach_checkpoint_scales(values, torch.zeros(32, 1, 2, dtype=torch.float16))
+    assert "packed from bf16 or from a quantized" in weights.can_pack("linear", [values], format="int4")
