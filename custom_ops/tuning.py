@@ -27,6 +27,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -151,21 +152,26 @@ def _last_level_cache_bytes() -> int:
 def _random_packing(n: int, k: int, format: str):
     """``(packed, scales, n, k)``: an [n, k] weight's packing in ``format`` holding random values in range
     (int8: +-127; e4m3: no NaN codes), in huge pages as packed weights are; timing does not read them as numbers."""
-    shape = layouts.packed_shape(n, k)
+    shape = formats.stored_shape(layouts.packed_shape(n, k), format)
     data = memory.huge_page_empty(shape, formats.FORMATS[format])
     if format == "bf16":
         data.normal_()
-    else:
-        data.view(torch.uint8).random_(0, 256).bitwise_and_(0x77 if format == "fp8" else 0x7F)
-    scales = torch.ones(formats.scales_shape(shape, format)) if format != "bf16" else None
+    else:  # (int4: any byte is two nibbles)
+        data.view(torch.uint8).random_(0, 256).bitwise_and_({"fp8": 0x77, "int8": 0x7F}.get(format, 0xFF))
+    scales = torch.ones(formats.scales_shape(shape, format), dtype=formats.SCALE_DTYPES[format]) \
+        if format != "bf16" else None
     return data, scales, n, k
+
+
+def _random_packing_bytes(n: int, k: int, format: str) -> int:
+    shape = formats.stored_shape(layouts.packed_shape(n, k), format)
+    return math.prod(shape) * formats.FORMATS[format].itemsize
 
 
 def _decode_pass(format: str):
     """Cold weights of a decode-like pass in ``format`` (each packed tensor with its scales) and the input."""
     pass_bytes = min(max(MIN_PASS_BYTES, 4 * _last_level_cache_bytes()), MAX_PASS_BYTES)
-    itemsize = formats.FORMATS[format].itemsize
-    layer_bytes = sum(n * k * itemsize for n, k in LAYER_SHAPES)
+    layer_bytes = sum(_random_packing_bytes(n, k, format) for n, k in LAYER_SHAPES)
     return [_random_packing(n, k, format) for n, k in LAYER_SHAPES * max(1, -(-pass_bytes // layer_bytes))]
 
 

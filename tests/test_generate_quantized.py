@@ -1,5 +1,6 @@
 """End to end, quantized weights: greedy tokens from the compiled model agree (close-logprobs rule) with HF
-eager over the same dequantized weights, for a dense, an MoE and an MLA family, int8 and fp8."""
+eager over the same dequantized weights, for a dense, an MoE and an MLA family, int8 and fp8 (int4: dense and
+MoE)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from helpers import (
 from quantized import dequantize_like_packing
 
 CASES = [(family, format) for family in ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")
-         for format in ("int8", "fp8")]
+         for format in ("int8", "fp8")] + [("tiny-llama", "int4"), ("tiny-qwen3-moe", "int4")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{w}" for f, w in CASES])
@@ -53,5 +54,5 @@ def test_quantized_on_the_avx512_unit_matches_eager(quantized_pair):
 
 
 def test_rejects_an_unknown_format():
-    with pytest.raises(ValueError, match="weights='int4'"):
-        tilefx.compile_model(build_model("tiny-llama", seed=1), weights="int4")
+    with pytest.raises(ValueError, match="weights='int3'"):
+        tilefx.compile_model(build_model("tiny-llama", seed=1), weights="int3")
