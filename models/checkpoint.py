@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from tilefx.custom_ops import weights
+from tilefx.models import int4
 from tilefx.models.adapters import adapter_for
 from tilefx.models.packing import narrow_exact_routers
 from tilefx.models.presets import build_model
@@ -24,7 +25,16 @@ _CORPUS = [
     "0123456789 +-*/=()[]{}<>,.;:!?'\" \n\t",
 ]
 
-CHECKPOINT_FORMATS = ("bf16", "fp8")
+CHECKPOINT_FORMATS = ("bf16", "fp8", "gptq", "gptq-asym", "awq")
+# What GPTQ-Int4 / AWQ checkpoints on the hub ship: the same decoder linears in 4 bits, groups of 128 inputs
+# (models/int4.py has the layouts); GPTQ symmetric (zero point 8) or not, AWQ with zero points.
+INT4_QUANTIZATION_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "gptq-asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False,
+                  "checkpoint_format": "gptq"},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
 # What DeepSeek-V3 / Qwen3-FP8 ship: every linear of the decoder layers (attention and MLP projections, shared
 # and routed experts; Mixtral's experts are w1 / w2 / w3) in e4m3 with a fp32 `weight_scale_inv` per 128 x 128
 # block; embeddings, norms, routers and the lm_head in bf16.
@@ -49,7 +59,8 @@ def build_tokenizer(vocab_size: int, *, bos: str = "<s>", eos: str = "</s>", pad
 
 def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None = None, seed: int = 0,
                      weights: str = "bf16") -> pathlib.Path:
-    """Write ``preset`` (random weights) to ``out``; ``weights="fp8"``: in the hub's FP8 layout."""
+    """Write ``preset`` (random weights) to ``out``; ``weights="fp8"``: in the hub's FP8 layout; ``"gptq"``,
+    ``"gptq-asym"``, ``"awq"``: its decoder linears in that 4-bit layout (round to nearest, groups of 128)."""
     if weights not in CHECKPOINT_FORMATS:
         raise ValueError(f"weights={weights!r}: a checkpoint is written in one of {', '.join(CHECKPOINT_FORMATS)}")
     out = pathlib.Path(out)
@@ -64,6 +75,8 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
         bf16_linears = sorted(name for name, module in model.named_modules()
                               if type(module) is torch.nn.Linear and not is_fp8_linear(name))
         model.config.quantization_config = dict(FP8_QUANTIZATION_CONFIG, modules_to_not_convert=bf16_linears)
+    elif weights in INT4_QUANTIZATION_CONFIGS:
+        model.config.quantization_config = dict(INT4_QUANTIZATION_CONFIGS[weights])
     # the hub ships DeepSeek's router weights in bf16, not as transformers 5.24 holds them
     narrow_exact_routers(model, adapter_for(model.config))
     # Shards of at most 2 GB, as the hub ships large models: saving copies one shard at a time.
@@ -71,6 +84,8 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
     del model
     if weights == "fp8":
         _quantize_shards(out)
+    elif weights in INT4_QUANTIZATION_CONFIGS:
+        _quantize_shards(out, weights)
     tokenizer.save_pretrained(out)
     return out
 
@@ -82,9 +97,11 @@ def is_fp8_linear(name: str) -> bool:
     return ".layers." in f".{name}" and (last.endswith(("_proj", "_proj_with_mqa")) or last in ("w1", "w2", "w3"))
 
 
-def _quantize_shards(out: pathlib.Path) -> None:
-    """Rewrite each shard of ``out`` with its FP8 linears as e4m3 ``weight`` + fp32 ``weight_scale_inv``, one
-    shard in memory at a time, and the index's weight map to match."""
+def _quantize_shards(out: pathlib.Path, int4_layout: str | None = None) -> None:
+    """Rewrite each shard of ``out`` with its FP8 linears as e4m3 ``weight`` + fp32 ``weight_scale_inv`` (or, with
+    ``int4_layout``, as that 4-bit layout's ``qweight``, ``qzeros``, ``scales``...), one shard in memory at a time,
+    and the index's weight map to match."""
+    scheme = int4.scheme_of(INT4_QUANTIZATION_CONFIGS[int4_layout]) if int4_layout else None
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else None
     for shard in sorted(out.glob("*.safetensors")):
@@ -93,6 +110,15 @@ def _quantize_shards(out: pathlib.Path) -> None:
             metadata = source.metadata()
             for key in source.keys():
                 tensor = source.get_tensor(key)
+                if key.endswith(".weight") and tensor.dim() == 2 and is_fp8_linear(key) and scheme is not None:
+                    module = key.removesuffix(".weight")
+                    for name, value in int4.write_int4(tensor, scheme, symmetric=int4_layout != "gptq-asym").items():
+                        tensors[f"{module}.{name}"] = value
+                        if index is not None:
+                            index["weight_map"][f"{module}.{name}"] = shard.name
+                    if index is not None:
+                        del index["weight_map"][key]
+                    continue
                 if key.endswith(".weight") and tensor.dim() == 2 and is_fp8_linear(key):
                     tensor, tensors[f"{key}_scale_inv"] = weights.quantize_rows(tensor, "fp8")
                     tensor = tensor.contiguous()

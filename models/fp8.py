@@ -32,6 +32,7 @@ from unittest import mock
 import torch
 
 from tilefx.custom_ops import weights
+from tilefx.models import int4
 
 SUPPORTED = ("bf16 / fp16 / fp32 weights, or FP8 as DeepSeek-V3 and Qwen3-FP8 ship it (quant_method 'fp8', "
              "fmt 'e4m3', weight_block_size [128, 128], activation_scheme 'dynamic', float scales)")
@@ -46,12 +47,19 @@ class UnsupportedCheckpointError(ValueError):
 
 
 def checkpoint_format(config) -> str:
-    """``"fp8"`` for an FP8 checkpoint tilefx loads natively, ``"bf16"`` for an unquantized one; raises
-    ``UnsupportedCheckpointError`` for any other ``quantization_config``."""
+    """``"fp8"`` for an FP8 checkpoint tilefx loads natively, ``"int4"`` for a GPTQ / AWQ one it runs
+    (models/int4.py), ``"bf16"`` for an unquantized one; raises ``UnsupportedCheckpointError`` for any other
+    ``quantization_config``, naming what."""
     fields = _quantization_fields(config)
     if fields is None:
         return "bf16"
     method = str(_normal(fields.get("quant_method", "?")))  # transformers' config objects hold an enum
+    if method.lower() in int4.METHODS:
+        try:
+            int4.scheme_of(fields)
+        except int4.UnsupportedInt4Error as error:
+            raise UnsupportedCheckpointError(str(error)) from None
+        return "int4"
     wanted = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
               "activation_scheme": "dynamic", "scale_fmt": "float", "expert_dtype": "fp8"}
     problems = [f"{key}={fields[key]!r}" for key, value in wanted.items()
@@ -59,10 +67,15 @@ def checkpoint_format(config) -> str:
     if method != "fp8" or problems:
         what = f"quant_method={method!r}" + "".join(f", {p}" for p in problems if not p.startswith("quant_method"))
         raise UnsupportedCheckpointError(
-            f"this checkpoint is quantized ({what}), which tilefx cannot load; it runs {SUPPORTED}. "
-            f"Load it with transformers, or convert it to bf16 first."
+            f"this checkpoint is quantized ({what}), which tilefx cannot load; it runs {SUPPORTED}, and "
+            f"{int4.SUPPORTED}. Load it with transformers, or convert it to bf16 first."
         )
     return "fp8"
+
+
+def int4_scheme(config) -> int4.Int4Scheme:
+    """The GPTQ / AWQ scheme of a checkpoint ``checkpoint_format`` says is int4."""
+    return int4.scheme_of(_quantization_fields(config))
 
 
 def _quantization_fields(config) -> dict | None:

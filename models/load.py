@@ -35,7 +35,7 @@ class Source:
     model_or_name: str | PreTrainedModel  # a hub id or directory, or a built model
     config: object
     adapter: FamilyAdapter
-    checkpoint_format: str  # "bf16" or "fp8" (models/fp8.py)
+    checkpoint_format: str  # "bf16", "fp8" (models/fp8.py) or "int4" (GPTQ / AWQ, models/int4.py)
     from_pretrained: dict  # from_pretrained's keyword arguments (revision, local_files_only, trust_remote_code)
     tp: tensor_parallel.TPContext | None = None  # tensor parallel: this rank's place in the process group
     plan: tensor_parallel.Plan | None = None  # tensor parallel: how the model splits, the rank's local config
@@ -122,8 +122,10 @@ def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16,
         placed = placed or place_rank(source)
         directory = shard_loading.resolve_directory(source.model_or_name, revision=source.from_pretrained["revision"],
                                                     local_files_only=source.from_pretrained["local_files_only"])
+        scheme = fp8.int4_scheme(source.config) if source.checkpoint_format == "int4" else None
         with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go
-            model = shard_loading.load_shard(directory, source.config, source.adapter, source.plan, source.tp, dtype)
+            model = shard_loading.load_shard(directory, source.config, source.adapter, source.plan, source.tp, dtype,
+                                             scheme=scheme)
         loaded = Loaded(model, source.plan.local_config, placed.describe(),
                         tensor_parallel.open_collectives(source.tp))
     if model.config._attn_implementation != "sdpa":
@@ -162,6 +164,12 @@ def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
                     tensor.data = tensor.data.to(dtype)
             return source.eval()
         return source.to(dtype).eval()
+    if resolved.checkpoint_format == "int4":  # transformers would need a GPU kernel library: read the files here
+        directory = shard_loading.resolve_directory(source, revision=resolved.from_pretrained["revision"],
+                                                    local_files_only=resolved.from_pretrained["local_files_only"])
+        with weights.checkpoint_pages_bounded():
+            return shard_loading.load_shard(directory, resolved.config, adapter, tensor_parallel.Plan.whole(
+                resolved.config), None, dtype, scheme=fp8.int4_scheme(resolved.config))
     quantized = resolved.checkpoint_format == "fp8"
     loading = contextlib.nullcontext()
     if quantized:  # each weight's format from the files themselves, before transformers reads one

@@ -22,7 +22,7 @@ import pathlib
 import torch
 
 from tilefx.custom_ops import weights
-from tilefx.models import fp8
+from tilefx.models import fp8, int4
 from tilefx.models.adapters import FamilyAdapter
 from tilefx.models.tp import Plan, TPContext
 
@@ -55,18 +55,28 @@ def resolve_directory(name: str, *, revision=None, local_files_only=False) -> pa
                                           allow_patterns=["*.json", "*.safetensors"]))
 
 
-def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Plan, ctx: TPContext,
-               dtype: torch.dtype):
+def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Plan, ctx: TPContext | None,
+               dtype: torch.dtype, scheme: int4.Int4Scheme | None = None):
     """The rank's model: built from ``plan.local_config`` on the meta device, every parameter read from the
     checkpoint as the rank's slice only (``get_slice``), marked with its ``weights.Shard``; ``model.config`` is the
-    full model's config again afterwards. ``adapter``: the family's (its names for the checkpoint's tensors)."""
+    full model's config again afterwards. ``adapter``: the family's (its names for the checkpoint's tensors).
+    ``ctx`` None: the whole model (``Plan.whole``). ``scheme``: a GPTQ / AWQ checkpoint's (models/int4.py): its
+    quantized linears become int4 checkpoint weights."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    ctx = ctx or TPContext(rank=0, world_size=1, local_rank=0, local_world_size=1, same_host=True)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(plan.local_config, dtype=dtype, attn_implementation="sdpa")
     files = checkpoint_files(directory)
-    formats = fp8.weight_formats(files)  # each weight's own format; refuses e4m3 without its scales
+    quantized = int4.quantized_modules(files) if scheme is not None else set()
+    for module in sorted(quantized):
+        int4.check_tensors(module, files, scheme)
+    # each weight's own format; refuses e4m3 without its scales; a 4-bit linear's tensors are its weight's
+    formats = fp8.weight_formats({n: p for n, p in files.items() if n.rsplit(".", 1)[0] not in quantized})
+    formats.update({f"{module}.weight": "int4" for module in quantized})
+    for module in quantized:  # the model's name for a 4-bit weight: the file of its qweight
+        files.setdefault(f"{module}.weight", files[f"{module}.qweight"])
     aliases: dict[str, str] = {}  # model name -> checkpoint name, where they differ
     by_file: dict[pathlib.Path, list[str]] = {}
     params = dict(model.named_parameters())
@@ -87,10 +97,15 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
             continue
         by_file.setdefault(files[name], []).append(name)
     for name, sources in experts.items():
-        _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape)))
+        _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape),
+                                         scheme))
     for path, names in by_file.items():
         with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
             for name in names:
+                key = aliases.get(name, name)
+                if formats.get(key) == "int4":
+                    _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
+                    continue
                 tensor_slice = opened(path).get_slice(aliases.get(name, name))
                 shape = tuple(tensor_slice.get_shape())
                 shard = plan.shard_of(name, shape, ctx.rank)
@@ -123,16 +138,59 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
     return model.eval()
 
 
-def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None) -> None:
+def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None,
+         nibbles=None) -> None:
     """Parameter ``name`` of ``model`` becomes ``value`` (marked with ``shard``, and with its FP8 block ``scales``
-    where it holds an FP8 checkpoint's e4m3 values: packing reads it as models/fp8.py's loads)."""
+    where it holds an FP8 checkpoint's e4m3 values: packing reads it as models/fp8.py's loads; with ``nibbles``, an
+    int4 checkpoint's: ``value`` untouched zeros, ``scales`` its params)."""
     module_name, attr = name.rsplit(".", 1)
     param = torch.nn.Parameter(value, requires_grad=False)
     if shard is not None:
         weights.attach_shard(param, shard)
-    if scales is not None:
+    if nibbles is not None:
+        weights.attach_checkpoint_int4(param, nibbles, scales)
+    elif scales is not None:
         weights.attach_checkpoint_scales(param, scales)
     setattr(model.get_submodule(module_name), attr, param)
+
+
+def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | None):
+    """4-bit linear ``key``'s (``X.weight``) nibbles and params as tilefx's int4 (models/int4.py), the shard's rows
+    (colwise) or whole groups of its inputs (rowwise)."""
+    module = key.removesuffix(".weight")
+
+    def tensor(name):
+        return opened(files[name]).get_tensor(name)
+
+    tensor.names = files
+    nibbles, params = int4.read_int4(tensor, module, scheme)
+    if shard is None:
+        return nibbles, params
+    n, k = nibbles.shape[0], 2 * nibbles.shape[1]
+    size = (n, k)[shard.dim]
+    if size % shard.count:
+        raise ValueError(f"{key}: dim {shard.dim} ({size}) does not split {shard.count} ways")
+    part = size // shard.count
+    begin = shard.index * part
+    if shard.dim == 0:
+        return nibbles[begin : begin + part].clone(), params[begin : begin + part].clone()
+    if part % weights.INT4_GROUP:
+        raise ValueError(f"{key}: tensor parallel splits its {k} inputs (dim 1) {shard.count} ways, {part} each, "
+                         f"which cuts its 4-bit groups of {weights.INT4_GROUP}; use a tp that splits them whole")
+    groups = slice(begin // weights.INT4_GROUP, (begin + part) // weights.INT4_GROUP)
+    return nibbles[:, begin // 2 : (begin + part) // 2].clone(), params[:, groups].clone()
+
+
+def _read_int4(opened, files: dict, key: str, scheme, plan: Plan, ctx: TPContext, expected):
+    """``_set``'s arguments for a 4-bit linear's weight: untouched zeros of its local shape, its Shard, params and
+    nibbles."""
+    n, k = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
+    shard = plan.shard_of(key, (n, k), ctx.rank)
+    nibbles, params = _int4_part(opened, files, key, scheme, shard)
+    shape = (nibbles.shape[0], 2 * nibbles.shape[1])
+    if shape != tuple(expected):
+        raise ValueError(f"{key}: rank {ctx.rank}'s slice is {shape}, the local model expects {tuple(expected)}")
+    return weights.untouched_zeros(shape, torch.uint8), shard, params, nibbles
 
 
 @contextlib.contextmanager
@@ -174,17 +232,20 @@ def _expert_sources(adapter: FamilyAdapter, name: str, files: dict, num_experts:
     templates = (gate, up) if attr == "gate_up_proj" else (down,)
     for module in adapter.checkpoint_names(prefix):
         names = [[f"{module}.{t.format(e=e)}" for t in templates] for e in range(num_experts)]
-        if all(n in files for row in names for n in row):
+        if all(n in files for row in names for n in row):  # (a 4-bit expert's X.weight: its X.qweight's file)
             return attr, names
     return None
 
 
-def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ctx: TPContext, dtype, expected):
+def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ctx: TPContext, dtype, expected,
+                  scheme=None):
     """Fused experts parameter ``name`` of the rank's model, stacked from the per-expert tensors' slices: each
     expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it, its Shard and
     its FP8 checkpoint scales (None where the experts are stored unquantized: ``weight_formats`` checked that a
     layer's experts share one format)."""
     attr, names = sources
+    if formats.get(names[0][0]) == "int4":
+        return _read_int4_experts(name, names, files, scheme, plan, ctx, expected)
     quantized = formats.get(names[0][0]) == "fp8"
     out = torch.empty(expected, dtype=torch.float8_e4m3fn if quantized else dtype)
     scales = None
@@ -206,6 +267,25 @@ def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ct
                     scales = torch.empty((len(names), *expert_scales.shape), dtype=torch.float32)
                 scales[e] = expert_scales
     return out, plan.local_shard_of(name, expected, ctx.rank), scales
+
+
+def _read_int4_experts(name: str, names, files: dict, scheme, plan: Plan, ctx: TPContext, expected):
+    """``_read_experts`` for 4-bit experts: each expert's parts' nibbles and params, stacked (gate rows, then up)."""
+    nibbles = torch.empty((*expected[:-1], expected[-1] // 2), dtype=torch.uint8)
+    params = None
+    with _open_files() as opened:
+        for e, row in enumerate(names):
+            parts = []
+            for key in row:
+                shape = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
+                parts.append(_int4_part(opened, files, key, scheme, plan.shard_of(name, shape, ctx.rank)))
+            nibbles[e] = torch.cat([p[0] for p in parts])
+            expert_params = torch.cat([p[1] for p in parts])
+            if params is None:
+                params = torch.empty((len(names), *expert_params.shape), dtype=torch.float16)
+            params[e] = expert_params
+    return (weights.untouched_zeros(expected, torch.uint8), plan.local_shard_of(name, expected, ctx.rank), params,
+            nibbles)
 
 
 def _generation_config(directory: pathlib.Path, default):

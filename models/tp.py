@@ -101,6 +101,11 @@ class Plan:
     kv_replicas: int  # ranks sharing one KV head (1: KV heads split evenly)
     kv_linears: tuple[str, ...] = ()  # the attention linears whose rows are KV heads (the adapter's)
 
+    @classmethod
+    def whole(cls, config) -> "Plan":
+        """No split: every parameter whole (the shard loader reading a whole 4-bit checkpoint, models/int4.py)."""
+        return cls(tp=1, styles={}, local_config=config, kv_replicas=1)
+
     def style_of(self, name: str) -> str | None:
         """The style of parameter ``name`` (``...q_proj.weight``; the plan names the module) or of a module's own
         parameter the plan names (``...experts.gate_up_proj``); None: replicated."""

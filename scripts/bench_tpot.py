@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--weights", default=None,
-                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8): one tilefx row each "
+                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8, int4): one tilefx row each "
                              "(default: bf16 for a preset, auto for --path: what the checkpoint holds)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")

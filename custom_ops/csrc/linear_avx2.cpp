@@ -330,7 +330,7 @@ static void int4_word_gemv(const LinearProblem& p, int64_t block, float* c) {
         const __m256i even_lo = _mm256_and_si256(raw, nibbles);
         const __m256i even_hi = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nibbles);
         const __m256i odd_lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nibbles);
-        const __m256i odd_hi = _mm256_and_si256(_mm256_srli_epi32(raw, 12), nibbles);
+        const __m256i odd_hi = _mm256_srli_epi16(raw, 12);  // each word's top nibble: no mask
         for (int r = 0; r < Rows; ++r) {
           const __m256i x_even = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
           const __m256i x_odd = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q + 1]));

@@ -461,7 +461,9 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
 // int4 decode over x as int16 words (kernels.h has the nibble order): one 64-byte load holds two K
 // pairs of the block's 32 columns, and four shift-and-masks turn it into four vectors of one
 // column half's pair of values as int16 words, each one `vpdpwssd` against the broadcast pair of x:
-// 11 instructions per 64 weight bytes, where int8 needs 4 per 64 bytes but reads twice the bytes.
+// 13 instructions per 64 weight bytes (with the two broadcasts), where int8 needs 5 but reads twice the
+// bytes: on Zen 4 (512-bit ops at half rate) this is about what one core's share of the memory
+// delivers, so int4 decode runs near compute-bound there (docs/PERFORMANCE.md).
 // The nibbles are unsigned: a group's sum over x q minus z times the group's sum of x's words
 // (x_sums) is its sum over x (q - z), then times s. A group of 64 pairs is 32 loads, each adding at
 // most 2 * 15 * 32767 per lane and accumulator: far within int32.
@@ -486,7 +488,7 @@ static void int4_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
         const __m512i even_lo = _mm512_and_si512(raw, nibbles);
         const __m512i even_hi = _mm512_and_si512(_mm512_srli_epi32(raw, 4), nibbles);
         const __m512i odd_lo = _mm512_and_si512(_mm512_srli_epi32(raw, 8), nibbles);
-        const __m512i odd_hi = _mm512_and_si512(_mm512_srli_epi32(raw, 12), nibbles);
+        const __m512i odd_hi = _mm512_srli_epi16(raw, 12);  // each word's top nibble: no mask
         for (int r = 0; r < Rows; ++r) {
           const int i = r * Blocks + b;
           const __m512i x_even = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));

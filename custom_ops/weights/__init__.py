@@ -29,7 +29,9 @@ from tilefx.custom_ops.weights.formats import (
     QUANTIZED_DTYPES,
     SCALE_DTYPES,
     QUANTIZED_LAYOUTS,
+    attach_checkpoint_int4,
     attach_checkpoint_scales,
+    checkpoint_nibbles,
     can_pack,
     check_scales,
     checkpoint_format,
@@ -39,6 +41,8 @@ from tilefx.custom_ops.weights.formats import (
     dequantize_blocks,
     format_of,
     logical_shape,
+    pair_nibbles,
+    split_nibbles,
     quantize_rows,
     scales_shape,
 )

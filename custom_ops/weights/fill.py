@@ -26,11 +26,12 @@ def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
 
 
 def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
-                 source_scales=None) -> None:
+                 source_scales=None, nibbles=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
     rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is a
     quantized checkpoint's (fp8 with its 128 x 128 block scales, or int4 nibbles with their per-row group scales
-    and zeros): copied as it is into a packing of its own format, else dequantized a chunk at a time."""
+    and zeros; ``nibbles``: its values two a byte where ``weight``'s data does not hold them): copied as it is into
+    a packing of its own format, else dequantized a chunk at a time."""
     source_format = None if source_scales is None else ("int4" if weight.dtype == torch.uint8 else "fp8")
     if source_format == "fp8":
         formats.check_checkpoint_scales(weight, source_scales)
@@ -51,11 +52,13 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             else:
                 values = formats.dequantize_blocks(source, groups)
         elif source_format == "int4":
+            if nibbles is not None:
+                values = formats.split_nibbles(nibbles[row : row + source.shape[0]])
             params = source_scales[row : row + source.shape[0]]
             if out_format == "int4":
                 row_scales = params
             else:
-                values = formats.dequantize_int4_rows(source, params)
+                values = formats.dequantize_int4_rows(values, params)
         if scales is not None and row_scales is None:
             values, row_scales = formats.quantize_rows(values, out_format)
         if scales is None:
@@ -74,6 +77,11 @@ def _per_expert_scales(weight: torch.Tensor) -> list:
     return [None] * weight.shape[0] if scales is None else list(scales)
 
 
+def _per_expert_nibbles(weight: torch.Tensor) -> list:
+    nibbles = formats.checkpoint_nibbles(weight)
+    return [None] * weight.shape[0] if nibbles is None else list(nibbles)
+
+
 def _halves(groups):
     return (None, None) if groups is None else groups.chunk(2)
 
@@ -87,26 +95,30 @@ def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = Tr
         for weight in weights:
             blocks = layouts.blocks_of(weight.shape[0])
             part = None if scales is None else scales[start : start + blocks]
-            _fill_linear(out[start : start + blocks], weight, mapped, native, part, formats.checkpoint_scales(weight))
+            _fill_linear(out[start : start + blocks], weight, mapped, native, part, formats.checkpoint_scales(weight),
+                         formats.checkpoint_nibbles(weight))
             start += blocks
     elif layout == "gate_up":
         pairs = layouts.gate_up_halves(out)
         scale_pairs = None if scales is None else layouts.gate_up_halves(scales)
         for i in (0, 1):
             _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i],
-                         formats.checkpoint_scales(weights[i]))
+                         formats.checkpoint_scales(weights[i]), formats.checkpoint_nibbles(weights[i]))
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
         source_scales = _per_expert_scales(weights[0])
         halves = layouts.expert_gate_up_halves(out)
         scale_halves = [None] * out.shape[0] if scales is None else layouts.expert_gate_up_halves(scales)
-        for expert, source, groups, expert_scales in zip(halves, weights[0], source_scales, scale_halves):
-            for i, (half, half_groups) in enumerate(zip(source.chunk(2), _halves(groups))):
+        for expert, source, groups, expert_scales, nibbles in zip(halves, weights[0], source_scales, scale_halves,
+                                                                  _per_expert_nibbles(weights[0])):
+            for i, (half, half_groups, half_nibbles) in enumerate(zip(source.chunk(2), _halves(groups),
+                                                                      _halves(nibbles))):
                 _fill_linear(expert[:, i], half, mapped, native, None if expert_scales is None else expert_scales[:, i],
-                             half_groups)
+                             half_groups, half_nibbles)
     elif layout == "expert_down":
         expert_scales = [None] * out.shape[0] if scales is None else scales
-        for expert, source, groups, part in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales):
-            _fill_linear(expert, source, mapped, native, part, groups)
+        for expert, source, groups, part, nibbles in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales,
+                                                         _per_expert_nibbles(weights[0])):
+            _fill_linear(expert, source, mapped, native, part, groups, nibbles)
     elif layout in ("mla_key", "mla_value"):
         out.copy_(layouts.linear_order(layouts.mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -130,10 +142,12 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
     flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
-    if values.dtype == torch.uint8:  # int4: the params are per row
+    if values.dtype == torch.uint8:  # int4: the params are per row; the nibbles two a byte where attached so
+        nibbles = formats.checkpoint_nibbles(weight)
         flat_scales = scales.reshape(-1, *scales.shape[-3:])
-        for v, s, o in zip(flat_values, flat_scales, flat_out):
-            o.copy_(formats.dequantize_int4_rows(v, s, dtype))
+        flat_nibbles = [None] * len(flat_out) if nibbles is None else nibbles.reshape(-1, *nibbles.shape[-2:])
+        for v, s, o, n in zip(flat_values, flat_scales, flat_out, flat_nibbles):
+            o.copy_(formats.dequantize_int4_rows(v if n is None else formats.split_nibbles(n), s, dtype))
     else:
         halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
         for v, s, o in zip(flat_values, flat_scales, flat_out):

@@ -165,6 +165,37 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
 
 # parameter -> its checkpoint scales (held by the parameter object's identity, not on the tensor)
 _checkpoint_scales = WeakTensorKeyDictionary()
+# int4 parameter -> its nibbles two a byte (the parameter's own data holds no memory: untouched zeros)
+_checkpoint_nibbles = WeakTensorKeyDictionary()
+
+
+def pair_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """Nibbles one a byte ``[..., K]`` (K even) as two a byte ``[..., K / 2]``, the even input in the low half."""
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def split_nibbles(paired: torch.Tensor) -> torch.Tensor:
+    """``pair_nibbles``' inverse: ``[..., K / 2]`` -> ``[..., K]``, one nibble a byte."""
+    return torch.stack([paired & 0xF, paired >> 4], dim=-1).flatten(-2)
+
+
+def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: torch.Tensor) -> None:
+    """Mark ``weight`` (any ``[..., N, K]`` uint8, normally ``memory.untouched_zeros``: it stands for the weight in
+    the graphs that trace it) as an int4 checkpoint's: its ``nibbles`` two a byte ``[..., N, K / 2]``
+    (``pair_nibbles``) and ``params`` as ``attach_checkpoint_scales`` takes them. Held here, at the checkpoint's own
+    size, until packing reads them."""
+    if nibbles.dtype != torch.uint8 or tuple(nibbles.shape) != (*weight.shape[:-1], weight.shape[-1] // 2) or \
+            weight.shape[-1] % 2:
+        raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its nibbles come two a byte, uint8 "
+                         f"[..., N, K / 2], got {nibbles.dtype} {tuple(nibbles.shape)}")
+    attach_checkpoint_scales(weight, params)
+    _checkpoint_nibbles[weight] = nibbles
+
+
+def checkpoint_nibbles(weight: torch.Tensor) -> torch.Tensor | None:
+    """The nibbles ``attach_checkpoint_int4`` gave ``weight`` (two a byte), or None (its data holds them, one a
+    byte, or it is no int4 checkpoint's)."""
+    return _checkpoint_nibbles.get(weight)
 
 
 def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
@@ -207,6 +238,7 @@ def checkpoint_format(weight: torch.Tensor) -> str:
 def forget_checkpoint_scales(weight: torch.Tensor) -> None:
     """``weight`` no longer holds checkpoint values (dequantized, or released after packing)."""
     _checkpoint_scales.pop(weight, None)
+    _checkpoint_nibbles.pop(weight, None)
 
 
 def dequantize_int4_rows(values: torch.Tensor, params: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
