@@ -36,7 +36,7 @@ class PackSummary:
     seconds: float = 0.0
     formats: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # format -> [tensors, bytes]
     kept_bf16: dict[str, int] = dataclasses.field(default_factory=dict)  # why a weight stayed bf16 -> how many
-    stored_bf16: list[str] = dataclasses.field(default_factory=list)  # an fp8 checkpoint's weights it holds in bf16
+    stored_bf16: list[str] = dataclasses.field(default_factory=list)  # a quantized checkpoint's weights it holds in bf16
 
     def add(self, format: str, nbytes: int) -> None:
         self.tensors += 1
@@ -53,7 +53,7 @@ class PackSummary:
         stored = ", ".join(self.stored_bf16[:8]) + (f" and {len(self.stored_bf16) - 8} more"
                                                     if len(self.stored_bf16) > 8 else "")
         return (f"weight formats: {held or 'none packed'}" + (f"; kept bf16: {kept}" if kept else "")
-                + (f"; bf16 as the fp8 checkpoint stores them: {stored}" if stored else ""))
+                + (f"; bf16 as the quantized checkpoint stores them: {stored}" if stored else ""))
 
 
 @dataclasses.dataclass

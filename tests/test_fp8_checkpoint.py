@@ -132,7 +132,7 @@ def _copy_with(source, target, config_edit=None, tensor_edit=None):
 
 
 @pytest.mark.parametrize("edit, named", [
-    (lambda q: q.update(quant_method="gptq", bits=4), "quant_method='gptq'"),
+    (lambda q: q.update(quant_method="bitsandbytes", bits=4), "quant_method='bitsandbytes'"),
     (lambda q: q.update(weight_block_size=[64, 64]), "weight_block_size=[64, 64]"),
     (lambda q: q.update(activation_scheme="static"), "activation_scheme='static'"),
 ])
@@ -238,7 +238,7 @@ def test_a_bf16_linear_of_an_fp8_checkpoint_is_bf16(one_linear_bf16):
     assert packed.format == "bf16"
     assert torch.equal(weights.unpack_linear_weight(packed.data, *stored.shape), stored)
     assert "fp8" in compiled.tilefx.report.packing.formats  # the others keep the checkpoint's e4m3 bytes
-    assert re.search(f"bf16 as the fp8 checkpoint stores them: .*{re.escape(name)}", tilefx.explain(compiled))
+    assert re.search(f"bf16 as the quantized checkpoint stores them: .*{re.escape(name)}", tilefx.explain(compiled))
     assert_generates_like(reference, compiled)
 
 

@@ -11,7 +11,8 @@
 namespace tilefx {
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
-  if (reads_words(format) && rows <= kWordRows) return ActivationForm::int16_words;
+  if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
+  if (format == WeightFormat::int4 && rows <= kWordRows) return ActivationForm::split_words;
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
 
@@ -29,6 +30,26 @@ void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ld
       break;  // unreachable: set_path refuses the emulated path in builds without it
   }
 }
+
+// Words [ldx] of one row as split_words (kernels.h): per 4 inputs the low bytes, then the high bytes; and each
+// 128 inputs' sum of words.
+void split_row(const uint32_t* words, int64_t ldx, uint8_t* out, float* sums) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
+  const int16_t* values = reinterpret_cast<const int16_t*>(words);
+  for (int64_t k = 0; k < ldx; k += 4) {
+    for (int j = 0; j < 4; ++j) {
+      out[2 * k + j] = bytes[2 * (k + j)];
+      out[2 * k + 4 + j] = bytes[2 * (k + j) + 1];
+    }
+  }
+  for (int64_t g = 0, k = 0; k < ldx; ++g) {
+    int32_t sum = 0;
+    for (const int64_t end = std::min(k + 2 * kInt4GroupPairs, ldx); k < end; ++k) sum += values[k];
+    sums[g] = static_cast<float>(sum);
+  }
+}
+
+int64_t groups_of(int64_t ldx) { return (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs); }
 
 constexpr int64_t kRowsPerTask = 64;
 
@@ -83,36 +104,40 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows
 void Activations::make_words(bool every_row_words) {
   if (rows_ == nullptr) rows_ = base_.data();
   if (!reads_words(format_) || (!every_row_words && count_ > kWordRows)) return;
+  const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
+  const char* rows = static_cast<const char*>(rows_);
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
-  const bool sums = format_ == WeightFormat::int4;
-  const int64_t groups = (ldw + kInt4GroupPairs - 1) / kInt4GroupPairs;  // the last may be partial
-  if (sums) word_sums_.resize(count_ * groups);
-  const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
+  const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
+  const int64_t groups = groups_of(ldx_);
+  if (split) {
+    split_.resize(count_ * 2 * ldx_);
+    word_sums_.resize(count_ * groups);
+  }
   at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    quantize_words(unit_, static_cast<const char*>(rows_) + begin * row_bytes, end - begin, ldx_,
-                   words_.data() + begin * ldw, word_scales_.data() + begin);
-    if (!sums) return;
-    // int4's zero points: per row, the sum of its words over each group (at most 128 * 32767: exact in fp32)
+    quantize_words(unit_, rows + begin * row_bytes, end - begin, ldx_, words_.data() + begin * ldw,
+                   word_scales_.data() + begin);
+    if (!split) return;
     for (int64_t r = begin; r < end; ++r) {
-      const int16_t* row = reinterpret_cast<const int16_t*>(words_.data() + r * ldw);
-      for (int64_t g = 0; g < groups; ++g) {
-        int32_t sum = 0;
-        for (int64_t k = g * 2 * kInt4GroupPairs; k < std::min((g + 1) * 2 * kInt4GroupPairs, ldx_); ++k) sum += row[k];
-        word_sums_[r * groups + g] = static_cast<float>(sum);
-      }
+      split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
     }
   });
 }
 
 void Activations::attach(LinearProblem& p, int64_t row) const {
   p.x_form = activation_form(unit_, format_, p.M);
-  if (p.x_form == ActivationForm::int16_words) {
+  if (p.x_form == ActivationForm::int16_words || p.x_form == ActivationForm::split_words) {
     TORCH_CHECK(!words_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as words");
+    if (p.x_form == ActivationForm::split_words) {
+      p.x = split_.data() + row * 2 * ldx_;
+      p.x_scales = word_scales_.data() + row;
+      p.x_sums = word_sums_.data() + row * groups_of(ldx_);
+      return;
+    }
     p.x = words_.data() + row * (ldx_ / 2);
     p.x_scales = word_scales_.data() + row;
-    p.x_sums = word_sums_.empty() ? nullptr : word_sums_.data() + row * ((ldx_ / 2 + kInt4GroupPairs - 1) / kInt4GroupPairs);
+    p.x_sums = nullptr;
     return;
   }
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));

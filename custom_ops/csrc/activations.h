@@ -13,13 +13,13 @@
 
 namespace tilefx {
 
-// Rows up to which int8 and int4 weights are read against x as int16 words (the decode GEMVs);
-// above it the GEMM dequantizes a block to bf16 and reads the unit's base form.
+// Rows up to which int8 and int4 weights are read against x as int16 words (int4: their bytes apart, the
+// decode GEMVs); above it the GEMM dequantizes a block to bf16 and reads the unit's base form.
 constexpr int64_t kWordRows = 2;
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights:
-// int16 words for int8 and int4 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
+// int16 words for int8 decode, their bytes apart for int4 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
 // the AVX512-BF16 units).
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
 
@@ -73,8 +73,9 @@ class Activations {
   int64_t count_, ldx_;
   const void* rows_ = nullptr;   // the base form: base_, or the caller's bf16 rows where they already are pairs
   std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
-  std::vector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
+  std::vector<uint32_t> words_;   // int16 pairs, ldx / 2 per row
   std::vector<float> word_scales_;
+  std::vector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
   std::vector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
 };
 

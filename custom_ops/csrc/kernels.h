@@ -25,14 +25,13 @@ constexpr int64_t kPairValues = 2 * kBlockN;
 //   fp8:  e4m3, scales[block][k_groups], one per block and kFp8GroupPairs K pairs (128 inputs:
 //         the hub's 128 x 128 weight_scale_inv, repeated for the 4 blocks of a 128-row group).
 //   int4: unsigned nibbles q with, per block, 128 inputs (kInt4GroupPairs K pairs; the last group may be
-//         shorter, K a multiple of 4) and column, an fp16
-//         scale s and zero point z (W = (q - z) * s: GPTQ's and AWQ's meaning; symmetric is z = 8) in
-//         int4_params[block][group][2][kBlockN] (the scales, then the zeros). Half a byte per value: the
-//         64 bytes of K pairs 2t and 2t + 1 hold, in each 32-bit lane l (16 lanes), the nibbles of
-//         columns l and l + 16 of both pairs, nibble s (bits 4s..4s+3) and nibble s + 4 (bits 16+4s..)
-//         one column's two values of one pair: s = 0 column l of pair 2t, 1 column l + 16 of pair 2t,
-//         2 column l of pair 2t + 1, 3 column l + 16 of pair 2t + 1. So (lane >> 4s) & 0x000F000F is
-//         that column's pair of values as two int16 words, what `vpdpwssd` / `vpmaddwd` read.
+//         shorter, K a multiple of 4) and column, an fp16 scale s and zero point z (W = (q - z) * s:
+//         GPTQ's and AWQ's meaning; symmetric is z = 8) in int4_params[block][group][2][kBlockN] (the
+//         scales, then the zeros). Half a byte per value: the 64 bytes of K pairs 2t and 2t + 1 (inputs
+//         4t..4t+3) are 16 lanes of 4 bytes, byte j of lane l holding input 4t + j of column l in its
+//         low nibble and of column l + 16 in its high one. So one mask gives columns 0-15 and a shift
+//         and a mask columns 16-31 as bytes, each lane four inputs of one column: what `vpdpbusd` /
+//         `vpmaddubsw` multiply by four bytes of x (ActivationForm::split_words).
 // The decode GEMVs widen the values in registers and apply the scales to fp32 partial
 // sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
@@ -52,9 +51,13 @@ constexpr float kFp8Unscale = 256.0f;
 //   bf16_pairs:  [M, ldx / 2] uint32, x[2p] in the low half of element p, x[2p + 1] in the high
 //                half (what `vdpbf16ps` broadcasts; the AVX512-BF16 units' base form);
 //   int16_words: the same pairs as int16, x ~= x_scales[m] * q, one scale per row (15 bits):
-//                int8 and int4 decode on every unit (`vpmaddwd` / `vpdpwssd`); for int4 also x_sums,
-//                per row the sum of its words over each 128 inputs (the zero points' share).
-enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2 };
+//                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`);
+//   split_words: the int16 words as bytes, per 4 inputs their 4 low bytes (unsigned) then their 4 high
+//                bytes (signed): x ~= x_scales[m] * (256 * high + low), [M, 2 * ldx] bytes, and x_sums[m][g]
+//                each 128 inputs' sum of words (the zero points' share): int4 decode on every unit, where
+//                `vpdpbusd` / `vpmaddubsw` multiply four unsigned nibbles by four signed high bytes, and four
+//                unsigned low bytes by four nibbles (read as signed), each in one instruction.
+enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, split_words = 3 };
 
 struct LinearProblem {
   const void* x;          // activations in form x_form (below)
@@ -70,8 +73,8 @@ struct LinearProblem {
   // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).
   bool silu_mul;
   ActivationForm x_form = ActivationForm::fp32;
-  const float* x_scales = nullptr;  // int16_words: one per row
-  const float* x_sums = nullptr;    // int16_words over int4 weights: [M][k_groups]
+  const float* x_scales = nullptr;  // int16_words, split_words: one per row
+  const float* x_sums = nullptr;    // split_words: [M][k_groups]
   // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and their scales.
   WeightFormat format = WeightFormat::bf16;
   const uint8_t* wq = nullptr;
@@ -87,6 +90,7 @@ struct LinearProblem {
   const float* x_fp32() const { return static_cast<const float*>(x); }
   const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }
   const uint32_t* x_words() const { return static_cast<const uint32_t*>(x); }
+  const uint8_t* x_split() const { return static_cast<const uint8_t*>(x); }
 };
 
 // The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).

@@ -306,38 +306,40 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   }
 }
 
-// int4 decode over x as int16 words (kernels.h has the nibble order): each 32-byte half of a 64-byte
-// load (two K pairs) holds 8 lanes; four shift-and-masks give, per half, columns 8h..8h+7 and
-// 16+8h..16+8h+7 of both pairs as int16 words for `vpmaddwd`. The nibbles are unsigned: a group's
-// sum over x q minus z times the group's sum of x's words (x_sums) is its sum over x (q - z).
+// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words; kernels.h has
+// the nibble order): each 32-byte half of a 64-byte load is 8 lanes of four inputs; a mask gives columns
+// 8h..8h+7 and a shift and a mask columns 16+8h..16+8h+7; `vpmaddubsw` multiplies the nibbles by the
+// words' four high bytes, and their four low bytes by the nibbles (pairs of products, at most 2 * 255 *
+// 15: no saturation), `vpmaddwd` by ones sums each lane's four. As on the AVX512 unit (int4_gemv there),
+// a group's sums go to fp32 as 256 * high + low and the zero points come off per group.
 template <int Rows>
-static void int4_word_gemv(const LinearProblem& p, int64_t block, float* c) {
+static void int4_gemv(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
-  const int64_t ldw = p.ldx / 2;
-  const __m256i nibbles = _mm256_set1_epi32(0x000F000F);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 total[Rows][4];  // columns 8j..8j+7
   for (auto& row : total)
     for (auto& t : row) t = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.k_groups; ++g) {
-    __m256i acc[Rows][4];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_si256();
+    __m256i high[Rows][4], lows[Rows][4];
+    for (int r = 0; r < Rows; ++r)
+      for (int j = 0; j < 4; ++j) high[r][j] = lows[r][j] = _mm256_setzero_si256();
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
       const uint8_t* row = w + q * kInt4PairBytes;
       _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
       for (int half = 0; half < 2; ++half) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * half));
-        const __m256i even_lo = _mm256_and_si256(raw, nibbles);
-        const __m256i even_hi = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nibbles);
-        const __m256i odd_lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nibbles);
-        const __m256i odd_hi = _mm256_srli_epi16(raw, 12);  // each word's top nibble: no mask
+        const __m256i values[2] = {_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)};
         for (int r = 0; r < Rows; ++r) {
-          const __m256i x_even = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
-          const __m256i x_odd = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q + 1]));
-          acc[r][half] = _mm256_add_epi32(acc[r][half], _mm256_add_epi32(_mm256_madd_epi16(even_lo, x_even),
-                                                                         _mm256_madd_epi16(odd_lo, x_odd)));
-          acc[r][2 + half] = _mm256_add_epi32(acc[r][2 + half], _mm256_add_epi32(_mm256_madd_epi16(even_hi, x_even),
-                                                                                 _mm256_madd_epi16(odd_hi, x_odd)));
+          const uint8_t* x = p.x_split() + r * 2 * p.ldx + 4 * q;  // 4 low bytes, then 4 high bytes
+          int32_t low4, high4;
+          __builtin_memcpy(&low4, x, sizeof low4);
+          __builtin_memcpy(&high4, x + 4, sizeof high4);
+          const __m256i x_low = _mm256_set1_epi32(low4), x_high = _mm256_set1_epi32(high4);
+          for (int h = 0; h < 2; ++h) {
+            const int j = 2 * h + half;
+            high[r][j] = _mm256_add_epi32(high[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(values[h], x_high), ones));
+            lows[r][j] = _mm256_add_epi32(lows[r][j], _mm256_madd_epi16(_mm256_maddubs_epi16(x_low, values[h]), ones));
+          }
         }
       }
     }
@@ -347,7 +349,7 @@ static void int4_word_gemv(const LinearProblem& p, int64_t block, float* c) {
       const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockN + 8 * j)));
       for (int r = 0; r < Rows; ++r) {
         const __m256 x_sum = _mm256_set1_ps(p.x_sums[r * p.k_groups + g]);
-        const __m256 dot = _mm256_cvtepi32_ps(acc[r][j]);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high[r][j], 8), lows[r][j]));
         total[r][j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, x_sum, dot), scale, total[r][j]);
       }
     }
@@ -369,7 +371,7 @@ static inline __m256i bf16_bits8(__m256 v) {
 // rounded to bf16 once (as linear_avx512.cpp's dequantize_int4_block).
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
-  const __m256i nibble = _mm256_set1_epi32(0xF);
+  const __m256i byte = _mm256_set1_epi32(0xFF), low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < p.k_groups; ++g) {
     const uint16_t* params = int4_group_params(p, block, g);
     __m256 scale[4], shift[4];  // columns 8j..8j+7
@@ -381,14 +383,16 @@ static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
       for (int half = 0; half < 2; ++half) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * kInt4PairBytes + 32 * half));
-        for (int s = 0; s < 4; ++s) {  // nibble s: pair q + s / 2, columns 16 * (s % 2) + 8 * half on
-          const int j = 2 * (s & 1) + half;
-          const __m256i lanes = _mm256_srli_epi32(raw, 4 * s);
-          const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, nibble));
-          const __m256 second = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lanes, 16), nibble));
-          const __m256i pair = _mm256_or_si256(bf16_bits8(_mm256_fmadd_ps(first, scale[j], shift[j])),
-                                               _mm256_slli_epi32(bf16_bits8(_mm256_fmadd_ps(second, scale[j], shift[j])), 16));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q + s / 2) * kPairStride + 16 * j), pair);
+        for (int h = 0; h < 2; ++h) {  // columns 16h + 8 half ..: byte j of each lane is input 2q + j
+          const int j = 2 * h + half;
+          const __m256i values = h == 0 ? _mm256_and_si256(raw, low) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          for (int pair = 0; pair < 2; ++pair) {
+            const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(values, 16 * pair), byte));
+            const __m256 second = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(values, 16 * pair + 8), byte));
+            const __m256i bits = _mm256_or_si256(bf16_bits8(_mm256_fmadd_ps(first, scale[j], shift[j])),
+                                                 _mm256_slli_epi32(bf16_bits8(_mm256_fmadd_ps(second, scale[j], shift[j])), 16));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q + pair) * kPairStride + 16 * j), bits);
+          }
         }
       }
     }
@@ -422,7 +426,7 @@ struct Avx2Unit {
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows>(p, blocks[0], c[0]);
     } else if constexpr (F == WeightFormat::int4) {
-      int4_word_gemv<Rows>(p, blocks[0], c[0]);
+      int4_gemv<Rows>(p, blocks[0], c[0]);
     } else {
       for (int r = 0; r < Rows; ++r) fp8_gemv_row(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
     }

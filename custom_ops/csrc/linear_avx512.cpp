@@ -458,45 +458,45 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
   }
 }
 
-// int4 decode over x as int16 words (kernels.h has the nibble order): one 64-byte load holds two K
-// pairs of the block's 32 columns, and four shift-and-masks turn it into four vectors of one
-// column half's pair of values as int16 words, each one `vpdpwssd` against the broadcast pair of x:
-// 13 instructions per 64 weight bytes (with the two broadcasts), where int8 needs 5 but reads twice the
-// bytes: on Zen 4 (512-bit ops at half rate) this is about what one core's share of the memory
-// delivers, so int4 decode runs near compute-bound there (docs/PERFORMANCE.md).
-// The nibbles are unsigned: a group's sum over x q minus z times the group's sum of x's words
-// (x_sums) is its sum over x (q - z), then times s. A group of 64 pairs is 32 loads, each adding at
-// most 2 * 15 * 32767 per lane and accumulator: far within int32.
+// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words; kernels.h has
+// the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask gives columns
+// 0-15 and a shift and a mask columns 16-31, each lane four values of one column, and `vpdpbusd` adds
+// each lane's four products: the nibbles (unsigned) times the four words' high bytes (signed), and the
+// low bytes (unsigned) times the nibbles (read as signed: they are below 128). 10 instructions per 64
+// weight bytes with the two broadcasts, where as int16 words against `vpdpwssd` it took 13 and left
+// the GEMV compute-bound on Zen 4 (docs/PERFORMANCE.md); x keeps its 15 bits. A group's sums go to fp32
+// as 256 * high + low; its sum over x q minus z times the group's sum of x (x_sums) is its sum over
+// x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and accumulator.
 template <int Rows, int Blocks>
-static void int4_word_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+static void int4_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
-  const int64_t ldw = p.ldx / 2;
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.k_groups; ++g) {
-    // [i][0]: columns 0-15, [i][1]: 16-31; even and odd K pairs accumulate apart
-    __m512i even[Rows * Blocks][2], odd[Rows * Blocks][2];
-    for (auto& a : even) a[0] = a[1] = _mm512_setzero_si512();
-    for (auto& a : odd) a[0] = a[1] = _mm512_setzero_si512();
+    // [i][0]: columns 0-15, [i][1]: 16-31; against the high and the low bytes
+    __m512i high[Rows * Blocks][2], lows[Rows * Blocks][2];
+    for (auto& a : high) a[0] = a[1] = _mm512_setzero_si512();
+    for (auto& a : lows) a[0] = a[1] = _mm512_setzero_si512();
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
-      for (int b = 0; b < Blocks; ++b) {
+      for (int b = 0; b < Blocks; ++b) {  // K pairs q, q + 1: inputs 2q..2q+3
         const uint8_t* row = w[b] + q * kInt4PairBytes;
         _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
         const __m512i raw = _mm512_loadu_si512(row);
-        const __m512i even_lo = _mm512_and_si512(raw, nibbles);
-        const __m512i even_hi = _mm512_and_si512(_mm512_srli_epi32(raw, 4), nibbles);
-        const __m512i odd_lo = _mm512_and_si512(_mm512_srli_epi32(raw, 8), nibbles);
-        const __m512i odd_hi = _mm512_srli_epi16(raw, 12);  // each word's top nibble: no mask
+        const __m512i first = _mm512_and_si512(raw, low);
+        const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         for (int r = 0; r < Rows; ++r) {
+          const uint8_t* x = p.x_split() + r * 2 * p.ldx + 4 * q;  // 4 low bytes, then 4 high bytes
+          int32_t low4, high4;
+          std::memcpy(&low4, x, sizeof low4);
+          std::memcpy(&high4, x + 4, sizeof high4);
+          const __m512i x_low = _mm512_set1_epi32(low4), x_high = _mm512_set1_epi32(high4);
           const int i = r * Blocks + b;
-          const __m512i x_even = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
-          const __m512i x_odd = _mm512_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q + 1]));
-          even[i][0] = _mm512_dpwssd_epi32(even[i][0], even_lo, x_even);
-          even[i][1] = _mm512_dpwssd_epi32(even[i][1], even_hi, x_even);
-          odd[i][0] = _mm512_dpwssd_epi32(odd[i][0], odd_lo, x_odd);
-          odd[i][1] = _mm512_dpwssd_epi32(odd[i][1], odd_hi, x_odd);
+          high[i][0] = _mm512_dpbusd_epi32(high[i][0], first, x_high);
+          high[i][1] = _mm512_dpbusd_epi32(high[i][1], second, x_high);
+          lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low, first);
+          lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low, second);
         }
       }
     }
@@ -508,7 +508,7 @@ static void int4_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
             _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
         for (int r = 0; r < Rows; ++r) {
           const int i = r * Blocks + b;
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[i][h], odd[i][h]));
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i][h], 8), lows[i][h]));
           const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
           total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot), scale, total[i][h]);
         }
@@ -536,7 +536,7 @@ static inline __m512i bf16_bits16(__m512 v) {
 // dequantized bf16 weight would be.
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
-  const __m512i nibble = _mm512_set1_epi32(0xF);
+  const __m512i byte = _mm512_set1_epi32(0xFF), low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < p.k_groups; ++g) {
     const uint16_t* params = int4_group_params(p, block, g);
     __m512 scale[2], shift[2];
@@ -548,14 +548,15 @@ static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_
     }
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
       const __m512i raw = _mm512_loadu_si512(w + q * kInt4PairBytes);
-      for (int s = 0; s < 4; ++s) {  // nibble s: pair q + s / 2, columns 16 * (s % 2) on
-        const int h = s & 1;
-        const __m512i lanes = _mm512_srli_epi32(raw, 4 * s);
-        const __m512 first = _mm512_cvtepi32_ps(_mm512_and_si512(lanes, nibble));
-        const __m512 second = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lanes, 16), nibble));
-        const __m512i pair = _mm512_or_si512(bf16_bits16(_mm512_fmadd_ps(first, scale[h], shift[h])),
-                                             _mm512_slli_epi32(bf16_bits16(_mm512_fmadd_ps(second, scale[h], shift[h])), 16));
-        _mm512_storeu_si512(out + (q + s / 2) * kPairStride + 32 * h, pair);
+      for (int h = 0; h < 2; ++h) {  // columns 16h..16h+15: byte j of each lane is input 2q + j
+        const __m512i values = h == 0 ? _mm512_and_si512(raw, low) : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int pair = 0; pair < 2; ++pair) {
+          const __m512 first = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(values, 16 * pair), byte));
+          const __m512 second = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(values, 16 * pair + 8), byte));
+          const __m512i bits = _mm512_or_si512(bf16_bits16(_mm512_fmadd_ps(first, scale[h], shift[h])),
+                                               _mm512_slli_epi32(bf16_bits16(_mm512_fmadd_ps(second, scale[h], shift[h])), 16));
+          _mm512_storeu_si512(out + (q + pair) * kPairStride + 32 * h, bits);
+        }
       }
     }
   }
@@ -590,7 +591,7 @@ struct Avx512Unit {
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows, Blocks>(p, blocks, c);
     } else if constexpr (F == WeightFormat::int4) {
-      int4_word_gemv<Rows, Blocks>(p, blocks, c);
+      int4_gemv<Rows, Blocks>(p, blocks, c);
     } else {
       fp8_gemv<Rows, Blocks>(p, blocks, c);
     }

@@ -186,30 +186,27 @@ def linear_order(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(*lead, blocks, BLOCK_N, pairs, 2).transpose(-3, -2)
 
 
-# int4's nibble order (csrc/kernels.h): K pairs 2t and 2t + 1 of a block are 16 lanes of 32 bits; lane l holds
-# column l and column l + 16 of both pairs, nibble s = 2 * (pair parity) + (column half) at bits 4s (the pair's
-# first value) and 16 + 4s (its second).
-_NIBBLE_SHIFTS = torch.tensor([[[0, 16], [4, 20]], [[8, 24], [12, 28]]])  # [parity][half][value]
+# int4's nibble order (csrc/kernels.h): K pairs 2t and 2t + 1 of a block (inputs 4t..4t+3) are 16 lanes of 4
+# bytes; byte j of lane l holds input 4t + j of column l in its low nibble and of column l + 16 in its high one.
 
 
 def int4_interleave(values: torch.Tensor) -> torch.Tensor:
     """Nibble values ``[..., blocks, pairs, 32, 2]`` (uint8 in [0, 16), ``linear_order``'s element order, pairs
     even) as the int4 packing's bytes ``[..., blocks, pairs, 16, 2]``."""
     *lead, blocks, pairs, _, _ = values.shape
-    parts = values.reshape(*lead, blocks, pairs // 2, 2, 2, BLOCK_N // 2, 2).to(torch.int64)
-    shifts = _NIBBLE_SHIFTS[:, :, None, :].expand(2, 2, BLOCK_N // 2, 2)  # [parity, half, lane, value]
-    lanes = (parts << shifts).sum(dim=(-4, -3, -1))  # [..., t, lane]: the fields do not overlap
-    little_endian = lanes.view(torch.uint8).view(*lanes.shape, 8)[..., :4]  # each lane's 32 bits
-    return little_endian.reshape(*lead, blocks, pairs, BLOCK_N // 2, 2)
+    # [..., t, pair parity, column half, lane, value] -> [..., t, lane, parity, value]: byte j = 2 parity + value
+    parts = values.reshape(*lead, blocks, pairs // 2, 2, 2, BLOCK_N // 2, 2)
+    low, high = parts.select(-3, 0), parts.select(-3, 1)  # [..., t, parity, lane, value]
+    lanes = (low | (high << 4)).movedim(-2, -3)  # [..., t, lane, parity, value]
+    return lanes.reshape(*lead, blocks, pairs, BLOCK_N // 2, 2)
 
 
 def int4_values(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``int4_interleave``: the nibbles of an int4 packing as ``[..., blocks, pairs, 32, 2]`` uint8."""
     *lead, blocks, pairs, _, _ = packed.shape
-    lanes = packed.contiguous().view(*lead, blocks, pairs // 2, BLOCK_N // 2 * 4).view(torch.int32)
-    shifts = _NIBBLE_SHIFTS[:, :, None, :].expand(2, 2, BLOCK_N // 2, 2)  # [parity, half, lane, value]
-    nibbles = (lanes[..., None, None, :, None] >> shifts) & 0xF  # [..., t, parity, half, lane, value]
-    return nibbles.to(torch.uint8).reshape(*lead, blocks, pairs, BLOCK_N, 2)
+    lanes = packed.reshape(*lead, blocks, pairs // 2, BLOCK_N // 2, 2, 2).movedim(-3, -2)  # [..., t, parity, lane, value]
+    halves = torch.stack([lanes & 0xF, lanes >> 4], dim=-3)  # [..., t, parity, half, lane, value]
+    return halves.reshape(*lead, blocks, pairs, BLOCK_N, 2)
 
 
 def gate_up_halves(packed: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def test_leaves_fp32_linears_alone():
         want = model(input_ids=ids, use_cache=False).logits
     result = backend.results[0]
     assert result.rewritten == 0 and len(result.fallbacks) == linears_per_model(model.config)
-    assert all("packed from bf16 or from an fp8 checkpoint" in why for why in result.fallbacks), result.fallbacks[:2]
+    assert all("packed from bf16 or from a quantized checkpoint" in why for why in result.fallbacks), result.fallbacks[:2]
     assert count(backend.after[0], is_linear) == linears_per_model(model.config)
     torch.testing.assert_close(got, want)
 

@@ -10,6 +10,8 @@ import torch
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import tuning, weights
 
+from quantized import decode_rows
+
 
 def _checkpoint_int4(rows, in_features, seed, lead=()):
     """Random nibbles and params ``[..., rows, groups, 2]`` (fp16 scale, integer zero point in [0, 15]), marked as
@@ -81,7 +83,8 @@ def test_int4_checkpoint_gate_up(kernel_path, rows):
     up, up_w = _checkpoint_int4(96, 384, seed=2)
     packed = weights.pack_gate_up_weight(gate, up, "int4")
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    want = torch.nn.functional.silu(x.float() @ gate_w.T) * (x.float() @ up_w.T)
+    xf = decode_rows(x, "int4", kernel_path)  # decode on a native unit: x as int16 words
+    want = torch.nn.functional.silu(xf @ gate_w.T) * (xf @ up_w.T)
     got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
     assert _relative_error(got, want) < 1e-2
 
@@ -140,3 +143,19 @@ def test_int4_checkpoint_needs_its_params():
     with pytest.raises(ValueError, match="fp16 scales and zero points"):
         weights.attach_checkpoint_scales(values, torch.zeros(32, 1, 2, dtype=torch.float16))
     assert "packed from bf16 or from a quantized" in weights.can_pack("linear", [values], format="int4")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("in_features", [200, 1024])
+def test_int4_decode_reads_x_as_words(kernel_path, rows, in_features):
+    """int4 decode (up to 2 rows) on every unit: x rounded to int16 words per row (their bytes multiplied apart)
+    against the nibbles, within 1e-4 of the fp32 product of those rows and the exactly dequantized weight (a
+    partial last group included)."""
+    if kernel_path == "reference":
+        pytest.skip("the reference multiplies x as it is")
+    weight, want_weight = _checkpoint_int4(96, in_features, seed=rows * 7 + in_features)
+    packed = weights.pack_linear_weight(weight, "int4")
+    x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
+    got = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
+    want = decode_rows(x, "int4", kernel_path) @ want_weight.T
+    assert _relative_error(got, want) < 1e-4

@@ -9,7 +9,7 @@ import torch
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import dequantized
+from quantized import decode_rows, dequantized
 
 FORMATS = ["int8", "fp8", "int4"]
 
@@ -66,14 +66,6 @@ INT8_DECODE_SHAPES = [((1,), 64, 64), ((1,), 33, 7), ((1,), 96, 300), ((2,), 200
                       ((1,), 160, 1000), ((2,), 64, 5), ((3,), 96, 129)]
 
 
-def _word_rows(x: torch.Tensor) -> torch.Tensor:
-    """What int8 decode multiplies: each row of x as int16 times its scale max|x| / 32767 (round half to even)."""
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / 32767
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(xf * (1 / scale)) * scale
-
-
 @pytest.mark.parametrize("rows,out_features,in_features", INT8_DECODE_SHAPES)
 def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_features):
     """int8 decode (up to 2 rows) on every unit: x as int16 words per row against the int8 weight, within 1e-2 of
@@ -86,7 +78,7 @@ def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_featur
     b = torch.randn(out_features, generator=g).to(torch.bfloat16)
     packed = weights.pack_linear_weight(weight, "int8")
     scales = weights.packed_scales(packed)
-    xq = _word_rows(x) if rows[0] <= 2 else x.float()
+    xq = decode_rows(x, "int8", kernel_path)
     want = xq @ dequantized(weight, "int8").T + b.float()
     got = linear_ops.linear(x, packed, b, out_features, scales)
     fp32 = linear_ops.linear_float(x, packed, b, out_features, scales)
@@ -120,7 +112,7 @@ def test_quantized_linear_silu_mul(kernel_path, format, rows):
     gate, up = _weight(96, 200, seed=3), _weight(96, 200, seed=4)
     x = torch.randn(*rows, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     packed = weights.pack_gate_up_weight(gate, up, format)
-    xf = x.float()
+    xf = decode_rows(x, format, kernel_path)
     want = torch.nn.functional.silu(xf @ dequantized(gate, format).T) * (xf @ dequantized(up, format).T)
     got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
     assert _relative_error(got, want) < 1e-2
