@@ -52,6 +52,10 @@ class PackGroup:
     stored: str | None = None  # with weights="auto": the format the checkpoint holds the group in
 
 
+# weights="int4": the lm_head (and the input embedding tied to it) in this format, chosen on the quality table
+# (docs/PERFORMANCE.md, scripts/bench_quality.py): the logits are where 4 bits cost the most for the least bytes.
+INT4_LM_HEAD = "int8"
+
 # Weights that stay bf16 whatever format is asked for, and why (tilefx.explain lists them).
 _ROUTER_BF16 = "router weights (which experts run turns on small logit differences)"
 
@@ -141,8 +145,9 @@ def plan(model: torch.nn.Module, adapter: FamilyAdapter, options) -> list[tuple[
         for child, linear in linears.items():
             if adapter.mla and options.mla and child == adapter.mla_absorbed:  # the MLA pass packs it per head
                 continue
-            _add_single(parts, taken, part, f"{name}.{child}.weight" if name else f"{child}.weight", linear.weight,
-                        format)
+            path = f"{name}.{child}" if name else child
+            _add_single(parts, taken, part, f"{path}.weight", linear.weight,
+                        INT4_LM_HEAD if format == "int4" and path == adapter.lm_head else format)
     rest = parts.pop("model", [])  # the root's linears (lm_head) come first in module order
     return [*parts.items(), *([("model", rest)] if rest else [])]
 

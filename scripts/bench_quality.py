@@ -92,8 +92,10 @@ def perplexity_decode(model, windows: torch.Tensor) -> float:
 
 
 def measure(formats, windows: int, length: int, decode: bool = True, progress: bool = True) -> list[dict]:
-    """One row per format (the first: HF eager fp32): perplexities and their ratio to the fp32 reference's."""
+    """One row per format (the first: HF eager fp32): perplexities and their ratio to the fp32 reference's. A format
+    ``int4/F`` is int4 with the lm_head in F (models/packing.py INT4_LM_HEAD)."""
     import tilefx
+    from tilefx.models import packing
 
     reference, tokenizer = load_reference()
     tokens = text_windows(tokenizer, windows, length)
@@ -101,10 +103,18 @@ def measure(formats, windows: int, length: int, decode: bool = True, progress: b
     rows = [{"format": "HF eager fp32", "prefill": base, "decode": base, "prefill_vs_fp32": 1.0,
              "decode_vs_fp32": 1.0}]
     del reference
+    chosen = packing.INT4_LM_HEAD
     for format in formats:
         model, _ = load_reference(torch.bfloat16)
-        compiled = tilefx.compile_model(model, weights=format, max_seq_len=length + 8, progress=progress)
-        row = {"format": f"tilefx {format}", "prefill": perplexity_prefill(compiled, tokens)}
+        weights, _, lm_head = format.partition("/")
+        packing.INT4_LM_HEAD = lm_head or chosen
+        try:
+            compiled = tilefx.compile_model(model, weights=weights, max_seq_len=length + 8, progress=progress)
+        finally:
+            packing.INT4_LM_HEAD = chosen
+        row = {"format": f"tilefx {format if lm_head else weights}" + (f" (lm_head {chosen})" if weights == "int4" and
+                                                                         not lm_head else ""),
+               "prefill": perplexity_prefill(compiled, tokens)}
         row["decode"] = perplexity_decode(compiled, tokens) if decode else float("nan")
         row["prefill_vs_fp32"] = row["prefill"] / base
         row["decode_vs_fp32"] = row["decode"] / base
@@ -115,7 +125,8 @@ def measure(formats, windows: int, length: int, decode: bool = True, progress: b
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated tilefx weight formats")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="comma-separated tilefx weight formats; int4/F: int4 with the lm_head in F (bf16, int8, int4)")
     parser.add_argument("--windows", type=int, default=2, help="windows of text")
     parser.add_argument("--length", type=int, default=512, help="tokens per window")
     parser.add_argument("--no-decode", action="store_true", help="skip the token-by-token (decode path) figures")

@@ -37,10 +37,11 @@ bool cpu_has(const std::string& feature) {
   if (feature == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                                       __builtin_cpu_supports("f16c");
   if (feature == "avx512_bf16") {
-    // with VBMI (its byte tables decode fp8) and VNNI (int8 decode, vpdpwssd): Zen 4+, Sapphire Rapids+
+    // with VBMI (its byte tables decode fp8), VNNI (int8 and int4 decode) and GFNI (int4's high nibbles):
+    // Zen 4+, Sapphire Rapids+
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("f16c");
+           __builtin_cpu_supports("gfni") && __builtin_cpu_supports("f16c");
   }
   if (feature == "avx512_vnni") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
   if (feature == "amx") return amx_available();

@@ -23,9 +23,10 @@
 #ifdef TILEFX_AVX512_EMULATED
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <simde/x86/gfni.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512_emulated
 #else
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx512vnni,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx512vnni,gfni,fma,f16c")
 #include <immintrin.h>
 #define TILEFX_AVX512_ENTRY(name) name##_avx512
 #endif
@@ -462,16 +463,21 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
 // the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask gives columns
 // 0-15 and a shift and a mask columns 16-31, each lane four values of one column, and `vpdpbusd` adds
 // each lane's four products: the nibbles (unsigned) times the four words' high bytes (signed), and the
-// low bytes (unsigned) times the nibbles (read as signed: they are below 128). 10 instructions per 64
-// weight bytes with the two broadcasts, where as int16 words against `vpdpwssd` it took 13 and left
+// low bytes (unsigned) times the nibbles (read as signed: they are below 128). 9 instructions per 64
+// weight bytes with the two broadcasts (shared by both streams), where as int16 words against `vpdpwssd` it took 13 and left
 // the GEMV compute-bound on Zen 4 (docs/PERFORMANCE.md); x keeps its 15 bits. A group's sums go to fp32
 // as 256 * high + low; its sum over x q minus z times the group's sum of x (x_sums) is its sum over
 // x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and accumulator.
+// The high nibbles come down in one `gf2p8affineqb` (GFNI) with this bit matrix: output bit i (i < 4) is
+// input bit i + 4 (row i is byte 7 - i), the others 0.
+constexpr int64_t kHighNibble = 0x1020408000000000LL;
+
 template <int Rows, int Blocks>
 static void int4_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.k_groups; ++g) {
@@ -480,23 +486,25 @@ static void int4_gemv(const LinearProblem& p, const int64_t* blocks, float* cons
     for (auto& a : high) a[0] = a[1] = _mm512_setzero_si512();
     for (auto& a : lows) a[0] = a[1] = _mm512_setzero_si512();
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
-      for (int b = 0; b < Blocks; ++b) {  // K pairs q, q + 1: inputs 2q..2q+3
+      __m512i x_low[Rows], x_high[Rows];  // inputs 2q..2q+3 of each row: 4 low bytes, then 4 high bytes
+      for (int r = 0; r < Rows; ++r) {
+        int32_t four[2];
+        std::memcpy(four, p.x_split() + r * 2 * p.ldx + 4 * q, sizeof four);
+        x_low[r] = _mm512_set1_epi32(four[0]);
+        x_high[r] = _mm512_set1_epi32(four[1]);
+      }
+      for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kInt4PairBytes;
         _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
         const __m512i raw = _mm512_loadu_si512(row);
         const __m512i first = _mm512_and_si512(raw, low);
-        const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        const __m512i second = _mm512_gf2p8affine_epi64_epi8(raw, high_nibble, 0);  // each byte >> 4
         for (int r = 0; r < Rows; ++r) {
-          const uint8_t* x = p.x_split() + r * 2 * p.ldx + 4 * q;  // 4 low bytes, then 4 high bytes
-          int32_t low4, high4;
-          std::memcpy(&low4, x, sizeof low4);
-          std::memcpy(&high4, x + 4, sizeof high4);
-          const __m512i x_low = _mm512_set1_epi32(low4), x_high = _mm512_set1_epi32(high4);
           const int i = r * Blocks + b;
-          high[i][0] = _mm512_dpbusd_epi32(high[i][0], first, x_high);
-          high[i][1] = _mm512_dpbusd_epi32(high[i][1], second, x_high);
-          lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low, first);
-          lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low, second);
+          high[i][0] = _mm512_dpbusd_epi32(high[i][0], first, x_high[r]);
+          high[i][1] = _mm512_dpbusd_epi32(high[i][1], second, x_high[r]);
+          lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low[r], first);
+          lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low[r], second);
         }
       }
     }
