@@ -27,8 +27,8 @@ class CompileOptions:
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, fp8 for an FP8
     # checkpoint, int4 for a GPTQ / AWQ one), "bf16", "int8" (symmetric per output channel), "fp8" (e4m3, 128 x
-    # 128 block scales) or "int4" (RTN, symmetric, per output channel and 128 inputs), quantized as the weights
-    # load. Routers and MLA's absorbed projections stay bf16 (tilefx.explain says why).
+    # 128 block scales) or "int4" (RTN with zero points, per output channel and 128 inputs; the lm_head int8),
+    # quantized as the weights load. Routers and MLA's absorbed projections stay bf16 (tilefx.explain says why).
     weights: str = "auto"
     # Keep each compiled graph with how to call it (compiler/graph_cache.py): a later process loads it and skips
     # Dynamo. Off with freezing, without fullgraph, or when Inductor's caches are disabled.

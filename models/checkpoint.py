@@ -90,6 +90,43 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
     return out
 
 
+def write_repeated_int4_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int, layout: str = "gptq",
+                                   seed: int = 0) -> pathlib.Path:
+    """``preset`` at ``layers`` layers in a 4-bit ``layout``, too large to build in memory (Qwen3-30B-A3B at full
+    depth is 61 GB in bf16): one random decoder layer is built and quantized, then written ``layers`` times, one
+    layer a shard, beside the embeddings and the lm_head. Decode cost and memory do not depend on the values."""
+    out = pathlib.Path(out)
+    one = out / "one-layer"
+    write_checkpoint(preset, one, layers=1, seed=seed, weights=layout)
+    config = json.loads((one / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    for key in ("layer_types", "mlp_only_layers"):  # per-layer lists, where the family has them
+        if isinstance(config.get(key), list) and len(config[key]) == 1:
+            config[key] = config[key] * layers
+    index = {"metadata": {}, "weight_map": {}}
+    with safe_open(one / "model.safetensors", "pt") as source:
+        names = list(source.keys())
+        layer = {n: source.get_tensor(n) for n in names if n.startswith("model.layers.0.")}
+        rest = {n: source.get_tensor(n) for n in names if not n.startswith("model.layers.0.")}
+    for i in range(layers):
+        shard = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
+        tensors = {n.replace("model.layers.0.", f"model.layers.{i}.", 1): t for n, t in layer.items()}
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tensors, shard))
+    shard = f"model-{layers + 1:05d}-of-{layers + 1:05d}.safetensors"
+    save_file(rest, out / shard, metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(rest, shard))
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for file in one.iterdir():
+        if file.suffix != ".safetensors" and file.name != "config.json":
+            (out / file.name).write_bytes(file.read_bytes())
+    for file in one.iterdir():
+        file.unlink()
+    one.rmdir()
+    return out
+
+
 def is_fp8_linear(name: str) -> bool:
     """Whether the hub's FP8 checkpoints quantize the linear (module or weight name) ``name``."""
     name = name.removesuffix(".weight")

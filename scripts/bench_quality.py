@@ -46,6 +46,8 @@ def load_reference(dtype=torch.float32):
     directory = model_directory()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=MODEL_FILE)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=MODEL_FILE, dtype=dtype)
+    if hasattr(model.config, "quantization_config"):  # GGUF's, which transformers has already dequantized
+        del model.config.quantization_config
     return model.eval(), tokenizer
 
 

@@ -3,7 +3,7 @@
 ``FORMATS``: ``bf16``; ``int8`` (symmetric, one fp32 scale per output channel); ``fp8``
 (e4m3, one fp32 scale per 128 x 128 block of the source, the hub's ``weight_scale_inv``:
 ``W = q * scale``); ``int4`` (unsigned nibbles with an fp16 scale and zero point per output
-channel and 128 inputs, ``W = (q - z) * s``: GPTQ's and AWQ's meaning, RTN symmetric is z = 8).
+channel and 128 inputs, ``W = (q - z) * s``: GPTQ's and AWQ's meaning, and RTN's here).
 A quantized packing holds its 1-byte values in the same element order as bf16 (``[blocks, K/2,
 32, 2]``; int4 two a byte, ``[blocks, K/2, 16, 2]`` in the order ``layouts.int4_interleave``
 gives) and its scales in packed-block order, ``[blocks, 32]`` (int8: per packed column),
@@ -100,9 +100,10 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     int8: symmetric per row, ``scale = max|w| / 127``, values rounded to nearest in [-127, 127], scales ``[n]``.
     fp8: e4m3 per 128 x 128 block, ``scale = max|w| / 448`` (the hub's ``weight_scale_inv``), values
     rounded to nearest e4m3, scales ``[ceil(n / 128), ceil(k / 128)]``. All-zero rows or blocks get scale 1.
-    int4: round to nearest (RTN), symmetric per row and 128 inputs: ``scale = max|w| / 7`` rounded to fp16,
-    values ``round(w / scale)`` in [-7, 7] stored as unsigned nibbles plus 8 (uint8 ``[n, k]``), scales
-    ``[n, ceil(k / 128), 2]`` fp16 (the scale, and the zero point 8).
+    int4: round to nearest (RTN), asymmetric per row and 128 inputs (min to max, 0 included: the quality table in
+    docs/PERFORMANCE.md measured symmetric far worse): ``scale = (max - min) / 15`` rounded to fp16, zero point
+    ``round(-min / scale)``, values ``round(w / scale) + zero`` in [0, 15] (uint8 ``[n, k]``), scales ``[n,
+    ceil(k / 128), 2]`` fp16 (the scale and the zero point).
     """
     w = weight.float()
     n, k = w.shape
@@ -113,11 +114,12 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     if format == "int4":
         groups = -(-k // INT4_GROUP)
         padded = torch.nn.functional.pad(w, (0, groups * INT4_GROUP - k)).view(n, groups, INT4_GROUP)
-        scale = (padded.abs().amax(dim=2) / 7.0).half()
+        low, high = padded.amin(dim=2).clamp_max(0), padded.amax(dim=2).clamp_min(0)  # 0 stays exact
+        scale = ((high - low) / 15).half()
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an underflow to 0 included)
-        values = torch.round(padded / scale.float()[..., None]).clamp_(-7, 7).add_(8).to(torch.uint8)
-        params = torch.stack([scale, torch.full_like(scale, 8.0)], dim=-1)
-        return values.view(n, -1)[:, :k], params
+        zero = torch.round(-low / scale.float()).clamp_(0, 15)
+        values = torch.round(padded / scale.float()[..., None] + zero[..., None]).clamp_(0, 15).to(torch.uint8)
+        return values.view(n, -1)[:, :k], torch.stack([scale, zero.half()], dim=-1)
     if format != "fp8":
         raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8, int4)")
     rows, cols = -(-n // FP8_GROUP), -(-k // FP8_GROUP)

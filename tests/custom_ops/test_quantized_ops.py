@@ -175,10 +175,12 @@ def test_quantize_rows():
     assert values.dtype == torch.float8_e4m3fn and values.shape == (200, 300) and scales.shape == (2, 3)
     assert float(values.float().abs().amax()) == weights.FP8_MAX  # each block's largest value maps to 448
     assert not values.float().isnan().any()
-    values, params = weights.quantize_rows(weight, "int4")  # per row and 128 inputs: scale, zero point 8
+    values, params = weights.quantize_rows(weight, "int4")  # per row and 128 inputs: scale, zero point
     assert values.dtype == torch.uint8 and values.shape == (200, 300) and params.shape == (200, 3, 2)
-    assert params.dtype == torch.float16 and bool((params[..., 1] == 8).all()) and int(values.max()) <= 15
-    assert int((values.int() - 8).abs().amax(dim=1).min()) == 7  # each row's largest |w| maps to +-7
+    assert params.dtype == torch.float16 and int(values.max()) <= 15
+    assert bool((values.amin(dim=1) == 0).all()) and bool((values.amax(dim=1) == 15).all())  # min and max map to 0, 15
+    scale, zero = params[..., 0].float().repeat_interleave(128, 1)[:, :300], params[..., 1].float().repeat_interleave(128, 1)[:, :300]
+    assert torch.allclose((values.float() - zero) * scale, weight.float(), atol=float(scale.max()) / 2 + 1e-6)
     zero = torch.zeros(40, 50, dtype=torch.bfloat16)
     for format in FORMATS:
         _, scales = weights.quantize_rows(zero, format)
