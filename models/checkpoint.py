@@ -104,10 +104,11 @@ def write_repeated_int4_checkpoint(preset: str, out: str | pathlib.Path, *, laye
         if isinstance(config.get(key), list) and len(config[key]) == 1:
             config[key] = config[key] * layers
     index = {"metadata": {}, "weight_map": {}}
-    with safe_open(one / "model.safetensors", "pt") as source:
-        names = list(source.keys())
-        layer = {n: source.get_tensor(n) for n in names if n.startswith("model.layers.0.")}
-        rest = {n: source.get_tensor(n) for n in names if not n.startswith("model.layers.0.")}
+    layer, rest = {}, {}
+    for path in sorted(one.glob("*.safetensors")):
+        with safe_open(path, "pt") as source:
+            for n in source.keys():
+                (layer if n.startswith("model.layers.0.") else rest)[n] = source.get_tensor(n)
     for i in range(layers):
         shard = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
         tensors = {n.replace("model.layers.0.", f"model.layers.{i}.", 1): t for n, t in layer.items()}
@@ -119,7 +120,7 @@ def write_repeated_int4_checkpoint(preset: str, out: str | pathlib.Path, *, laye
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for file in one.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
+        if file.suffix != ".safetensors" and file.name not in ("config.json", "model.safetensors.index.json"):
             (out / file.name).write_bytes(file.read_bytes())
     for file in one.iterdir():
         file.unlink()

@@ -243,10 +243,11 @@ PRESETS: dict[str, Preset] = {
         Preset("tiny-qwen2-mqa", "-", "qwen2", dict(_tiny("qwen2", rope_parameters=_QWEN_ROPE), num_key_value_heads=1),
                logit_scale=16.0),
         Preset("tiny-qwen3", "-", "qwen3", _tiny("qwen3", rope_parameters=_QWEN_ROPE), logit_scale=16.0),
-        # inputs of whole 128-wide groups, as 4-bit checkpoints (GPTQ / AWQ, group_size 128) need them
+        # inputs of whole 128-wide groups, as 4-bit checkpoints (GPTQ / AWQ, group_size 128) need them, also
+        # split two ways (tensor parallel)
         Preset("tiny-llama-w256", "-", "llama",
                dict(_tiny("llama", rope_parameters=dict(_LLAMA3_ROPE, original_max_position_embeddings=1024)),
-                    hidden_size=256, intermediate_size=384, head_dim=64),
+                    hidden_size=256, intermediate_size=512, head_dim=64),
                logit_scale=16.0),
         Preset("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe",
                _moe(2048, 5632, 24, 16, 16, 151936, **_QWEN1_5_MOE)),
@@ -277,7 +278,7 @@ PRESETS: dict[str, Preset] = {
             "-",
             "qwen3_moe",
             dict(_tiny("qwen3_moe", rope_parameters=_QWEN_ROPE, num_experts=8, num_experts_per_tok=2,
-                       moe_intermediate_size=128, norm_topk_prob=True), hidden_size=256, intermediate_size=384,
+                       moe_intermediate_size=256, norm_topk_prob=True), hidden_size=256, intermediate_size=512,
                  head_dim=64),
             logit_scale=16.0,
         ),

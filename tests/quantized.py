@@ -44,7 +44,7 @@ def dequantize_like_packing(model: torch.nn.Module, format: str) -> None:
             for group in groups:
                 if group.format != "bf16":
                     for param in group.params:
-                        param.copy_(_dequantized_like(param, group.layout, format).to(param.dtype))
+                        param.copy_(_dequantized_like(param, group.layout, group.format).to(param.dtype))
 
 
 def _dequantized_like(param: torch.Tensor, layout: str, format: str) -> torch.Tensor:

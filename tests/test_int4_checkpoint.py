@@ -105,7 +105,7 @@ CASES = [("tiny-llama-w256", "gptq"), ("tiny-llama-w256", "gptq-asym"), ("tiny-l
 @pytest.fixture(scope="module", params=CASES, ids=[f"{p}-{w}" for p, w in CASES])
 def int4_checkpoint(request, tmp_path_factory):
     preset, layout = request.param
-    directory = write_checkpoint(preset, tmp_path_factory.mktemp(f"{preset}-{layout}"), seed=3, weights=layout)
+    directory = write_checkpoint(preset, tmp_path_factory.mktemp(f"{preset}-{layout}"), seed=5, weights=layout)
     return directory, layout
 
 
@@ -155,3 +155,23 @@ def test_refuses_what_it_cannot_run(tmp_path):
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="q_proj.scales"):
         tilefx.compile_model(directory)
+
+
+def test_tensor_parallel_splits_whole_groups_only(tmp_path):
+    """A row-parallel split of a 4-bit linear must leave each rank whole groups of 128 inputs; else it is refused,
+    naming the dim. (tests/test_tp.py runs a GPTQ checkpoint under tp=2.)"""
+    from tilefx.custom_ops.weights import Shard
+    from tilefx.models import shard_loading
+
+    directory = write_checkpoint("tiny-llama-w256", tmp_path / "ckpt", seed=1, weights="gptq")
+    files = shard_loading.checkpoint_files(directory)
+    scheme = int4.scheme_of(json.loads((directory / "config.json").read_text())["quantization_config"])
+    key = next(n for n in files if n.endswith("mlp.down_proj.qweight")).replace(".qweight", ".weight")
+    with shard_loading._open_files() as opened:
+        whole_nibbles, whole_params = shard_loading._int4_part(opened, files, key, scheme, None)  # [256, 512 / 2]
+        nibbles, params = shard_loading._int4_part(opened, files, key, scheme, Shard(1, 1, 2, "rowwise", 512))
+        assert torch.equal(nibbles, whole_nibbles[:, 128:]) and torch.equal(params, whole_params[:, 2:])
+        rows, row_params = shard_loading._int4_part(opened, files, key, scheme, Shard(0, 1, 2, "colwise", 256))
+        assert torch.equal(rows, whole_nibbles[128:]) and torch.equal(row_params, whole_params[128:])
+        with pytest.raises(ValueError, match="dim 1.*4-bit groups"):
+            shard_loading._int4_part(opened, files, key, scheme, Shard(1, 0, 8, "rowwise", 512))

@@ -46,7 +46,7 @@ def test_int8_within_one_percent_of_bf16(text_and_bf16):
 
 
 def test_int4_within_its_bound(text_and_bf16):
-    """int4 (RTN, asymmetric, groups of 128, the lm_head int8): the measured cost (1.62x on this 135M model, whose
-    own weights are 4-bit in groups of 32; symmetric RTN measured 2.7x), with headroom."""
+    """int4 (RTN with zero points, groups of 128, the lm_head int8): the measured cost here (1.42x on this 135M model,
+    whose own weights are 4-bit in groups of 32; symmetric RTN measured 1.71x compiled), with headroom."""
     tokens, bf16 = text_and_bf16
-    assert _perplexity_as_packed("int4", tokens) / bf16 < 1.75
+    assert _perplexity_as_packed("int4", tokens) / bf16 < 1.55

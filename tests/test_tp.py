@@ -45,6 +45,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: float = 600, env: dict | None 
 # Qwen3-30B-A3B (2.5 GB: 128 experts, each split by its intermediate columns)
 LARGE = ("llama-3.2-1b", "qwen3-30b-a3b")
 FP8 = "qwen3-30b-a3b-fp8"  # the same, in the hub's FP8 layout: each rank reads its e4m3 slices and their scale blocks
+INT4 = "tiny-qwen3-moe-w256-gptq"  # a GPTQ checkpoint: each rank repacks its rows, or its whole groups of inputs
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,7 @@ def checkpoints(tmp_path_factory):
     written = {name: write_checkpoint(name, root / name) for name in FAMILIES}
     written.update({name: write_checkpoint(name, root / name, layers=1) for name in LARGE})
     written[FP8] = write_checkpoint("qwen3-30b-a3b", root / FP8, layers=1, weights="fp8")
+    written[INT4] = write_checkpoint("tiny-qwen3-moe-w256", root / INT4, seed=3, weights="gptq")
     return written
 
 
@@ -111,6 +113,20 @@ def test_tp2_fp8_checkpoint(checkpoints, tp2):
     assert rank0["one"] == rank1["one"] and rank0["two"] == rank1["two"]
     assert "weight formats: fp8 4" in rank0["explain"], rank0["explain"]
     reference = AutoModelForCausalLM.from_pretrained(checkpoints[FP8], dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        one = torch.tensor(rank0["one"])
+        assert_greedy_matches(reference, one[:, :13], torch.ones(1, 13, dtype=torch.long), one)
+
+
+def test_tp2_int4_checkpoint(checkpoints, tp2):
+    """A GPTQ checkpoint splits as it ships: each rank's linears and experts int4 (rows, or whole 128-input groups
+    of the row-parallel ones), tokens like HF eager over the exactly dequantized weights."""
+    from test_int4_checkpoint import _dequantized_reference
+
+    rank0, rank1 = tp2[INT4]
+    assert rank0["one"] == rank1["one"] and rank0["two"] == rank1["two"]
+    assert "weight formats: int4" in rank0["explain"], rank0["explain"]
+    reference = _dequantized_reference(pathlib.Path(checkpoints[INT4]), "gptq")
     with torch.no_grad():
         one = torch.tensor(rank0["one"])
         assert_greedy_matches(reference, one[:, :13], torch.ones(1, 13, dtype=torch.long), one)

@@ -225,7 +225,10 @@ def release(packed_data: torch.Tensor) -> int:
     for index, source in enumerate(sources):
         del _registry[_key(source)]
         old = source.data
-        if old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        nibbles = formats.checkpoint_nibbles(source)  # an int4 checkpoint's values: held beside its untouched data
+        if nibbles is not None:
+            released += nibbles.nbytes
+        elif old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             released += old.numel() * old.element_size()
             memory.drop_file_pages(old, mapped)
         if packed.format == "bf16":
