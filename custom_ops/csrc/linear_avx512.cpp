@@ -461,15 +461,16 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
 
 // int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words; kernels.h has
 // the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask gives columns
-// 0-15 and a shift and a mask columns 16-31, each lane four values of one column, and `vpdpbusd` adds
-// each lane's four products: the nibbles (unsigned) times the four words' high bytes (signed), and the
-// low bytes (unsigned) times the nibbles (read as signed: they are below 128). 9 instructions per 64
-// weight bytes with the two broadcasts (shared by both streams), where as int16 words against `vpdpwssd` it took 13 and left
-// the GEMV compute-bound on Zen 4 (docs/PERFORMANCE.md); x keeps its 15 bits. A group's sums go to fp32
-// as 256 * high + low; its sum over x q minus z times the group's sum of x (x_sums) is its sum over
-// x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and accumulator.
-// The high nibbles come down in one `gf2p8affineqb` (GFNI) with this bit matrix: output bit i (i < 4) is
-// input bit i + 4 (row i is byte 7 - i), the others 0.
+// 0-15 and one `gf2p8affineqb` (GFNI) columns 16-31, each lane four values of one column, and
+// `vpdpbusd` adds each lane's four products: the nibbles (unsigned) times the four words' high bytes
+// (signed), and the low bytes (unsigned) times the nibbles (read as signed: they are below 128). About
+// 9 instructions per 64 weight bytes (the broadcasts shared by both streams), four of them VNNI: twice
+// int8's per byte, which bounds this GEMV on Zen 4 (512-bit VNNI at half rate) before memory does
+// (docs/PERFORMANCE.md); x keeps its 15 bits. A group's sums go to fp32 as 256 * high + low; its sum
+// over x q minus z times the group's sum of x (x_sums) is its sum over x (q - z). A group is 32 loads,
+// each adding at most 4 * 15 * 255 per lane and accumulator.
+// The GFNI bit matrix that takes each byte's high nibble down: output bit i (i < 4) is input bit i + 4
+// (row i is byte 7 - i), the others 0.
 constexpr int64_t kHighNibble = 0x1020408000000000LL;
 
 template <int Rows, int Blocks>
