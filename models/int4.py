@@ -86,7 +86,7 @@ def quantized_modules(names) -> set[str]:
     return {name[: -len(".qweight")] for name in names if name.endswith(".qweight")}
 
 
-def check_tensors(module: str, names, scheme: Int4Scheme) -> None:
+def check_tensors(module: str, names) -> None:
     """Refuse, naming it, a quantized linear without its scales or zero points: its nibbles mean nothing alone."""
     missing = [f"{module}.{t}" for t in ("scales", "qzeros") if f"{module}.{t}" not in names]
     if missing:
@@ -118,9 +118,10 @@ def _pack(nibbles: torch.Tensor, order=None) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # as int32 bits
 
 
-def read_int4(tensor, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linear ``module``'s 4-bit tensors (``tensor(name)`` reads one) as tilefx's int4: its nibbles two a byte
-    ``[N, K / 2]`` (``weights.pair_nibbles``) and fp16 params ``[N, ceil(K / 128), 2]`` (scale, zero point)."""
+def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear ``module``'s 4-bit tensors (``tensor(name)`` reads one of the checkpoint's tensors ``names``) as
+    tilefx's int4: its nibbles two a byte ``[N, K / 2]`` (``weights.pair_nibbles``) and fp16 params ``[N, ceil(K /
+    128), 2]`` (scale, zero point)."""
     qweight, qzeros = tensor(f"{module}.qweight"), tensor(f"{module}.qzeros")
     scales = tensor(f"{module}.scales").to(torch.float16)
     if scheme.method == "gptq":
@@ -138,7 +139,7 @@ def read_int4(tensor, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, to
     if scales.shape != (groups, n) or zeros.shape[0] != groups:
         raise ValueError(f"{module}: scales {tuple(scales.shape)} / qzeros {tuple(qzeros.shape)} do not hold "
                          f"{groups} groups of {group} inputs for a [{n}, {k}] weight")
-    if scheme.method == "gptq" and f"{module}.g_idx" in getattr(tensor, "names", ()):
+    if scheme.method == "gptq" and f"{module}.g_idx" in names:
         order = torch.arange(k) // group
         if not torch.equal(tensor(f"{module}.g_idx").long(), order):
             raise UnsupportedInt4Error(

@@ -71,7 +71,7 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
     files = checkpoint_files(directory)
     quantized = int4.quantized_modules(files) if scheme is not None else set()
     for module in sorted(quantized):
-        int4.check_tensors(module, files, scheme)
+        int4.check_tensors(module, files)
     # each weight's own format; refuses e4m3 without its scales; a 4-bit linear's tensors are its weight's
     formats = fp8.weight_formats({n: p for n, p in files.items() if n.rsplit(".", 1)[0] not in quantized})
     formats.update({f"{module}.weight": "int4" for module in quantized})
@@ -162,8 +162,7 @@ def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | Non
     def tensor(name):
         return opened(files[name]).get_tensor(name)
 
-    tensor.names = files
-    nibbles, params = int4.read_int4(tensor, module, scheme)
+    nibbles, params = int4.read_int4(tensor, files, module, scheme)
     if shard is None:
         return nibbles, params
     n, k = nibbles.shape[0], 2 * nibbles.shape[1]

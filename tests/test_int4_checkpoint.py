@@ -32,11 +32,7 @@ def test_gptq_layout_by_hand():
     scales = torch.full((1, n), 0.5, dtype=torch.float16)
     tensors = {"m.qweight": qweight, "m.qzeros": qzeros, "m.scales": scales}
 
-    def tensor(name):
-        return tensors[name]
-
-    tensor.names = tensors
-    nibbles, params = int4.read_int4(tensor, "m", int4.Int4Scheme("gptq", 128, zero_offset=1))
+    nibbles, params = int4.read_int4(tensors.__getitem__, tensors, "m", int4.Int4Scheme("gptq", 128, zero_offset=1))
     assert params.shape == (n, 1, 2) and params[:, 0, 1].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     values = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).flatten(-2)  # [N, K]
     assert values[0, 1] == 5 and values[0, 7] == 15 and values[3, 8] == 9 and values[1].sum() == 0
@@ -51,11 +47,7 @@ def test_awq_layout_by_hand():
     qzeros = torch.tensor([[(7 << 4) | 9]], dtype=torch.int32)  # nibble 0: output 0 -> 9, nibble 1: output 2 -> 7
     tensors = {"m.qweight": qweight, "m.qzeros": qzeros, "m.scales": torch.ones(1, n, dtype=torch.float16)}
 
-    def tensor(name):
-        return tensors[name]
-
-    tensor.names = tensors
-    nibbles, params = int4.read_int4(tensor, "m", int4.Int4Scheme("awq", 128))
+    nibbles, params = int4.read_int4(tensors.__getitem__, tensors, "m", int4.Int4Scheme("awq", 128))
     values = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).flatten(-2)
     assert values[2, 2] == 3 and values[1, 2] == 11 and values.sum() == 14
     assert params[0, 0, 1] == 9 and params[2, 0, 1] == 7 and params[1, 0, 1] == 0

@@ -29,9 +29,9 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
                  source_scales=None, nibbles=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
     rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is a
-    quantized checkpoint's (fp8 with its 128 x 128 block scales, or int4 nibbles with their per-row group scales
-    and zeros; ``nibbles``: its values two a byte where ``weight``'s data does not hold them): copied as it is into
-    a packing of its own format, else dequantized a chunk at a time."""
+    quantized checkpoint's (fp8 with its 128 x 128 block scales, or int4 with its per-row group scales and zeros
+    and ``nibbles``, its values two a byte): copied as it is into a packing of its own format, else dequantized a
+    chunk at a time."""
     source_format = None if source_scales is None else ("int4" if weight.dtype == torch.uint8 else "fp8")
     if source_format == "fp8":
         formats.check_checkpoint_scales(weight, source_scales)
@@ -52,8 +52,7 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             else:
                 values = formats.dequantize_blocks(source, groups)
         elif source_format == "int4":
-            if nibbles is not None:
-                values = formats.split_nibbles(nibbles[row : row + source.shape[0]])
+            values = formats.split_nibbles(nibbles[row : row + source.shape[0]])
             params = source_scales[row : row + source.shape[0]]
             if out_format == "int4":
                 row_scales = params
@@ -142,12 +141,10 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
     flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
-    if values.dtype == torch.uint8:  # int4: the params are per row; the nibbles two a byte where attached so
-        nibbles = formats.checkpoint_nibbles(weight)
-        flat_scales = scales.reshape(-1, *scales.shape[-3:])
-        flat_nibbles = [None] * len(flat_out) if nibbles is None else nibbles.reshape(-1, *nibbles.shape[-2:])
-        for v, s, o, n in zip(flat_values, flat_scales, flat_out, flat_nibbles):
-            o.copy_(formats.dequantize_int4_rows(v if n is None else formats.split_nibbles(n), s, dtype))
+    if values.dtype == torch.uint8:  # int4: the params are per row, the nibbles two a byte beside the weight
+        nibbles = formats.checkpoint_nibbles(weight).reshape(-1, *scales.shape[-3:-2], values.shape[-1] // 2)
+        for n, s, o in zip(nibbles, scales.reshape(-1, *scales.shape[-3:]), flat_out):
+            o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(n), s, dtype))
     else:
         halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
         for v, s, o in zip(flat_values, flat_scales, flat_out):

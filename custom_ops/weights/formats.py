@@ -182,39 +182,34 @@ def split_nibbles(paired: torch.Tensor) -> torch.Tensor:
 
 
 def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: torch.Tensor) -> None:
-    """Mark ``weight`` (any ``[..., N, K]`` uint8, normally ``memory.untouched_zeros``: it stands for the weight in
-    the graphs that trace it) as an int4 checkpoint's: its ``nibbles`` two a byte ``[..., N, K / 2]``
-    (``pair_nibbles``) and ``params`` as ``attach_checkpoint_scales`` takes them. Held here, at the checkpoint's own
-    size, until packing reads them."""
-    if nibbles.dtype != torch.uint8 or tuple(nibbles.shape) != (*weight.shape[:-1], weight.shape[-1] // 2) or \
-            weight.shape[-1] % 2:
-        raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its nibbles come two a byte, uint8 "
-                         f"[..., N, K / 2], got {nibbles.dtype} {tuple(nibbles.shape)}")
-    attach_checkpoint_scales(weight, params)
+    """Mark ``weight`` (a uint8 ``[..., N, K]``, normally ``memory.untouched_zeros``: it stands for the weight in the
+    graphs that trace it) as an int4 checkpoint's: its unsigned nibbles two a byte ``[..., N, K / 2]``
+    (``pair_nibbles``) and fp16 ``params [..., N, ceil(K / 128), 2]``, per row and 128 inputs the scale and the zero
+    point (``W = (q - z) * s``). Held here, at the checkpoint's own size, until packing reads them (as they are
+    into an int4 packing, else dequantized a chunk at a time)."""
+    if weight.dtype != torch.uint8 or weight.shape[-1] % 2 or nibbles.dtype != torch.uint8 or \
+            tuple(nibbles.shape) != (*weight.shape[:-1], weight.shape[-1] // 2):
+        raise ValueError(f"int4 checkpoint weight {weight.dtype} {tuple(weight.shape)}: a uint8 [..., N, K] with its "
+                         f"nibbles two a byte, uint8 [..., N, K / 2], got {nibbles.dtype} {tuple(nibbles.shape)}")
+    if params.dtype != torch.float16 or tuple(params.shape) != (
+            *weight.shape[:-1], -(-weight.shape[-1] // INT4_GROUP), 2):
+        raise ValueError(f"int4 checkpoint values {tuple(weight.shape)} need fp16 scales and zero points "
+                         f"[..., N, ceil(K / {INT4_GROUP}), 2], got {params.dtype} {tuple(params.shape)}")
+    _checkpoint_scales[weight] = params
     _checkpoint_nibbles[weight] = nibbles
 
 
 def checkpoint_nibbles(weight: torch.Tensor) -> torch.Tensor | None:
-    """The nibbles ``attach_checkpoint_int4`` gave ``weight`` (two a byte), or None (its data holds them, one a
-    byte, or it is no int4 checkpoint's)."""
+    """The nibbles ``attach_checkpoint_int4`` gave ``weight`` (two a byte), or None (no int4 checkpoint's)."""
     return _checkpoint_nibbles.get(weight)
 
 
 def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
-    """Mark ``weight`` as a quantized checkpoint's values with their scales; ``pack`` then reads them as they are
-    (same format) or dequantizes them a chunk at a time (other formats), so no bf16 copy of it ever exists whole.
-
-    fp8: e4m3 values with their ``weight_scale_inv``, one fp32 per 128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``;
-    3-D experts ``[E, ...]`` per expert, and a fused gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of
-    its own rows). int4: unsigned nibbles one a byte (uint8 ``[..., N, K]``) with fp16 ``[..., N, ceil(K / 128),
-    2]``: per row and 128 inputs the scale and the zero point (``W = (q - z) * s``)."""
-    if weight.dtype == torch.uint8:
-        if scale_inv.dtype != torch.float16 or tuple(scale_inv.shape) != (
-                *weight.shape[:-1], -(-weight.shape[-1] // INT4_GROUP), 2):
-            raise ValueError(f"int4 checkpoint values {tuple(weight.shape)} need fp16 scales and zero points "
-                             f"[..., N, ceil(K / {INT4_GROUP}), 2], got {scale_inv.dtype} {tuple(scale_inv.shape)}")
-        _checkpoint_scales[weight] = scale_inv
-        return
+    """Mark ``weight`` (e4m3 values as an fp8 checkpoint holds them) with its ``weight_scale_inv``: one fp32 per
+    128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``; 3-D experts ``[E, ...]`` per expert, and a fused
+    gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of its own rows). ``pack`` then reads it as is
+    (fp8) or dequantizes it a chunk at a time (other formats), so no bf16 copy of it ever exists whole. (An int4
+    checkpoint's weights: ``attach_checkpoint_int4``.)"""
     if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise ValueError(f"an fp8 checkpoint weight is float8_e4m3fn with float32 scales, got {weight.dtype} "
                          f"with {scale_inv.dtype}")

@@ -13,6 +13,14 @@ from tilefx.custom_ops import tuning, weights
 from quantized import decode_rows
 
 
+def _marked(values: torch.Tensor, params: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter standing for nibbles ``values`` (one a byte) as the loader holds an int4 checkpoint's weight:
+    untouched zeros of its shape, its nibbles two a byte and its params beside it."""
+    weight = torch.nn.Parameter(weights.untouched_zeros(values.shape, torch.uint8), requires_grad=False)
+    weights.attach_checkpoint_int4(weight, weights.pair_nibbles(values), params)
+    return weight
+
+
 def _checkpoint_int4(rows, in_features, seed, lead=()):
     """Random nibbles and params ``[..., rows, groups, 2]`` (fp16 scale, integer zero point in [0, 15]), marked as
     an int4 checkpoint's weight; and the fp32 weight they mean."""
@@ -22,8 +30,7 @@ def _checkpoint_int4(rows, in_features, seed, lead=()):
     scales = (torch.rand(*lead, rows, groups, generator=g) * 0.02 + 0.005).half()
     zeros = torch.randint(0, 16, (*lead, rows, groups), generator=g).half()
     params = torch.stack([scales, zeros], dim=-1)
-    weight = torch.nn.Parameter(values, requires_grad=False)
-    weights.attach_checkpoint_scales(weight, params)
+    weight = _marked(values, params)
     flat = [weights.dequantize_int4_rows(v, p, torch.float32)
             for v, p in zip(values.reshape(-1, rows, in_features), params.reshape(-1, rows, groups, 2))]
     return weight, torch.stack(flat).reshape(*lead, rows, in_features)
@@ -66,8 +73,7 @@ def test_int4_decode_holds_the_largest_products(kernel_path):
     groups = in_features // weights.INT4_GROUP
     params = torch.stack([torch.full((64, groups), 0.01), torch.zeros(64, groups)], dim=-1).half()
     params[32:, :, 1] = 15  # the second block's columns: (15 - 15) * s = 0
-    weight = torch.nn.Parameter(values, requires_grad=False)
-    weights.attach_checkpoint_scales(weight, params)
+    weight = _marked(values, params)
     packed = weights.pack_linear_weight(weight, "int4")
     for rows in (1, 2):
         x = torch.ones(rows, in_features).to(torch.bfloat16)
@@ -139,9 +145,11 @@ def test_int4_checkpoint_packs_in_other_formats(kernel_path, format):
 def test_int4_checkpoint_needs_its_params():
     values = torch.zeros(32, 256, dtype=torch.uint8)
     with pytest.raises(ValueError, match="fp16 scales and zero points"):
-        weights.attach_checkpoint_scales(values, torch.zeros(32, 2, 2))
+        weights.attach_checkpoint_int4(values, weights.pair_nibbles(values), torch.zeros(32, 2, 2))
     with pytest.raises(ValueError, match="fp16 scales and zero points"):
-        weights.attach_checkpoint_scales(values, torch.zeros(32, 1, 2, dtype=torch.float16))
+        weights.attach_checkpoint_int4(values, weights.pair_nibbles(values), torch.zeros(32, 1, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="nibbles two a byte"):
+        weights.attach_checkpoint_int4(values, values, torch.zeros(32, 2, 2, dtype=torch.float16))
     assert "packed from bf16 or from a quantized" in weights.can_pack("linear", [values], format="int4")
 
 
