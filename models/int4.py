@@ -164,18 +164,32 @@ def write_int4(weight: torch.Tensor, scheme: Int4Scheme, symmetric: bool) -> dic
         scale = (w.abs().amax(dim=-1) / 7).clamp_min(1e-8).half()
         zero = torch.full_like(scale, 8, dtype=torch.int32)
     else:
-        low, high = w.amin(dim=-1).clamp_max(0), w.amax(dim=-1).clamp_min(0)
-        scale = ((high - low) / 15).clamp_min(1e-8).half()
-        zero = torch.round(-low / scale.float()).clamp(0, 15).to(torch.int32)
+        scale, zero = asymmetric_params(w)
     q = torch.round(w / scale.float()[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return pack_int4(q, scale, zero, scheme)
+
+
+def asymmetric_params(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups ``w [..., group]``'s fp16 scale and int zero point (the range, with 0 in it, over 15 steps)."""
+    low, high = w.amin(dim=-1).clamp_max(0), w.amax(dim=-1).clamp_min(0)
+    scale = ((high - low) / 15).clamp_min(1e-8).half()
+    return scale, torch.round(-low / scale.float()).clamp(0, 15).to(torch.int32)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: Int4Scheme) -> dict[str, torch.Tensor]:
+    """Nibbles ``q [N, K]`` (uint8, 0-15) with fp16 ``scale`` and int ``zero`` ``[N, G]`` (G groups of the scheme's
+    size, the last one partial where K is not a multiple) in ``scheme``'s tensors."""
+    n, k = q.shape
+    group = k if scheme.group_size == -1 else scheme.group_size
+    groups = scale.shape[1]
     stored_zero = (zero - scheme.zero_offset).clamp(0, 15).to(torch.uint8)  # [N, G]
     if scheme.method == "gptq":
         qweight = _pack(q.T.reshape(k // 8, 8, n).transpose(1, 2))  # [K/8, N]
-        qzeros = _pack(stored_zero.T.reshape(k // group, n // 8, 8))
-        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scale.T.contiguous(),
+        qzeros = _pack(stored_zero.T.reshape(groups, n // 8, 8))
+        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scale.half().T.contiguous(),
                    "g_idx": (torch.arange(k) // group).to(torch.int32)}
     else:
         qweight = _pack(q.T.reshape(k, n // 8, 8), AWQ_ORDER)  # [K, N/8]
-        qzeros = _pack(stored_zero.T.reshape(k // group, n // 8, 8), AWQ_ORDER)
-        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scale.T.contiguous()}
+        qzeros = _pack(stored_zero.T.reshape(groups, n // 8, 8), AWQ_ORDER)
+        tensors = {"qweight": qweight, "qzeros": qzeros, "scales": scale.half().T.contiguous()}
     return {name: t.contiguous() for name, t in tensors.items()}

@@ -12,6 +12,7 @@ import ctypes
 import json
 import pathlib
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ def main() -> None:
     out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
     world = int(__import__("os").environ["WORLD_SIZE"])
     for checkpoint in checkpoints:
+        start = time.perf_counter()
         with adapter_lookups() as lookups:
             model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=2, progress=False)
         rank = dist.get_rank()
@@ -71,6 +73,7 @@ def main() -> None:
             "adapter_lookups": len(lookups),
             "graph_ops": [dict(g.tilefx_ops) for g in model.tilefx.report.graphs],
             "explain": explain,
+            "seconds": time.perf_counter() - start,  # compile and generate: what each checkpoint costs the suite
         }
         (out / f"{pathlib.Path(checkpoint).name}.rank{rank}.json").write_text(json.dumps(result))
         del model
