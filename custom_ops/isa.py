@@ -14,6 +14,11 @@ runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
 
+int4 decode reads x as 15-bit words by default. ``TILEFX_INT4_ACTIVATIONS=int8`` (or
+``forced_int4_activations("int8")`` for a block) makes the AVX512-BF16 units read it as int8 per
+32 inputs, llama.cpp's activations: half the VNNI work per weight byte, so the GEMV streams
+instead of computing, at a measured 0.2-0.3% of perplexity on a trained model (docs/PERFORMANCE.md).
+
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
 code runs, slowly, on CPUs without AVX512. It is never chosen by default.
@@ -95,6 +100,38 @@ def _set(path: str) -> None:
 
 _current = ""
 _set(_from_environment())
+
+
+INT4_ACTIVATIONS = ("int16", "int8")
+
+
+def _int4_from_environment() -> str:
+    form = os.environ.get("TILEFX_INT4_ACTIVATIONS", "int16").strip().lower() or "int16"
+    if form not in INT4_ACTIVATIONS:
+        raise RuntimeError(f"TILEFX_INT4_ACTIVATIONS={form}: int4 decode reads x as one of {', '.join(INT4_ACTIVATIONS)}")
+    return form
+
+
+def int4_activations() -> str:
+    """How int4 decode reads x: ``int16`` (15-bit words per row) or ``int8`` (per 32 inputs, AVX512-BF16 units)."""
+    return native.get_int4_activations() if native is not None else "int16"
+
+
+@contextlib.contextmanager
+def forced_int4_activations(form: str):
+    """Run a block with int4 decode reading x as ``form`` (``int16`` or ``int8``)."""
+    if form not in INT4_ACTIVATIONS:
+        raise ValueError(f"int4 decode reads x as one of {', '.join(INT4_ACTIVATIONS)}, not {form!r}")
+    previous = int4_activations()
+    native.set_int4_activations(form)
+    try:
+        yield
+    finally:
+        native.set_int4_activations(previous)
+
+
+if native is not None:
+    native.set_int4_activations(_int4_from_environment())
 
 
 def current() -> str:

@@ -246,7 +246,8 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
             if not enabled:
                 results.append(Tuned(unit, format, *current(unit, format), how="untuned"))
                 continue
-            key = _machine_key(unit, format)
+            # (int4's walk is timed with x in the form decode reads it: isa.int4_activations)
+            key = _machine_key(unit, format, *(["x=" + isa.int4_activations()] if format == "int4" else []))
             entry = saved.get(key)
             if entry is not None:
                 isa.native.set_walk_tuning(unit, format, entry["streams"], entry["prefetch_bytes"])

@@ -5,6 +5,7 @@
     python scripts/bench_tpot.py --preset qwen3-1.7b --layers 8 --json out.json --plot out.png
     python scripts/bench_tpot.py --path ./my-checkpoint
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
+    python scripts/bench_tpot.py --modes tilefx --weights int8,int4,int4/x8   # int4/x8: TILEFX_INT4_ACTIVATIONS=int8
     torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
@@ -29,6 +30,7 @@ timed generate() calls.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -148,6 +150,14 @@ def stock_compile(model, max_seq_len: int):
 
 
 
+INT4_X8 = "int4/x8"  # int4 weights, decode reading x as int8 (isa.forced_int4_activations)
+
+
+def x_form(mode: str):
+    """The int4 activation form a row runs under: int8 for an ``int4/x8`` row, else the process's."""
+    return isa.forced_int4_activations("int8") if mode.endswith(INT4_X8) else contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
@@ -162,7 +172,8 @@ def main(argv=None) -> int:
                         help="also time tilefx's decode after an N-token prompt, in the same runs")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     parser.add_argument("--weights", default=None,
-                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8, int4): one tilefx row each "
+                        help="comma-separated weight formats for tilefx (auto, bf16, int8, fp8, int4; int4/x8: int4 with "
+                             "decode reading x as int8, TILEFX_INT4_ACTIVATIONS=int8): one tilefx row each "
                              "(default: bf16 for a preset, auto for --path: what the checkpoint holds)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
@@ -174,8 +185,8 @@ def main(argv=None) -> int:
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     formats = [f for f in (args.weights or ("auto" if args.path else "bf16")).split(",") if f]
-    if unknown := set(formats) - {"auto", *weights.FORMATS}:
-        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {('auto', *weights.FORMATS)}")
+    if unknown := set(formats) - {"auto", *weights.FORMATS, INT4_X8}:
+        parser.error(f"unknown weight formats {sorted(unknown)}; choose from {('auto', *weights.FORMATS, INT4_X8)}")
     if "tilefx" in modes:  # one tilefx row per format: "tilefx" (bf16), "tilefx int8", ...
         at = modes.index("tilefx")
         modes[at : at + 1] = ["tilefx" if f == "bf16" else f"tilefx {f}" for f in formats]
@@ -209,7 +220,9 @@ def main(argv=None) -> int:
         elif mode.startswith("tilefx"):
             format = mode.split()[1] if " " in mode else "bf16"
             source = args.path if args.path else model
-            model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=args.batch, weights=format)
+            with x_form(mode):  # (the walk tuning times int4 in the form it will read)
+                model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=args.batch,
+                                             weights=format.removesuffix("/x8"))
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -220,13 +233,15 @@ def main(argv=None) -> int:
     long_context = args.long_context > 0
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
-            timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
+            with x_form(mode):
+                timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
         samples = {mode: [] for mode in modes}
         long_samples, bandwidth = [], []
         bandwidth.append(isa.stream_read_gbps())
         for _ in range(args.runs):
             for mode in modes:
-                ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
+                with x_form(mode):
+                    ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
                 bandwidth.append(isa.stream_read_gbps())  # each sample's floor: the probes just before and after it
                 samples[mode].append((ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2))
             if long_context:
@@ -293,7 +308,8 @@ def main(argv=None) -> int:
         rows.append({"mode": f"tilefx, prompt {args.long_context}", "ttft_ms": long_ttft, "tpot_ms": long_tpot,
                      "tpot_over_floor": long_tpot / long_floor, "tpot_over_short_context": growth})
     for mode in (m for m in modes if m.startswith("tilefx")):
-        print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
+        with x_form(mode):
+            print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
     result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": args.batch,
               "runs": args.runs,
               "threads": torch.get_num_threads(), "stream_gbps": gbps, "floor_ms": floor_ms, "rows": rows}

@@ -91,9 +91,9 @@ def assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new
     reason = isa.unsupported_reason(isa.EMULATED_AVX512)
     if reason is not None:
         pytest.skip(reason)
-    with isa.forced(isa.EMULATED_AVX512):
+    with isa.forced(isa.EMULATED_AVX512):  # (the reference too: an int4 oracle rounds x as the path's decode does)
         out = compiled.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    return assert_greedy_matches(reference, ids, mask, out)
+        return assert_greedy_matches(reference, ids, mask, out)
 
 
 # -- pass tests (vLLM tests/compile/backend.py) -----------------------------------------

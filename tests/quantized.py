@@ -1,4 +1,5 @@
-"""Reference models for quantized weights: HF eager over the values the quantized kernels multiply by."""
+"""Reference models for quantized weights: HF eager over the values the quantized kernels multiply by (and, for int4
+decode, the inputs as its GEMVs round them)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,99 @@ def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 def decode_rows(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
     """x as a decode GEMV (up to 2 rows) over ``format`` weights multiplies it on a native path, in fp32: int8 and
-    int4 read each row rounded to int16 times its scale max|x| / 32767 (round half to even); bf16 and fp8 read x
+    int4 read each row rounded to int16 times its scale max|x| / 32767 (round half to even), int4 with int8
+    activations (``int4_reads_int8``) each 32 inputs rounded to int8 times their max|x| / 127; bf16 and fp8 read x
     as it is."""
     rows = x.numel() // max(1, x.shape[-1])
     if format not in ("int8", "int4") or rows > 2 or kernel_path == "reference":
         return x.float()
-    xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True) / 32767
+    if format == "int4" and int4_reads_int8(kernel_path):
+        return rounded_to_groups(x.float(), 32, 127)
+    return rounded_to_groups(x.float(), x.shape[-1], 32767)
+
+
+def int4_experts_decoded(x, gate_up_w, down_w, topk_weights, ids, kernel_path: str) -> torch.Tensor:
+    """fused_moe over int4 experts (fp32 dequantized weights ``[E, 2I, H]``, ``[E, H, I]``) as its decode GEMVs
+    compute it, a token at a time: x and the intermediate rounded as the unit reads them (the AVX512-BF16 units
+    round the intermediate to bf16 first)."""
+    out = torch.zeros(x.shape[0], down_w.shape[1])
+    for t in range(x.shape[0]):
+        row = decode_rows(x[t : t + 1], "int4", kernel_path)
+        for j, expert in enumerate(ids[t].tolist()):
+            gate, up = (row @ gate_up_w[expert].float().T).chunk(2, dim=-1)
+            hidden = torch.nn.functional.silu(gate) * up
+            if int4_reads_int8(kernel_path):
+                hidden = hidden.to(torch.bfloat16)
+            out[t] += topk_weights[t, j] * (decode_rows(hidden, "int4", kernel_path) @ down_w[expert].float().T)[0]
+    return out
+
+
+class _RoundedInt4Inputs(torch.overrides.TorchFunctionMode):
+    """``F.linear`` over one of ``storages``' weights (the int4 ones) reads its input rounded as int4 decode does
+    (every row), in fp32: ``form`` "int8" (per 32 inputs), "int16" (per row), or None (the current path's)."""
+
+    def __init__(self, storages: set[int], form: str | None):
+        super().__init__()
+        self.storages, self.form = storages, form
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and args[1].untyped_storage().data_ptr() in self.storages:
+            from tilefx.custom_ops import isa
+
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            form = self.form or ("int8" if int4_reads_int8(isa.current()) else
+                                 None if isa.current() == "reference" else "int16")
+            rounded = (x.float() if form is None else
+                       rounded_to_groups(x.float(), 32, 127) if form == "int8" else
+                       rounded_to_groups(x.float(), x.shape[-1], 32767))
+            out = torch.nn.functional.linear(rounded, weight.float(), None if bias is None else bias.float())
+            return out.to(x.dtype)
+        return func(*args, **kwargs)
+
+
+def rounds_int4_inputs(model: torch.nn.Module, form: str | None = None) -> torch.nn.Module:
+    """``model`` (eager, its int4 weights already dequantized) made to read each int4 weight's input rounded as
+    int4 decode reads it, on every row: as the current kernel path does (``form`` None), or as ``form`` ("int8":
+    per 32 inputs; "int16": per row) says. The oracle of a model whose decode GEMVs round x. The weights are those
+    ``weights="int4"`` packs as int4 (a 4-bit checkpoint's too)."""
+    from tilefx.compiler import CompileOptions
+    from tilefx.models.adapters import adapter_for
+    from tilefx.models.packing import plan
+
+    storages = {param.untyped_storage().data_ptr()
+                for _, groups in plan(model, adapter_for(model.config), CompileOptions(weights="int4"))
+                for group in groups if group.format == "int4" for param in group.params}
+    assert storages, "no int4 weights"
+    forward = model.forward
+
+    def rounded_forward(*args, **kwargs):
+        with _RoundedInt4Inputs(storages, form):
+            return forward(*args, **kwargs)
+
+    model.forward = rounded_forward
+    return model
+
+
+def int4_reads_int8(kernel_path: str) -> bool:
+    """Whether int4 decode on ``kernel_path`` reads x as int8 per 32 inputs (the AVX512-BF16 units, where
+    ``TILEFX_INT4_ACTIVATIONS=int8`` or ``isa.forced_int4_activations("int8")`` asks for it)."""
+    from tilefx.custom_ops import isa
+
+    return (kernel_path != "reference" and isa.int4_activations() == "int8" and
+            isa.kernel_units(kernel_path)["linear_float"].startswith("avx512_bf16"))
+
+
+def rounded_to_groups(x: torch.Tensor, group: int, levels: int) -> torch.Tensor:
+    """fp32 ``x`` with each ``group`` inputs of a row rounded (half to even) to ``levels`` steps of their max|x| (the
+    last group may be shorter)."""
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x.reshape(-1, k), (0, -k % group)).view(-1, (k + group - 1) // group, group)
+    scale = padded.abs().amax(-1, keepdim=True) / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return torch.round(xf * (1 / scale)) * scale
+    rounded = torch.round(padded * (1 / scale)) * scale
+    return rounded.flatten(1)[:, :k].reshape(x.shape)
 
 
 def dequantize_like_packing(model: torch.nn.Module, format: str) -> None:

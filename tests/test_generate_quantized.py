@@ -13,7 +13,7 @@ from tilefx.models.presets import build_model
 from helpers import (
     assert_generates_like, assert_greedy_matches_on_emulated_avx512, padded_batch, random_prompt,
 )
-from quantized import dequantize_like_packing
+from quantized import dequantize_like_packing, rounds_int4_inputs
 
 CASES = [(family, format) for family in ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")
          for format in ("int8", "fp8")] + [("tiny-llama", "int4")]
@@ -24,6 +24,8 @@ def quantized_pair(request):
     family, format = request.param
     reference = build_model(family, seed=7)
     dequantize_like_packing(reference, format)
+    if format == "int4":
+        rounds_int4_inputs(reference)
     compiled = tilefx.compile_model(build_model(family, seed=7), max_seq_len=48, max_batch=2, weights=format)
     return reference, compiled, format
 

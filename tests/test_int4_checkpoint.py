@@ -16,6 +16,7 @@ from tilefx.models import int4
 from tilefx.models.checkpoint import write_checkpoint
 
 from helpers import assert_generates_like
+from quantized import rounds_int4_inputs
 
 
 def test_gptq_layout_by_hand():
@@ -87,7 +88,7 @@ def _dequantized_reference(directory, layout: str):
     config.pop("quantization_config")
     (bf16 / "config.json").write_text(json.dumps(config))
     save_file({name: t.contiguous() for name, t in state.items()}, bf16 / "model.safetensors", metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).eval()
+    return rounds_int4_inputs(AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16).eval())
 
 
 CASES = [("tiny-llama-w256", "gptq"), ("tiny-llama-w256", "gptq-asym"), ("tiny-llama-w256", "awq"),

@@ -132,6 +132,20 @@ _INT8_ACTIVATIONS_LINE = ("decode activations: the int8 linears of up to 2 rows 
                           "(one scale each, 15 bits); prefill dequantizes the weights and reads bf16")
 
 
+def _int4_activations_line() -> str:
+    """How int4 decode reads x on the current path (isa.int4_activations; TILEFX_INT4_ACTIVATIONS)."""
+    from tilefx.custom_ops import isa
+
+    units = isa.kernel_units(isa.current())
+    if isa.int4_activations() == "int8" and units.get("linear_float", "").startswith("avx512_bf16"):
+        how = "int8 per 32 inputs (TILEFX_INT4_ACTIVATIONS=int8)"
+    elif units:
+        how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs on AVX512-BF16)"
+    else:
+        how = "as it is (the reference path)"
+    return f"decode activations: the int4 linears and experts of up to 2 rows read x as {how}"
+
+
 def explain(model) -> str:
     """What tilefx did to ``model``: regions rewritten per pass, fallbacks and why, graphs, recompiles, timing."""
     runtime = getattr(model, "tilefx", None)
@@ -147,6 +161,7 @@ def explain(model) -> str:
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
         *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
+        *([_int4_activations_line()] if "int4" in report.packing.formats else []),
         *(f"decode walk {walk.line()}" for walk in report.walks),
         *(gemm.line() for gemm in report.gemms),
         *([report.attention.line()] if report.attention is not None else []),

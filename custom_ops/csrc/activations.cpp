@@ -6,13 +6,28 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 namespace tilefx {
 
+namespace {
+std::atomic<bool> int4_int8_x{false};  // set_int4_activations
+}  // namespace
+
+void set_int4_activations(const std::string& form) {
+  TORCH_CHECK(form == "int16" || form == "int8", "tilefx: int4 decode reads x as int16 or int8, not '", form, "'");
+  int4_int8_x = form == "int8";
+}
+
+std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
+
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
   if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
-  if (format == WeightFormat::int4 && rows <= kWordRows) return ActivationForm::split_words;
+  if (format == WeightFormat::int4 && rows <= kWordRows) {
+    return reads_pairs(unit) && int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups
+                                                                             : ActivationForm::split_words;
+  }
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
 
@@ -29,6 +44,21 @@ void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ld
 #endif
       break;  // unreachable: set_path refuses the emulated path in builds without it
   }
+}
+
+// Rows of bf16 pairs as int8_groups (the AVX512 units).
+void quantize_groups(LinearUnit unit, const uint16_t* rows, int64_t count, int64_t ldx, int8_t* bytes, float* scales,
+                     float* sums) {
+  switch (unit) {
+    case LinearUnit::avx512: return quantize_groups_avx512(rows, count, ldx, bytes, scales, sums);
+    case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return quantize_groups_avx512_emulated(rows, count, ldx, bytes, scales, sums);
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+    case LinearUnit::avx2: break;  // reads split words (activation_form)
+  }
+  TORCH_CHECK(false, "tilefx: x as int8 groups is the AVX512 units' form");
 }
 
 // Words [ldx] of one row as split_words (kernels.h): per 4 inputs the low bytes, then the high bytes; and each
@@ -106,11 +136,22 @@ void Activations::make_words(bool every_row_words) {
   if (!reads_words(format_) || (!every_row_words && count_ > kWordRows)) return;
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
+  const int64_t groups = groups_of(ldx_);
+  if (activation_form(unit_, format_, 1) == ActivationForm::int8_groups) {
+    bytes_.resize(count_ * ldx_);
+    byte_scales_.resize(count_ * x_groups(ldx_));
+    word_sums_.resize(count_ * groups);
+    at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      quantize_groups(unit_, reinterpret_cast<const uint16_t*>(rows + begin * row_bytes), end - begin, ldx_,
+                      bytes_.data() + begin * ldx_, byte_scales_.data() + begin * x_groups(ldx_),
+                      word_sums_.data() + begin * groups);
+    });
+    return;
+  }
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
-  const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
-  const int64_t groups = groups_of(ldx_);
+  const bool split = format_ == WeightFormat::int4;  // int4 on AVX2 reads the words' bytes apart (split_words)
   if (split) {
     split_.resize(count_ * 2 * ldx_);
     word_sums_.resize(count_ * groups);
@@ -127,6 +168,13 @@ void Activations::make_words(bool every_row_words) {
 
 void Activations::attach(LinearProblem& p, int64_t row) const {
   p.x_form = activation_form(unit_, format_, p.M);
+  if (p.x_form == ActivationForm::int8_groups) {
+    TORCH_CHECK(!bytes_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as int8 groups");
+    p.x = bytes_.data() + row * ldx_;
+    p.x_scales = byte_scales_.data() + row * x_groups(ldx_);
+    p.x_sums = word_sums_.data() + row * groups_of(ldx_);
+    return;
+  }
   if (p.x_form == ActivationForm::int16_words || p.x_form == ActivationForm::split_words) {
     TORCH_CHECK(!words_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as words");
     if (p.x_form == ActivationForm::split_words) {

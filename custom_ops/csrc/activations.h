@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "dispatch.h"
@@ -19,9 +20,14 @@ constexpr int64_t kWordRows = 2;
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights:
-// int16 words for int8 decode, their bytes apart for int4 decode, else the unit's base form (fp32 on AVX2, bf16 pairs on
-// the AVX512-BF16 units).
+// int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
+// chose "int8", int8 per kXGroup inputs on the AVX512-BF16 units (half the VNNI work, docs/PERFORMANCE.md);
+// else the unit's base form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units).
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
+// How int4 decode reads x, for the whole process: "int16" (the default) or "int8" (custom_ops/isa.py sets it
+// from TILEFX_INT4_ACTIVATIONS).
+void set_int4_activations(const std::string& form);
+std::string get_int4_activations();
 
 // Whether `unit`'s base form is bf16 pairs (the AVX512-BF16 units) rather than fp32 rows (AVX2).
 inline bool reads_pairs(LinearUnit unit) { return unit != LinearUnit::avx2; }
@@ -75,7 +81,9 @@ class Activations {
   std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
   std::vector<uint32_t> words_;   // int16 pairs, ldx / 2 per row
   std::vector<float> word_scales_;
-  std::vector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
+  std::vector<uint8_t> split_;    // int4 on AVX2: the words as split_words, 2 * ldx bytes per row
+  std::vector<int8_t> bytes_;     // int4 on AVX512: int8_groups, ldx bytes per row
+  std::vector<float> byte_scales_;  // their scales, x_groups(ldx) per row
   std::vector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
 };
 

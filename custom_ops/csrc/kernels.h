@@ -31,7 +31,7 @@ constexpr int64_t kPairValues = 2 * kBlockN;
 //         4t..4t+3) are 16 lanes of 4 bytes, byte j of lane l holding input 4t + j of column l in its
 //         low nibble and of column l + 16 in its high one. So one mask gives columns 0-15 and a shift
 //         and a mask columns 16-31 as bytes, each lane four inputs of one column: what `vpdpbusd` /
-//         `vpmaddubsw` multiply by four bytes of x (ActivationForm::split_words).
+//         `vpmaddubsw` multiply by four bytes of x (ActivationForm::int8_groups, split_words).
 // The decode GEMVs widen the values in registers and apply the scales to fp32 partial
 // sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
@@ -54,10 +54,19 @@ constexpr float kFp8Unscale = 256.0f;
 //                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`);
 //   split_words: the int16 words as bytes, per 4 inputs their 4 low bytes (unsigned) then their 4 high
 //                bytes (signed): x ~= x_scales[m] * (256 * high + low), [M, 2 * ldx] bytes, and x_sums[m][g]
-//                each 128 inputs' sum of words (the zero points' share): int4 decode on every unit, where
-//                `vpdpbusd` / `vpmaddubsw` multiply four unsigned nibbles by four signed high bytes, and four
-//                unsigned low bytes by four nibbles (read as signed), each in one instruction.
-enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, split_words = 3 };
+//                each 128 inputs' sum of words (the zero points' share): int4 decode on the AVX2 unit, where
+//                `vpmaddubsw` multiplies four unsigned nibbles by four signed high bytes, and four unsigned
+//                low bytes by four nibbles (read as signed);
+//   int8_groups: x as int8, each kXGroup inputs with their own scale (llama.cpp's Q8 activations): [M, ldx]
+//                bytes, x ~= x_scales[m][j] * q over inputs [kXGroup j, kXGroup (j + 1)) (x_groups(ldx) a
+//                row), and x_sums[m][g] each 128 inputs' sum of x_scales * q (the zero points' share): int4
+//                decode on the AVX512 units, one `vpdpbusd` per 4 inputs of 16 columns where 15-bit words
+//                take two (what made that GEMV compute-bound).
+enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, split_words = 3, int8_groups = 4 };
+// Inputs per scale of x in int8_groups, and the scales a row of ldx inputs has.
+constexpr int64_t kXGroup = 32;
+constexpr int64_t kXGroupPairs = kXGroup / 2;
+inline int64_t x_groups(int64_t ldx) { return (ldx + kXGroup - 1) / kXGroup; }
 
 struct LinearProblem {
   const void* x;          // activations in form x_form (below)
@@ -73,8 +82,8 @@ struct LinearProblem {
   // up columns) and y = silu(x @ gate^T) * (x @ up^T), N columns (no bias).
   bool silu_mul;
   ActivationForm x_form = ActivationForm::fp32;
-  const float* x_scales = nullptr;  // int16_words, split_words: one per row
-  const float* x_sums = nullptr;    // split_words: [M][k_groups]
+  const float* x_scales = nullptr;  // int16_words, split_words: one per row; int8_groups: [M][x_groups(ldx)]
+  const float* x_sums = nullptr;    // split_words, int8_groups: [M][k_groups]
   // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and their scales.
   WeightFormat format = WeightFormat::bf16;
   const uint8_t* wq = nullptr;
@@ -91,6 +100,7 @@ struct LinearProblem {
   const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }
   const uint32_t* x_words() const { return static_cast<const uint32_t*>(x); }
   const uint8_t* x_split() const { return static_cast<const uint8_t*>(x); }
+  const int8_t* x_bytes() const { return static_cast<const int8_t*>(x); }
 };
 
 // The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).
@@ -114,6 +124,11 @@ inline const uint16_t* int4_group_params(const LinearProblem& p, int64_t block, 
 // as quantize_words_avx2 makes them from fp32 (the AVX512 units read bf16 activations).
 void quantize_words_avx512(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 void quantize_words_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
+// Rows of bf16 x ([rows, ldx], ldx a multiple of 4) as int8_groups: bytes [rows, ldx], scales [rows][x_groups(ldx)]
+// (max|x| / 127 of each kXGroup inputs, round half to even), sums [rows][ceil(ldx / 128)].
+void quantize_groups_avx512(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums);
+void quantize_groups_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales,
+                                     float* sums);
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
 // linear_scratch_floats(p) floats.

@@ -65,6 +65,12 @@ static inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// The values of `live` (the others 0), read only where it is set.
+static inline __m512 load_bf16x16_masked(const uint16_t* p, __mmask16 live) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 // 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16).
 static inline void store_bf16x16(uint16_t* p, __m512 v) {
   __m512i bits = _mm512_castps_si512(v);
@@ -459,22 +465,94 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
   }
 }
 
-// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words; kernels.h has
-// the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask gives columns
-// 0-15 and one `gf2p8affineqb` (GFNI) columns 16-31, each lane four values of one column, and
-// `vpdpbusd` adds each lane's four products: the nibbles (unsigned) times the four words' high bytes
-// (signed), and the low bytes (unsigned) times the nibbles (read as signed: they are below 128). About
-// 9 instructions per 64 weight bytes (the broadcasts shared by both streams), four of them VNNI: twice
-// int8's per byte, which bounds this GEMV on Zen 4 (512-bit VNNI at half rate) before memory does
-// (docs/PERFORMANCE.md); x keeps its 15 bits. A group's sums go to fp32 as 256 * high + low; its sum
-// over x q minus z times the group's sum of x (x_sums) is its sum over x (q - z). A group is 32 loads,
-// each adding at most 4 * 15 * 255 per lane and accumulator.
+// int4 decode over x as int8 per kXGroup inputs (ActivationForm::int8_groups, TILEFX_INT4_ACTIVATIONS=int8;
+// kernels.h has the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask
+// gives columns 0-15 and one `gf2p8affineqb` (GFNI) columns 16-31, each lane four values of one column, and
+// one `vpdpbusd` each adds a lane's four products of nibbles (unsigned) and x's bytes (signed, one
+// broadcast shared by both halves and both streams). About 6 instructions per 64 weight bytes, two of them
+// VNNI: int8's count per byte (int4_gemv_words, below, takes four). Each kXGroup of x goes to fp32 with its
+// scale; a weight group's sum over x q minus z times the group's sum of x (x_sums) is its sum over x
+// (q - z). A kXGroup is 8 loads, each adding at most 4 * 15 * 128 per lane and accumulator.
 // The GFNI bit matrix that takes each byte's high nibble down: output bit i (i < 4) is input bit i + 4
 // (row i is byte 7 - i), the others 0.
 constexpr int64_t kHighNibble = 0x1020408000000000LL;
 
 template <int Rows, int Blocks>
-static void int4_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float* const* c) {
+  const uint8_t* w[Blocks];
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
+  const int64_t x_row_groups = x_groups(p.ldx);
+  __m512 total[Rows * Blocks][2];
+  for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    __m512 dot[Rows * Blocks][2];  // this weight group's sum over x q, x's scales applied
+    for (auto& d : dot) d[0] = d[1] = _mm512_setzero_ps();
+    const int64_t group_end = std::min((g + 1) * kInt4GroupPairs, p.K_pairs);
+    for (int64_t q0 = g * kInt4GroupPairs; q0 < group_end; q0 += kXGroupPairs) {
+      __m512i sums[Rows * Blocks][2];  // [i][0]: columns 0-15, [i][1]: 16-31
+      for (auto& a : sums) a[0] = a[1] = _mm512_setzero_si512();
+      for (int64_t q = q0, end = std::min(q0 + kXGroupPairs, group_end); q < end; q += 2) {
+        __m512i x4[Rows];  // inputs 2q..2q+3 of each row
+        for (int r = 0; r < Rows; ++r) {
+          int32_t four;
+          std::memcpy(&four, p.x_bytes() + r * p.ldx + 2 * q, sizeof four);
+          x4[r] = _mm512_set1_epi32(four);
+        }
+        for (int b = 0; b < Blocks; ++b) {
+          const uint8_t* row = w[b] + q * kInt4PairBytes;
+          _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+          const __m512i raw = _mm512_loadu_si512(row);
+          const __m512i first = _mm512_and_si512(raw, low);
+          const __m512i second = _mm512_gf2p8affine_epi64_epi8(raw, high_nibble, 0);  // each byte >> 4
+          for (int r = 0; r < Rows; ++r) {
+            const int i = r * Blocks + b;
+            sums[i][0] = _mm512_dpbusd_epi32(sums[i][0], first, x4[r]);
+            sums[i][1] = _mm512_dpbusd_epi32(sums[i][1], second, x4[r]);
+          }
+        }
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 x_scale = _mm512_set1_ps(p.x_scales[r * x_row_groups + q0 / kXGroupPairs]);
+        for (int b = 0; b < Blocks; ++b) {
+          const int i = r * Blocks + b;
+          for (int h = 0; h < 2; ++h) dot[i][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i][h]), x_scale, dot[i][h]);
+        }
+      }
+    }
+    for (int b = 0; b < Blocks; ++b) {
+      const uint16_t* params = int4_group_params(p, blocks[b], g);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
+        const __m512 zero =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
+        for (int r = 0; r < Rows; ++r) {
+          const int i = r * Blocks + b;
+          const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
+          total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot[i][h]), scale, total[i][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int b = 0; b < Blocks; ++b) {
+      float* out = c[Blocks > 1 ? b : 0] + r * kBlockN;
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(out + 16 * h, total[r * Blocks + b][h]);
+    }
+  }
+}
+
+// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words, the default), the
+// same loads: `vpdpbusd` adds each lane's four products of the nibbles (unsigned) and the four words' high
+// bytes (signed), and of the low bytes (unsigned) and the nibbles (read as signed: they are below 128).
+// About 9 instructions per 64 weight bytes, four of them VNNI: twice int8's per byte, which bounds this
+// GEMV on Zen 4 (512-bit VNNI at half rate) before memory does (docs/PERFORMANCE.md); x keeps its 15 bits.
+// A group's sums go to fp32 as 256 * high + low; its sum over x q minus z times the group's sum of x
+// (x_sums) is its sum over x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and
+// accumulator.
+template <int Rows, int Blocks>
+static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -600,7 +678,11 @@ struct Avx512Unit {
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows, Blocks>(p, blocks, c);
     } else if constexpr (F == WeightFormat::int4) {
-      int4_gemv<Rows, Blocks>(p, blocks, c);
+      if (p.x_form == ActivationForm::int8_groups) {
+        int4_gemv_bytes<Rows, Blocks>(p, blocks, c);
+      } else {
+        int4_gemv_words<Rows, Blocks>(p, blocks, c);
+      }
     } else {
       fp8_gemv<Rows, Blocks>(p, blocks, c);
     }
@@ -654,6 +736,35 @@ void TILEFX_AVX512_ENTRY(quantize_words)(const uint16_t* x, int64_t rows, int64_
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm512_cvtsepi32_epi16(q));
     }
     for (; k < ldx; ++k) out[k] = static_cast<int16_t>(std::nearbyint(bf16_to_float(row[k]) * (1.0f / scale)));
+  }
+}
+
+void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales,
+                                           float* sums) {
+  const int64_t groups = x_groups(ldx), weight_groups = (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs);
+  for (int64_t m = 0; m < rows; ++m) {
+    const uint16_t* row = x + m * ldx;
+    int8_t* out = bytes + m * ldx;
+    float* row_sums = sums + m * weight_groups;
+    std::fill(row_sums, row_sums + weight_groups, 0.0f);
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t k0 = j * kXGroup, n = std::min(kXGroup, ldx - k0);  // n: a multiple of 4
+      const float amax = row_absmax(row + k0, n);
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      scales[m * groups + j] = scale;
+      const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+      int32_t total = 0;
+      for (int64_t k = 0; k < n; k += 16) {  // round to nearest even, |q| <= 127; a partial group masked
+        const __mmask16 live = n - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - k)) - 1);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16_masked(row + k0 + k, live), inverse));
+        int8_t values[16];
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(values), _mm512_cvtsepi32_epi8(q));
+        const int64_t count = std::min<int64_t>(16, n - k);
+        for (int64_t t = 0; t < count; ++t) total += values[t];
+        std::memcpy(out + k0 + k, values, count);
+      }
+      row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+    }
   }
 }
 

@@ -10,7 +10,7 @@ import torch
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import tuning, weights
 
-from quantized import decode_rows
+from quantized import decode_rows, int4_experts_decoded
 
 
 def _marked(values: torch.Tensor, params: torch.Tensor) -> torch.nn.Parameter:
@@ -50,14 +50,14 @@ def test_dequantize_int4_rows_is_q_minus_z_times_s():
 # decode (1, 2 rows: words), the smallest GEMM (3), prefill; K with a partial last group (200, 1000) and over many
 @pytest.mark.parametrize("rows", [1, 2, 3, 37])
 @pytest.mark.parametrize("out_features,in_features", [(70, 200), (64, 1000), (4096 + 32, 256)])
-def test_int4_checkpoint_linear_on_every_path(kernel_path, rows, out_features, in_features):
+def test_int4_checkpoint_linear_on_every_path(kernel_path, int4_x, rows, out_features, in_features):
     weight, want_weight = _checkpoint_int4(out_features, in_features, seed=rows + in_features)
     packed = weights.pack_linear_weight(weight, "int4")
     scales = weights.packed_scales(packed)
     assert packed.dtype == torch.uint8 and scales.dtype == torch.float16
     x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    want = x.float() @ want_weight.T + bias.float()
+    want = decode_rows(x, "int4", kernel_path) @ want_weight.T + bias.float()
     got = linear_ops.linear(x, packed, bias, out_features, scales)
     assert _relative_error(got, want) < 1e-2
     # the reference reads the packing back exactly
@@ -65,7 +65,7 @@ def test_int4_checkpoint_linear_on_every_path(kernel_path, rows, out_features, i
                        want_weight)
 
 
-def test_int4_decode_holds_the_largest_products(kernel_path):
+def test_int4_decode_holds_the_largest_products(kernel_path, int4_x):
     """Every nibble 15 against zero point 0 and every x at the row's maximum over K = 8192: each group's int32
     sums stay exact, and a zero point of 15 cancels them to 0 exactly where the nibbles equal it."""
     in_features = 8192
@@ -84,19 +84,19 @@ def test_int4_decode_holds_the_largest_products(kernel_path):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_int4_checkpoint_gate_up(kernel_path, rows):
+def test_int4_checkpoint_gate_up(kernel_path, int4_x, rows):
     gate, gate_w = _checkpoint_int4(96, 384, seed=1)
     up, up_w = _checkpoint_int4(96, 384, seed=2)
     packed = weights.pack_gate_up_weight(gate, up, "int4")
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    xf = decode_rows(x, "int4", kernel_path)  # decode on a native unit: x as int16 words
+    xf = decode_rows(x, "int4", kernel_path)  # decode on a native unit: x as the unit rounds it
     want = torch.nn.functional.silu(xf @ gate_w.T) * (xf @ up_w.T)
     got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
     assert _relative_error(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 40])
-def test_int4_checkpoint_experts(kernel_path, tokens):
+def test_int4_checkpoint_experts(kernel_path, int4_x, tokens):
     """A checkpoint's experts (each expert's gate and up rows stacked, as the loader fuses them), decode and
     prefill, on the unit and (prefill) forced onto oneDNN's brgemm."""
     from tilefx.custom_ops.moe import experts_reference
@@ -111,7 +111,10 @@ def test_int4_checkpoint_experts(kernel_path, tokens):
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
     topk_weights = torch.rand(tokens, 2, generator=g) + 0.1
-    want = experts_reference(x, gate_up_w.to(torch.bfloat16), down_w.to(torch.bfloat16), topk_weights, ids)
+    if tokens <= 2:  # each expert a decode GEMV: x and the intermediate as that reads them
+        want = int4_experts_decoded(x, gate_up_w, down_w, topk_weights, ids, kernel_path)
+    else:
+        want = experts_reference(x, gate_up_w.to(torch.bfloat16), down_w.to(torch.bfloat16), topk_weights, ids)
     got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
     assert _relative_error(got, want.float()) < 1e-2
     if kernel_path != "reference" and tokens > 4:
@@ -155,15 +158,17 @@ def test_int4_checkpoint_needs_its_params():
 
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("in_features", [200, 1024])
-def test_int4_decode_reads_x_as_words(kernel_path, rows, in_features):
-    """int4 decode (up to 2 rows) on every unit: x rounded to int16 words per row (their bytes multiplied apart)
-    against the nibbles, within 1e-4 of the fp32 product of those rows and the exactly dequantized weight (a
-    partial last group included)."""
+def test_int4_decode_reads_x_as_its_unit_rounds_it(kernel_path, int4_x, rows, in_features):
+    """int4 decode (up to 2 rows) on every unit: x rounded as the unit reads it (AVX512-BF16: int8 per 32 inputs;
+    AVX2: int16 words per row, their bytes multiplied apart) against the nibbles, within 1e-4 of the fp32 product
+    of those rows and the exactly dequantized weight (partial last groups of x and of the weight included, and a
+    group of x that is all zeros)."""
     if kernel_path == "reference":
         pytest.skip("the reference multiplies x as it is")
     weight, want_weight = _checkpoint_int4(96, in_features, seed=rows * 7 + in_features)
     packed = weights.pack_linear_weight(weight, "int4")
     x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
+    x[:, 32:64] = 0
     got = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
     want = decode_rows(x, "int4", kernel_path) @ want_weight.T
     assert _relative_error(got, want) < 1e-4
