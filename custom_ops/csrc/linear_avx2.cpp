@@ -310,7 +310,7 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
 // the nibble order): each 32-byte half of a 64-byte load is 8 lanes of four inputs; a mask gives columns
 // 8h..8h+7 and a shift and a mask columns 16+8h..16+8h+7; `vpmaddubsw` multiplies the nibbles by the
 // words' four high bytes, and their four low bytes by the nibbles (pairs of products, at most 2 * 255 *
-// 15: no saturation), `vpmaddwd` by ones sums each lane's four. As on the AVX512 unit (int4_gemv there),
+// 15: no saturation), `vpmaddwd` by ones sums each lane's four. As on the AVX512 unit (int4_gemv_words),
 // a group's sums go to fp32 as 256 * high + low and the zero points come off per group.
 template <int Rows>
 static void int4_gemv(const LinearProblem& p, int64_t block, float* c) {
