@@ -477,12 +477,42 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
 // (row i is byte 7 - i), the others 0.
 constexpr int64_t kHighNibble = 0x1020408000000000LL;
 
+// One 64-byte load of an int4 block (four inputs of its 32 columns, prefetching its stream ahead) as the
+// nibbles of columns 0-15 and of 16-31, a byte each.
+struct Int4Halves {
+  __m512i first, second;
+};
+static inline Int4Halves load_int4_halves(const uint8_t* row, int64_t prefetch_bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes), _MM_HINT_NTA);
+  const __m512i raw = _mm512_loadu_si512(row);
+  return {_mm512_and_si512(raw, _mm512_set1_epi8(0x0F)),
+          _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64(kHighNibble), 0)};  // each byte >> 4
+}
+
+// total[i][h] += s * (dot[i][h] - z * x_sum) for weight group g of each block: dot the group's sum over x q,
+// x_sum its sum of x (LinearProblem::x_sums), in the units x was read in.
+template <int Rows, int Blocks>
+static inline void add_int4_group(const LinearProblem& p, const int64_t* blocks, int64_t g,
+                                  const __m512 (&dot)[Rows * Blocks][2], __m512 (&total)[Rows * Blocks][2]) {
+  for (int b = 0; b < Blocks; ++b) {
+    const uint16_t* params = int4_group_params(p, blocks[b], g);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
+      const __m512 zero =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
+      for (int r = 0; r < Rows; ++r) {
+        const int i = r * Blocks + b;
+        const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
+        total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot[i][h]), scale, total[i][h]);
+      }
+    }
+  }
+}
+
 template <int Rows, int Blocks>
 static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
   const int64_t x_row_groups = x_groups(p.ldx);
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
@@ -501,15 +531,11 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
           x4[r] = _mm512_set1_epi32(four);
         }
         for (int b = 0; b < Blocks; ++b) {
-          const uint8_t* row = w[b] + q * kInt4PairBytes;
-          _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
-          const __m512i raw = _mm512_loadu_si512(row);
-          const __m512i first = _mm512_and_si512(raw, low);
-          const __m512i second = _mm512_gf2p8affine_epi64_epi8(raw, high_nibble, 0);  // each byte >> 4
+          const Int4Halves v = load_int4_halves(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
           for (int r = 0; r < Rows; ++r) {
             const int i = r * Blocks + b;
-            sums[i][0] = _mm512_dpbusd_epi32(sums[i][0], first, x4[r]);
-            sums[i][1] = _mm512_dpbusd_epi32(sums[i][1], second, x4[r]);
+            sums[i][0] = _mm512_dpbusd_epi32(sums[i][0], v.first, x4[r]);
+            sums[i][1] = _mm512_dpbusd_epi32(sums[i][1], v.second, x4[r]);
           }
         }
       }
@@ -521,19 +547,7 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
         }
       }
     }
-    for (int b = 0; b < Blocks; ++b) {
-      const uint16_t* params = int4_group_params(p, blocks[b], g);
-      for (int h = 0; h < 2; ++h) {
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
-        const __m512 zero =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
-        for (int r = 0; r < Rows; ++r) {
-          const int i = r * Blocks + b;
-          const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
-          total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot[i][h]), scale, total[i][h]);
-        }
-      }
-    }
+    add_int4_group<Rows, Blocks>(p, blocks, g, dot, total);
   }
   for (int r = 0; r < Rows; ++r) {
     for (int b = 0; b < Blocks; ++b) {
@@ -555,8 +569,6 @@ template <int Rows, int Blocks>
 static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i high_nibble = _mm512_set1_epi64(kHighNibble);
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.k_groups; ++g) {
@@ -573,34 +585,23 @@ static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float
         x_high[r] = _mm512_set1_epi32(four[1]);
       }
       for (int b = 0; b < Blocks; ++b) {
-        const uint8_t* row = w[b] + q * kInt4PairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
-        const __m512i raw = _mm512_loadu_si512(row);
-        const __m512i first = _mm512_and_si512(raw, low);
-        const __m512i second = _mm512_gf2p8affine_epi64_epi8(raw, high_nibble, 0);  // each byte >> 4
+        const Int4Halves v = load_int4_halves(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
         for (int r = 0; r < Rows; ++r) {
           const int i = r * Blocks + b;
-          high[i][0] = _mm512_dpbusd_epi32(high[i][0], first, x_high[r]);
-          high[i][1] = _mm512_dpbusd_epi32(high[i][1], second, x_high[r]);
-          lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low[r], first);
-          lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low[r], second);
+          high[i][0] = _mm512_dpbusd_epi32(high[i][0], v.first, x_high[r]);
+          high[i][1] = _mm512_dpbusd_epi32(high[i][1], v.second, x_high[r]);
+          lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low[r], v.first);
+          lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low[r], v.second);
         }
       }
     }
-    for (int b = 0; b < Blocks; ++b) {
-      const uint16_t* params = int4_group_params(p, blocks[b], g);
+    __m512 dot[Rows * Blocks][2];  // the group's sum over words times nibbles
+    for (int i = 0; i < Rows * Blocks; ++i) {
       for (int h = 0; h < 2; ++h) {
-        const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
-        const __m512 zero =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
-        for (int r = 0; r < Rows; ++r) {
-          const int i = r * Blocks + b;
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i][h], 8), lows[i][h]));
-          const __m512 x_sum = _mm512_set1_ps(p.x_sums[r * p.k_groups + g]);
-          total[i][h] = _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot), scale, total[i][h]);
-        }
+        dot[i][h] = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i][h], 8), lows[i][h]));
       }
     }
+    add_int4_group<Rows, Blocks>(p, blocks, g, dot, total);
   }
   for (int r = 0; r < Rows; ++r) {
     const __m512 x_scale = _mm512_set1_ps(p.x_scales[r]);
