@@ -1,9 +1,10 @@
 """One tensor-parallel rank, run by torchrun from tests/test_tp.py:
 
-    torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR CKPT [CKPT ...]
+    torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] CKPT [CKPT ...]
 
-For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and a padded
-batch of 2, and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
+For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and, for the
+checkpoints named by --batch2 (all without it), a padded batch of 2 (compiled for max_batch 2: twice the
+graphs), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 """
 
 from __future__ import annotations
@@ -50,23 +51,28 @@ def resident_weight_bytes(model) -> int:
 
 def main() -> None:
     out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
+    batch2 = None
+    if checkpoints and checkpoints[0] == "--batch2":
+        batch2, checkpoints = set(checkpoints[1].split(",")), checkpoints[2:]
     world = int(__import__("os").environ["WORLD_SIZE"])
     for checkpoint in checkpoints:
         start = time.perf_counter()
+        rows = 2 if batch2 is None or pathlib.Path(checkpoint).name in batch2 else 1
         with adapter_lookups() as lookups:
-            model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=2, progress=False)
+            model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=rows, progress=False)
         rank = dist.get_rank()
         prompt = torch.tensor([[5, 17, 33, 101, 7, 250, 64, 3, 99, 12, 41, 8, 77]])
         batch_ids = torch.tensor([[0, 0, 0, 9, 23, 51, 6], [4, 18, 200, 31, 90, 11, 2]])
         batch_mask = (torch.arange(7) >= torch.tensor([[3], [0]])).long()
         with torch.inference_mode():
             one = model.generate(prompt, max_new_tokens=8, do_sample=False)
-            two = model.generate(batch_ids, attention_mask=batch_mask, max_new_tokens=8, do_sample=False)
+            two = model.generate(batch_ids, attention_mask=batch_mask, max_new_tokens=8, do_sample=False) \
+                if rows == 2 else None
         explain = tilefx.explain(model)
         result = {
             "rank": rank,
             "one": one.tolist(),
-            "two": two.tolist(),
+            "two": two.tolist() if two is not None else None,
             "batch_mask": batch_mask.tolist(),
             "weight_bytes": resident_weight_bytes(model),
             "recompiles": model.tilefx.report.recompiles,
