@@ -15,9 +15,10 @@ runs the ``*_portable`` ops written in PyTorch.
 block (tests and benchmarks).
 
 int4 decode reads x as 15-bit words by default. ``TILEFX_INT4_ACTIVATIONS=int8`` (or
-``forced_int4_activations("int8")`` for a block) makes the AVX512-BF16 units read it as int8 per
-32 inputs, llama.cpp's activations: half the VNNI work per weight byte, so the GEMV streams
-instead of computing, at a measured 0.2-0.3% of perplexity on a trained model (docs/PERFORMANCE.md).
+``forced_int4_activations("int8")`` for a block) makes the native units read it as int8 per
+32 inputs, llama.cpp's activations: half the multiplies per weight byte, so the GEMV streams
+instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a trained model
+(docs/PERFORMANCE.md).
 
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
@@ -113,7 +114,7 @@ def _int4_from_environment() -> str:
 
 
 def int4_activations() -> str:
-    """How int4 decode reads x: ``int16`` (15-bit words per row) or ``int8`` (per 32 inputs, AVX512-BF16 units)."""
+    """How int4 decode reads x on the native paths: ``int16`` (15-bit words per row) or ``int8`` (per 32 inputs)."""
     return native.get_int4_activations() if native is not None else "int16"
 
 

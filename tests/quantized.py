@@ -98,12 +98,11 @@ def rounds_int4_inputs(model: torch.nn.Module, form: str | None = None) -> torch
 
 
 def int4_reads_int8(kernel_path: str) -> bool:
-    """Whether int4 decode on ``kernel_path`` reads x as int8 per 32 inputs (the AVX512-BF16 units, where
+    """Whether int4 decode on ``kernel_path`` reads x as int8 per 32 inputs (a native path, where
     ``TILEFX_INT4_ACTIVATIONS=int8`` or ``isa.forced_int4_activations("int8")`` asks for it)."""
     from tilefx.custom_ops import isa
 
-    return (kernel_path != "reference" and isa.int4_activations() == "int8" and
-            isa.kernel_units(kernel_path)["linear_float"].startswith("avx512_bf16"))
+    return kernel_path != "reference" and isa.int4_activations() == "int8"
 
 
 def rounded_to_groups(x: torch.Tensor, group: int, levels: int) -> torch.Tensor:

@@ -137,10 +137,10 @@ def _int4_activations_line() -> str:
     from tilefx.custom_ops import isa
 
     units = isa.kernel_units(isa.current())
-    if isa.int4_activations() == "int8" and units.get("linear_float", "").startswith("avx512_bf16"):
+    if units and isa.int4_activations() == "int8":
         how = "int8 per 32 inputs (TILEFX_INT4_ACTIVATIONS=int8)"
     elif units:
-        how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs on AVX512-BF16)"
+        how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs)"
     else:
         how = "as it is (the reference path)"
     return f"decode activations: the int4 linears and experts of up to 2 rows read x as {how}"

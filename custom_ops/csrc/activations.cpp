@@ -25,8 +25,7 @@ std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
   if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
   if (format == WeightFormat::int4 && rows <= kWordRows) {
-    return reads_pairs(unit) && int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups
-                                                                             : ActivationForm::split_words;
+    return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
   }
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
@@ -46,19 +45,20 @@ void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ld
   }
 }
 
-// Rows of bf16 pairs as int8_groups (the AVX512 units).
-void quantize_groups(LinearUnit unit, const uint16_t* rows, int64_t count, int64_t ldx, int8_t* bytes, float* scales,
+// Rows of the base form (fp32 for avx2, bf16 otherwise; ldx per row) as int8_groups.
+void quantize_groups(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, int8_t* bytes, float* scales,
                      float* sums) {
   switch (unit) {
-    case LinearUnit::avx512: return quantize_groups_avx512(rows, count, ldx, bytes, scales, sums);
+    case LinearUnit::avx2:
+      return quantize_groups_avx2(static_cast<const float*>(rows), count, ldx, bytes, scales, sums);
+    case LinearUnit::avx512:
+      return quantize_groups_avx512(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums);
     case LinearUnit::avx512_emulated:
 #ifdef TILEFX_AVX512_EMULATION
-      return quantize_groups_avx512_emulated(rows, count, ldx, bytes, scales, sums);
+      return quantize_groups_avx512_emulated(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums);
 #endif
       break;  // unreachable: set_path refuses the emulated path in builds without it
-    case LinearUnit::avx2: break;  // reads split words (activation_form)
   }
-  TORCH_CHECK(false, "tilefx: x as int8 groups is the AVX512 units' form");
 }
 
 // Words [ldx] of one row as split_words (kernels.h): per 4 inputs the low bytes, then the high bytes; and each
@@ -142,7 +142,7 @@ void Activations::make_words(bool every_row_words) {
     byte_scales_.resize(count_ * x_groups(ldx_));
     word_sums_.resize(count_ * groups);
     at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      quantize_groups(unit_, reinterpret_cast<const uint16_t*>(rows + begin * row_bytes), end - begin, ldx_,
+      quantize_groups(unit_, rows + begin * row_bytes, end - begin, ldx_,
                       bytes_.data() + begin * ldx_, byte_scales_.data() + begin * x_groups(ldx_),
                       word_sums_.data() + begin * groups);
     });
@@ -151,7 +151,7 @@ void Activations::make_words(bool every_row_words) {
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
-  const bool split = format_ == WeightFormat::int4;  // int4 on AVX2 reads the words' bytes apart (split_words)
+  const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
   if (split) {
     split_.resize(count_ * 2 * ldx_);
     word_sums_.resize(count_ * groups);

@@ -21,8 +21,8 @@ inline bool reads_words(WeightFormat format) { return format == WeightFormat::in
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights:
 // int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
-// chose "int8", int8 per kXGroup inputs on the AVX512-BF16 units (half the VNNI work, docs/PERFORMANCE.md);
-// else the unit's base form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units).
+// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md); else the unit's base form
+// (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units).
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
 // How int4 decode reads x, for the whole process: "int16" (the default) or "int8" (custom_ops/isa.py sets it
 // from TILEFX_INT4_ACTIVATIONS).
@@ -81,8 +81,8 @@ class Activations {
   std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
   std::vector<uint32_t> words_;   // int16 pairs, ldx / 2 per row
   std::vector<float> word_scales_;
-  std::vector<uint8_t> split_;    // int4 on AVX2: the words as split_words, 2 * ldx bytes per row
-  std::vector<int8_t> bytes_;     // int4 on AVX512: int8_groups, ldx bytes per row
+  std::vector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
+  std::vector<int8_t> bytes_;     // int4 over int8 x: int8_groups, ldx bytes per row
   std::vector<float> byte_scales_;  // their scales, x_groups(ldx) per row
   std::vector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
 };

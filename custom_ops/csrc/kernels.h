@@ -54,9 +54,9 @@ constexpr float kFp8Unscale = 256.0f;
 //                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`);
 //   split_words: the int16 words as bytes, per 4 inputs their 4 low bytes (unsigned) then their 4 high
 //                bytes (signed): x ~= x_scales[m] * (256 * high + low), [M, 2 * ldx] bytes, and x_sums[m][g]
-//                each 128 inputs' sum of words (the zero points' share): int4 decode on the AVX2 unit, where
-//                `vpmaddubsw` multiplies four unsigned nibbles by four signed high bytes, and four unsigned
-//                low bytes by four nibbles (read as signed);
+//                each 128 inputs' sum of words (the zero points' share): int4 decode by default, where
+//                `vpdpbusd` / `vpmaddubsw` multiply four unsigned nibbles by four signed high bytes, and four
+//                unsigned low bytes by four nibbles (read as signed);
 //   int8_groups: x as int8, each kXGroup inputs with their own scale (llama.cpp's Q8 activations): [M, ldx]
 //                bytes, x ~= x_scales[m][j] * q over inputs [kXGroup j, kXGroup (j + 1)) (x_groups(ldx) a
 //                row), and x_sums[m][g] each 128 inputs' sum of x_scales * q (the zero points' share): int4
@@ -157,6 +157,8 @@ void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
 // Rows of fp32 x ([rows, ldx], ldx a multiple of 2) as int16 words: per row the scale
 // max|x| / 32767 and round(x / scale) as int16 (15 bits against bf16's 8 of the largest values).
 void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
+// The same as quantize_groups_avx512, from fp32 rows.
+void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums);
 
 // Streaming read of `bytes` bytes (multiple of 128 * streams) starting at `data`, as
 // `streams` (1 or 2) concurrent sequential streams; returns a value that depends on

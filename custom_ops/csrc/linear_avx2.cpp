@@ -306,14 +306,30 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   }
 }
 
-// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words; kernels.h has
+// total[r][j] += s * (dot[r][j] - z * x_sum) for weight group g of the block: dot the group's sum over x q,
+// x_sum its sum of x (LinearProblem::x_sums), in the units x was read in.
+template <int Rows>
+static inline void add_int4_group(const LinearProblem& p, int64_t block, int64_t g, const __m256 (&dot)[Rows][4],
+                                  __m256 (&total)[Rows][4]) {
+  const uint16_t* params = int4_group_params(p, block, g);
+  for (int j = 0; j < 4; ++j) {
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * j)));
+    const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockN + 8 * j)));
+    for (int r = 0; r < Rows; ++r) {
+      const __m256 x_sum = _mm256_set1_ps(p.x_sums[r * p.k_groups + g]);
+      total[r][j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, x_sum, dot[r][j]), scale, total[r][j]);
+    }
+  }
+}
+
+// int4 decode over x as int16 words with their bytes apart (ActivationForm::split_words, the default; kernels.h has
 // the nibble order): each 32-byte half of a 64-byte load is 8 lanes of four inputs; a mask gives columns
 // 8h..8h+7 and a shift and a mask columns 16+8h..16+8h+7; `vpmaddubsw` multiplies the nibbles by the
 // words' four high bytes, and their four low bytes by the nibbles (pairs of products, at most 2 * 255 *
 // 15: no saturation), `vpmaddwd` by ones sums each lane's four. As on the AVX512 unit (int4_gemv_words),
 // a group's sums go to fp32 as 256 * high + low and the zero points come off per group.
 template <int Rows>
-static void int4_gemv(const LinearProblem& p, int64_t block, float* c) {
+static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 total[Rows][4];  // columns 8j..8j+7
@@ -343,20 +359,73 @@ static void int4_gemv(const LinearProblem& p, int64_t block, float* c) {
         }
       }
     }
-    const uint16_t* params = int4_group_params(p, block, g);
-    for (int j = 0; j < 4; ++j) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 8 * j)));
-      const __m256 zero = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + kBlockN + 8 * j)));
-      for (int r = 0; r < Rows; ++r) {
-        const __m256 x_sum = _mm256_set1_ps(p.x_sums[r * p.k_groups + g]);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high[r][j], 8), lows[r][j]));
-        total[r][j] = _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, x_sum, dot), scale, total[r][j]);
+    __m256 dot[Rows][4];  // the group's sum over words times nibbles
+    for (int r = 0; r < Rows; ++r) {
+      for (int j = 0; j < 4; ++j) {
+        dot[r][j] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(high[r][j], 8), lows[r][j]));
       }
     }
+    add_int4_group<Rows>(p, block, g, dot, total);
   }
   for (int r = 0; r < Rows; ++r) {
     const __m256 x_scale = _mm256_set1_ps(p.x_scales[r]);
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(c + r * kBlockN + 8 * j, _mm256_mul_ps(total[r][j], x_scale));
+  }
+}
+
+// int4 decode over x as int8 per kXGroup inputs (ActivationForm::int8_groups, TILEFX_INT4_ACTIVATIONS=int8):
+// the same loads and masks; `vpmaddubsw` multiplies the nibbles by x's four bytes (pairs of products, at
+// most 2 * 15 * 127), summed in int16 over the kXGroup's 8 loads (at most 30480: no overflow), then
+// `vpmaddwd` by ones to int32 and to fp32 times the kXGroup's scale: half the multiplies of the words
+// per weight byte. The zero points come off per weight group as over the words.
+template <int Rows>
+static void int4_gemv_bytes(const LinearProblem& p, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t x_row_groups = x_groups(p.ldx);
+  __m256 total[Rows][4];  // columns 8j..8j+7
+  for (auto& row : total)
+    for (auto& t : row) t = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.k_groups; ++g) {
+    __m256 dot[Rows][4];  // this weight group's sum over x q, x's scales applied
+    for (auto& row : dot)
+      for (auto& d : row) d = _mm256_setzero_ps();
+    const int64_t group_end = std::min((g + 1) * kInt4GroupPairs, p.K_pairs);
+    for (int64_t q0 = g * kInt4GroupPairs; q0 < group_end; q0 += kXGroupPairs) {
+      __m256i sums[Rows][4];  // int16 pairs
+      for (auto& row : sums)
+        for (auto& a : row) a = _mm256_setzero_si256();
+      for (int64_t q = q0, end = std::min(q0 + kXGroupPairs, group_end); q < end; q += 2) {
+        const uint8_t* row = w + q * kInt4PairBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+        __m256i x4[Rows];  // inputs 2q..2q+3 of each row
+        for (int r = 0; r < Rows; ++r) {
+          int32_t four;
+          __builtin_memcpy(&four, p.x_bytes() + r * p.ldx + 2 * q, sizeof four);
+          x4[r] = _mm256_set1_epi32(four);
+        }
+        for (int half = 0; half < 2; ++half) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * half));
+          const __m256i values[2] = {_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)};
+          for (int r = 0; r < Rows; ++r) {
+            for (int h = 0; h < 2; ++h) {
+              const int j = 2 * h + half;
+              sums[r][j] = _mm256_add_epi16(sums[r][j], _mm256_maddubs_epi16(values[h], x4[r]));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 x_scale = _mm256_set1_ps(p.x_scales[r * x_row_groups + q0 / kXGroupPairs]);
+        for (int j = 0; j < 4; ++j) {
+          dot[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r][j], ones)), x_scale, dot[r][j]);
+        }
+      }
+    }
+    add_int4_group<Rows>(p, block, g, dot, total);
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(c + r * kBlockN + 8 * j, total[r][j]);
   }
 }
 
@@ -426,7 +495,11 @@ struct Avx2Unit {
     if constexpr (F == WeightFormat::int8) {
       int8_word_gemv<Rows>(p, blocks[0], c[0]);
     } else if constexpr (F == WeightFormat::int4) {
-      int4_gemv<Rows>(p, blocks[0], c[0]);
+      if (p.x_form == ActivationForm::int8_groups) {
+        int4_gemv_bytes<Rows>(p, blocks[0], c[0]);
+      } else {
+        int4_gemv_words<Rows>(p, blocks[0], c[0]);
+      }
     } else {
       for (int r = 0; r < Rows; ++r) fp8_gemv_row(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
     }
@@ -518,6 +591,43 @@ void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* wo
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
     }
     for (; k < ldx; ++k) out[k] = static_cast<int16_t>(std::nearbyint(row[k] * (1.0f / scale)));
+  }
+}
+
+void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums) {
+  const int64_t groups = x_groups(ldx), weight_groups = (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = x + m * ldx;
+    int8_t* out = bytes + m * ldx;
+    float* row_sums = sums + m * weight_groups;
+    std::fill(row_sums, row_sums + weight_groups, 0.0f);
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t k0 = j * kXGroup, n = std::min(kXGroup, ldx - k0);
+      float top = 0.0f;
+      for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(row[k0 + k]));
+      const float scale = top > 0.0f ? top / 127.0f : 1.0f;
+      scales[m * groups + j] = scale;
+      int32_t total = 0;
+      if (n == kXGroup) {  // round to nearest even (the default rounding mode), |q| <= 127
+        const __m256 inverse = _mm256_set1_ps(1.0f / scale);
+        __m256i q[4];
+        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k0 + 8 * i), inverse));
+        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k0), _mm256_permutevar8x32_epi32(packed, order));
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                           _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        for (int32_t v : lanes) total += v;
+      } else {
+        for (int64_t k = 0; k < n; ++k) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(row[k0 + k] * (1.0f / scale)));
+          out[k0 + k] = static_cast<int8_t>(v);
+          total += v;
+        }
+      }
+      row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+    }
   }
 }
 

@@ -59,7 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_cpu_kernels", &tilefx::register_cpu_kernels,
         "register the CPU kernels of tilefx::linear, linear_silu_mul, fused_moe, the routers and the attention ops with the dispatcher");
   m.def("set_int4_activations", &tilefx::set_int4_activations,
-        "how int4 decode reads x: int16 (15-bit words, the default) or int8 (per 32 inputs, the AVX512-BF16 units)");
+        "how int4 decode reads x: int16 (15-bit words, the default) or int8 (per 32 inputs)");
   m.def("get_int4_activations", &tilefx::get_int4_activations, "int16 or int8");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx");
   m.def("set_walk_tuning", &tilefx::set_walk_tuning,

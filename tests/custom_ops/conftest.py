@@ -20,7 +20,7 @@ def kernel_path(request):
 @pytest.fixture(params=isa.INT4_ACTIVATIONS)
 def int4_x(request):
     """Run an int4 test with decode reading x as each form (int16 words, the default; int8 per 32 inputs, which the
-    AVX512-BF16 units read where asked: isa.forced_int4_activations)."""
+    native units read where asked: isa.forced_int4_activations)."""
     if isa.native is None:
         pytest.skip("the reference path reads x as it is")
     with isa.forced_int4_activations(request.param):
