@@ -79,8 +79,6 @@ void split_row(const uint32_t* words, int64_t ldx, uint8_t* out, float* sums) {
   }
 }
 
-int64_t groups_of(int64_t ldx) { return (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs); }
-
 constexpr int64_t kRowsPerTask = 64;
 
 }  // namespace
@@ -136,7 +134,7 @@ void Activations::make_words(bool every_row_words) {
   if (!reads_words(format_) || (!every_row_words && count_ > kWordRows)) return;
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
-  const int64_t groups = groups_of(ldx_);
+  const int64_t groups = int4_groups(ldx_);
   if (activation_form(unit_, format_, 1) == ActivationForm::int8_groups) {
     bytes_.resize(count_ * ldx_);
     byte_scales_.resize(count_ * x_groups(ldx_));
@@ -172,7 +170,7 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     TORCH_CHECK(!bytes_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as int8 groups");
     p.x = bytes_.data() + row * ldx_;
     p.x_scales = byte_scales_.data() + row * x_groups(ldx_);
-    p.x_sums = word_sums_.data() + row * groups_of(ldx_);
+    p.x_sums = word_sums_.data() + row * int4_groups(ldx_);
     return;
   }
   if (p.x_form == ActivationForm::int16_words || p.x_form == ActivationForm::split_words) {
@@ -180,7 +178,7 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     if (p.x_form == ActivationForm::split_words) {
       p.x = split_.data() + row * 2 * ldx_;
       p.x_scales = word_scales_.data() + row;
-      p.x_sums = word_sums_.data() + row * groups_of(ldx_);
+      p.x_sums = word_sums_.data() + row * int4_groups(ldx_);
       return;
     }
     p.x = words_.data() + row * (ldx_ / 2);

@@ -5,6 +5,7 @@
 // from ATen or the standard library is compiled with wider ISA flags (it could be
 // picked by the linker for the whole library and crash an older CPU).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 namespace tilefx {
@@ -67,6 +68,30 @@ enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, spl
 constexpr int64_t kXGroup = 32;
 constexpr int64_t kXGroupPairs = kXGroup / 2;
 inline int64_t x_groups(int64_t ldx) { return (ldx + kXGroup - 1) / kXGroup; }
+// int4's weight groups (128 inputs, the last one maybe shorter) over ldx inputs: x_sums per row.
+inline int64_t int4_groups(int64_t ldx) { return (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs); }
+
+// Rows of x ([rows, ldx] of T, ldx a multiple of 4) as int8_groups, what every unit's quantize_groups shares:
+// each kXGroup's scale max|x| / 127 (`absmax(values, n)`), its bytes (`round(values, n, 1 / scale, out)`, round
+// half to even, returning their sum) and each weight group's sum of scale times bytes.
+template <class T, class Absmax, class Round>
+inline void quantize_x_groups(const T* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums,
+                              const Absmax& absmax, const Round& round) {
+  const int64_t groups = x_groups(ldx), weight_groups = int4_groups(ldx);
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = x + m * ldx;
+    float* row_sums = sums + m * weight_groups;
+    std::fill(row_sums, row_sums + weight_groups, 0.0f);
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t k0 = j * kXGroup, n = std::min(kXGroup, ldx - k0);
+      const float amax = absmax(row + k0, n);
+      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+      scales[m * groups + j] = scale;
+      const int32_t total = round(row + k0, n, 1.0f / scale, bytes + m * ldx + k0);
+      row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+    }
+  }
+}
 
 struct LinearProblem {
   const void* x;          // activations in form x_form (below)

@@ -595,40 +595,34 @@ void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* wo
 }
 
 void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums) {
-  const int64_t groups = x_groups(ldx), weight_groups = (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* row = x + m * ldx;
-    int8_t* out = bytes + m * ldx;
-    float* row_sums = sums + m * weight_groups;
-    std::fill(row_sums, row_sums + weight_groups, 0.0f);
-    for (int64_t j = 0; j < groups; ++j) {
-      const int64_t k0 = j * kXGroup, n = std::min(kXGroup, ldx - k0);
-      float top = 0.0f;
-      for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(row[k0 + k]));
-      const float scale = top > 0.0f ? top / 127.0f : 1.0f;
-      scales[m * groups + j] = scale;
-      int32_t total = 0;
-      if (n == kXGroup) {  // round to nearest even (the default rounding mode), |q| <= 127
-        const __m256 inverse = _mm256_set1_ps(1.0f / scale);
-        __m256i q[4];
-        for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k0 + 8 * i), inverse));
-        const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k0), _mm256_permutevar8x32_epi32(packed, order));
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                           _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        for (int32_t v : lanes) total += v;
-      } else {
-        for (int64_t k = 0; k < n; ++k) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(row[k0 + k] * (1.0f / scale)));
-          out[k0 + k] = static_cast<int8_t>(v);
-          total += v;
-        }
+  const auto absmax = [](const float* values, int64_t n) {
+    float top = 0.0f;
+    for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(values[k]));
+    return top;
+  };
+  const auto round = [](const float* values, int64_t n, float inverse, int8_t* out) {
+    int32_t total = 0;
+    if (n < kXGroup) {  // a partial last group; round to nearest even (the default rounding mode), |q| <= 127
+      for (int64_t k = 0; k < n; ++k) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(values[k] * inverse));
+        out[k] = static_cast<int8_t>(v);
+        total += v;
       }
-      row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+      return total;
     }
-  }
+    const __m256 scale = _mm256_set1_ps(inverse);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(values + 8 * i), scale));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane interleave
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(packed, order));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                       _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    for (int32_t v : lanes) total += v;
+    return total;
+  };
+  quantize_x_groups(x, rows, ldx, bytes, scales, sums, absmax, round);
 }
 
 float stream_read_avx2(const void* data, int64_t bytes, int streams) {

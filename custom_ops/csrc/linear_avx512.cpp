@@ -742,31 +742,21 @@ void TILEFX_AVX512_ENTRY(quantize_words)(const uint16_t* x, int64_t rows, int64_
 
 void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales,
                                            float* sums) {
-  const int64_t groups = x_groups(ldx), weight_groups = (ldx + 2 * kInt4GroupPairs - 1) / (2 * kInt4GroupPairs);
-  for (int64_t m = 0; m < rows; ++m) {
-    const uint16_t* row = x + m * ldx;
-    int8_t* out = bytes + m * ldx;
-    float* row_sums = sums + m * weight_groups;
-    std::fill(row_sums, row_sums + weight_groups, 0.0f);
-    for (int64_t j = 0; j < groups; ++j) {
-      const int64_t k0 = j * kXGroup, n = std::min(kXGroup, ldx - k0);  // n: a multiple of 4
-      const float amax = row_absmax(row + k0, n);
-      const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-      scales[m * groups + j] = scale;
-      const __m512 inverse = _mm512_set1_ps(1.0f / scale);
-      int32_t total = 0;
-      for (int64_t k = 0; k < n; k += 16) {  // round to nearest even, |q| <= 127; a partial group masked
-        const __mmask16 live = n - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - k)) - 1);
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16_masked(row + k0 + k, live), inverse));
-        int8_t values[16];
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(values), _mm512_cvtsepi32_epi8(q));
-        const int64_t count = std::min<int64_t>(16, n - k);
-        for (int64_t t = 0; t < count; ++t) total += values[t];
-        std::memcpy(out + k0 + k, values, count);
-      }
-      row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+  const auto round = [](const uint16_t* values, int64_t n, float inverse, int8_t* out) {
+    const __m512 scale = _mm512_set1_ps(inverse);
+    int32_t total = 0;
+    for (int64_t k = 0; k < n; k += 16) {  // |q| <= 127; a partial group masked
+      const __mmask16 live = n - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - k)) - 1);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_bf16x16_masked(values + k, live), scale));
+      int8_t rounded[16];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(rounded), _mm512_cvtsepi32_epi8(q));
+      const int64_t count = std::min<int64_t>(16, n - k);
+      for (int64_t t = 0; t < count; ++t) total += rounded[t];
+      std::memcpy(out + k, rounded, count);
     }
-  }
+    return total;
+  };
+  quantize_x_groups(x, rows, ldx, bytes, scales, sums, row_absmax, round);
 }
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
