@@ -13,7 +13,8 @@ sources, linear unit and weight format, keeps the fastest in the native table
 
 The same module picks prefill's kernels: the linear ops' GEMM above 4 rows (``ensure_gemm_tuned``: the
 unit's or oneDNN's brgemm, per weight format) and attention's per model (``ensure_attention_tuned``: the
-path's attention unit or PyTorch's own SDPA, timed on the model's head shape); see below.
+path's attention unit, PyTorch's own SDPA or tilefx's flash attention on brgemm, timed on the model's head
+shape); see below.
 
 Correctness never depends on the choice: every candidate computes the same products
 (tests force each one).
@@ -264,13 +265,18 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
     return results
 
 
-# -- Prefill attention: the path's attention unit or PyTorch's SDPA --------------------------------------
+# -- Prefill attention: the path's attention unit, PyTorch's SDPA or a flash attention on brgemm ----------
 # The unit's kernel attends one query row at a time; PyTorch's flash SDPA tiles queries and keys through
-# oneDNN GEMMs. Which leads depends on the CPU and the heads' shape, so each is timed on the model's own
-# head shape at a short and a long prompt, and SDPA takes the prompts from the first length class where it
-# leads (and leads at every longer one): csrc/tuning.h sdpa_from_tokens. Decode always runs the unit.
+# oneDNN GEMMs; tilefx's own flash attention (csrc/attention_brgemm.cpp) makes a tile of query rows (every
+# query head of a KV head: GQA and MLA's head folding) one brgemm over each block of keys, AMX where the CPU
+# has it. Which leads depends on the CPU and the heads' shape, so each is timed on the model's own head shape
+# at a short and a long prompt (brgemm only where it has a compiled kernel). The fastest at the long prompt,
+# if it beats the unit there, takes the prompts from the first length class where it leads the unit (and
+# leads at every longer one): csrc/tuning.h prefill_attention. Decode always runs the unit.
 ATTENTION_LENGTHS = ((128, 2), (1024, 384))  # (the prompt length timed, the first length of its class)
 ATTENTION_ROUNDS = 3
+ATTENTION_KERNELS = ("unit", "sdpa", "brgemm")  # csrc/tuning.h PrefillAttention
+_KERNEL_NAMES = {"unit": "the unit's kernel", "sdpa": "PyTorch SDPA", "brgemm": "flash attention on oneDNN brgemm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,28 +297,29 @@ class AttentionShape:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionChoice:
-    """From how many new tokens prefill attention runs SDPA (0: never), and where the choice came from."""
+    """Which kernel prefill attention runs from how many new tokens (the unit below), and where that came from."""
 
     shape: AttentionShape
-    sdpa_from: int
+    kernel: str  # one of ATTENTION_KERNELS
+    from_tokens: int  # 0 for the unit (every length)
     how: str  # "tuned", "cached", "untuned"
-    unit_ms: tuple[float, ...] = ()  # median ms per ATTENTION_LENGTHS entry
-    sdpa_ms: tuple[float, ...] = ()
+    ms: dict = dataclasses.field(default_factory=dict)  # kernel -> median ms per ATTENTION_LENGTHS entry
     seconds: float = 0.0
 
     def line(self) -> str:
-        what = (f"prefill attention ({self.shape.describe()}): "
-                + (f"PyTorch SDPA from {self.sdpa_from} tokens" if self.sdpa_from else "the unit's kernel"))
+        what = _KERNEL_NAMES[self.kernel] + (f" from {self.from_tokens} tokens" if self.kernel != "unit" else "")
+        what = f"prefill attention ({self.shape.describe()}): {what}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
-        timed = "; ".join(f"{n} tokens unit {u:.1f} ms, SDPA {s:.1f} ms"
-                          for (n, _), u, s in zip(ATTENTION_LENGTHS, self.unit_ms, self.sdpa_ms))
+        timed = "; ".join(f"{n} tokens " + ", ".join(f"{kernel} {ms[i]:.1f} ms" for kernel, ms in self.ms.items())
+                          for i, (n, _) in enumerate(ATTENTION_LENGTHS))
         return f"{what} ({self.how}: {timed}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
-def forced_sdpa(family: str, tokens: int):
-    """Run a block with SDPA taking ``family``'s prefill from ``tokens`` new tokens on (0: never)."""
-    return _temporarily(isa.native.get_sdpa_from_tokens, isa.native.set_sdpa_from_tokens, (family,), (tokens,))
+def forced_attention(family: str, kernel: str, tokens: int = 2):
+    """Run a block with ``family``'s prefill on ``kernel`` from ``tokens`` new tokens on (the unit: every length)."""
+    return _temporarily(isa.native.get_prefill_attention, isa.native.set_prefill_attention, (family,),
+                        (kernel, tokens))
 
 
 def _prefill_call(shape: AttentionShape, seq: int):
@@ -339,30 +346,41 @@ def _prefill_call(shape: AttentionShape, seq: int):
     return lambda: torch.ops.tilefx.extend_attention(*args)
 
 
+def choose_attention(ms: dict) -> tuple[str, int]:
+    """``(kernel, from_tokens)`` from each kernel's median ms per ``ATTENTION_LENGTHS`` entry: the fastest at the
+    longest prompt if it beats the unit there by ``MIN_GAIN``, from the first length class where it beats the
+    unit by that at every longer one; else the unit."""
+    kernel = min((k for k in ms if k != "unit"), key=lambda k: ms[k][-1], default="unit")
+    from_tokens = 0
+    for i in reversed(range(len(ATTENTION_LENGTHS))):
+        if kernel == "unit" or ms[kernel][i] * MIN_GAIN >= ms["unit"][i]:
+            break
+        from_tokens = ATTENTION_LENGTHS[i][1]
+    return (kernel, from_tokens) if from_tokens else ("unit", 0)
+
+
 def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
-    """Time the unit and SDPA on ``shape`` at each of ``ATTENTION_LENGTHS`` (interleaved, ``ATTENTION_ROUNDS``
-    rounds) and set the first length class from which SDPA is faster by ``MIN_GAIN`` at every length."""
+    """Time each kernel on ``shape`` at each of ``ATTENTION_LENGTHS`` (interleaved, ``ATTENTION_ROUNDS`` rounds;
+    brgemm only where it has a compiled kernel), set ``choose_attention``'s choice."""
     started = time.perf_counter()
-    unit_ms, sdpa_ms = [], []
+    kernels = [k for k in ATTENTION_KERNELS if k != "brgemm" or brgemm_has_kernel()]
+    ms: dict[str, list[float]] = {k: [] for k in kernels}
     with isa.forced(path), torch.inference_mode():
         for seq, _ in ATTENTION_LENGTHS:
             call = _prefill_call(shape, seq)
-            times: dict[int, list[float]] = {0: [], 2: []}
+            times: dict[str, list[float]] = {k: [] for k in kernels}
             for _ in range(ATTENTION_ROUNDS + 1):  # the first round warms up and is dropped
-                for tokens in times:
-                    with forced_sdpa(shape.family, tokens):
+                for kernel in kernels:
+                    with forced_attention(shape.family, kernel):
                         start = time.perf_counter()
                         call()
-                        times[tokens].append(time.perf_counter() - start)
-            unit_ms.append(statistics.median(times[0][1:]) * 1e3)
-            sdpa_ms.append(statistics.median(times[2][1:]) * 1e3)
-    sdpa_from = 0
-    for (_, first), unit, sdpa in reversed(list(zip(ATTENTION_LENGTHS, unit_ms, sdpa_ms))):
-        if sdpa * MIN_GAIN >= unit:
-            break
-        sdpa_from = first
-    isa.native.set_sdpa_from_tokens(shape.family, sdpa_from)
-    return AttentionChoice(shape, sdpa_from, "tuned", tuple(unit_ms), tuple(sdpa_ms), time.perf_counter() - started)
+                        times[kernel].append(time.perf_counter() - start)
+            for kernel in kernels:
+                ms[kernel].append(statistics.median(times[kernel][1:]) * 1e3)
+    timed = {k: tuple(v) for k, v in ms.items()}
+    kernel, from_tokens = choose_attention(timed)
+    isa.native.set_prefill_attention(shape.family, kernel, from_tokens)
+    return AttentionChoice(shape, kernel, from_tokens, "tuned", timed, time.perf_counter() - started)
 
 
 def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = None,
@@ -373,16 +391,18 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
     if isa.native is None or path == "reference" or shape is None:
         return None
     if not enabled:
-        return AttentionChoice(shape, isa.native.get_sdpa_from_tokens(shape.family), "untuned")
+        return AttentionChoice(shape, *isa.native.get_prefill_attention(shape.family), "untuned")
     store = _store(cache)
     saved = _saved(store)
     key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim)
     entry = saved.get(key)
-    if entry is not None:
-        isa.native.set_sdpa_from_tokens(shape.family, entry["sdpa_from"])
-        return AttentionChoice(shape, entry["sdpa_from"], "cached", tuple(entry["unit_ms"]), tuple(entry["sdpa_ms"]))
+    if entry is not None and "kernel" in entry:
+        isa.native.set_prefill_attention(shape.family, entry["kernel"], entry["from_tokens"])
+        ms = {k: tuple(v) for k, v in entry["ms"].items()}
+        return AttentionChoice(shape, entry["kernel"], entry["from_tokens"], "cached", ms)
     choice = tune_attention(shape, path)
-    saved[key] = {"sdpa_from": choice.sdpa_from, "unit_ms": list(choice.unit_ms), "sdpa_ms": list(choice.sdpa_ms)}
+    saved[key] = {"kernel": choice.kernel, "from_tokens": choice.from_tokens,
+                  "ms": {k: list(v) for k, v in choice.ms.items()}}
     _save(store, saved)
     return choice
 
@@ -483,5 +503,5 @@ def untuned():
         for format in formats.FORMATS:
             stack.enter_context(forced_gemm(format, "default"))
         for family in ("extend", "mla"):
-            stack.enter_context(forced_sdpa(family, 0))
+            stack.enter_context(forced_attention(family, "unit"))
         yield

@@ -265,3 +265,67 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
 }
 
 }  // namespace tilefx
+
+namespace tilefx {
+
+void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask,
+                              int64_t group, int64_t mask_stride, float scale, float* max, float* sum,
+                              uint16_t* weights, float* out, int64_t v_dim) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m256 vneg_inf = _mm256_set1_ps(neg_inf), vscale = _mm256_set1_ps(scale);
+  // Lane j of the 8 keys at t is allowed: the mask byte is set and t + j < keys.
+  auto allowed8 = [&](const bool* m, int64_t t) {
+    __m256i bytes;
+    if (t + 8 <= keys) {
+      bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + t)));
+    } else {
+      alignas(32) int32_t lanes[8] = {};
+      for (int64_t j = 0; t + j < keys; ++j) lanes[j] = m[t + j];
+      bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+    }
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(bytes, _mm256_setzero_si256()));
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld;
+    uint16_t* w = weights + r * ld;
+    const bool* m = mask + (r / group) * mask_stride;
+    __m256 vmax = vneg_inf;
+    for (int64_t t = 0; t < keys; t += 8) {
+      const __m256 x = _mm256_blendv_ps(vneg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + t), vscale), allowed8(m, t));
+      _mm256_storeu_ps(s + t, x);
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const float old_max = max[r], new_max = std::max(old_max, _mm_cvtss_f32(m4));
+    if (new_max == neg_inf) {  // nothing allowed so far: weights 0, the row's output stays 0
+      std::fill(w, w + ld, uint16_t{0});
+      continue;
+    }
+    const __m256 vref = _mm256_set1_ps(new_max);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t < keys; t += 8) {
+      const __m256 x = _mm256_loadu_ps(s + t);
+      // exp256 clamps -inf to ~1e-38: masked keys must weigh exactly 0.
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vref)), _mm256_cmp_ps(x, vneg_inf, _CMP_NEQ_OQ));
+      store_bf16x8(w + t, e);  // ld is a multiple of 8
+      vsum = _mm256_add_ps(vsum, load_bf16x8(w + t));  // the sum of what the GEMM multiplies
+    }
+    std::fill(w + t, w + ld, uint16_t{0});
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+    s4 = _mm_hadd_ps(s4, s4);
+    s4 = _mm_hadd_ps(s4, s4);
+    const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+    sum[r] = sum[r] * alpha + _mm_cvtss_f32(s4);
+    max[r] = new_max;
+    if (alpha != 1.0f) {
+      float* o = out + r * v_dim;
+      const __m256 va = _mm256_set1_ps(alpha);
+      for (int64_t d = 0; d < v_dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), va));
+    }
+  }
+}
+
+}  // namespace tilefx

@@ -1,6 +1,7 @@
 // CPU kernels of tilefx::decode_attention, extend_attention and mla_attention: argument
 // checks, the new tokens' cache writes, the split of the keys over the threads and the
-// merge of the splits; each task runs the path's attention unit (dispatch.h). The
+// merge of the splits; each task runs the path's attention unit (dispatch.h). Prefill may
+// run PyTorch's SDPA or the flash attention over brgemm tiles instead, as tuned (tuning.h). The
 // references (*_portable) on the reference path.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -178,19 +179,20 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
   const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len, {{&k, &k_cache}, {&v, &v_cache}});
 
   const at::Tensor q = unit_stride(q_in), mask = unit_stride(mask_in);
-  const int64_t sdpa_from = sdpa_from_tokens(AttentionFamily::extend);
-  if (sdpa_from > 0 && seq >= sdpa_from) {
+  const PrefillAttention kernel = prefill_attention(AttentionFamily::extend, seq);
+  if (kernel == PrefillAttention::sdpa) {
     const at::Tensor keys = k_cache.slice(0, 0, batch).slice(2, 0, end);
     const at::Tensor values = v_cache.slice(0, 0, batch).slice(2, 0, end);
     return attention_sdpa(q, keys, values, mask, batch, seq, end, scale).contiguous();
   }
-  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
-                     nullptr, 0, 0, 0,
-                     bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                     nullptr, 0, 0, 0,
-                     bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
-                     q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
+  const AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                           nullptr, 0, 0, 0,
+                           bf16_bits(k_cache), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                           nullptr, 0, 0, 0,
+                           bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                           mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                           q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
+  if (kernel == PrefillAttention::brgemm) return attention_brgemm(p, batch, seq, end, q.options());
   return run_attention(unit, p, batch, seq, end, q.options());
 }
 
@@ -226,8 +228,8 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                                        {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
 
   const at::Tensor q = unit_stride(q_latent_in), qr = unit_stride(q_rope_in), mask = unit_stride(mask_in);
-  const int64_t sdpa_from = sdpa_from_tokens(AttentionFamily::mla);
-  if (sdpa_from > 0 && seq >= sdpa_from) {
+  const PrefillAttention kernel = prefill_attention(AttentionFamily::mla, seq);
+  if (kernel == PrefillAttention::sdpa) {
     // The value (the latent) is the key's first `rank` dims: attending with the whole key as
     // the value gives the same first `rank` outputs, and SDPA's flash kernel takes only one
     // head dim for keys and values.
@@ -236,13 +238,14 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
     const at::Tensor out = attention_sdpa(at::cat({q, qr}, -1), keys, keys, mask, batch, seq, end, scale);
     return out.narrow(-1, 0, rank).contiguous();
   }
-  AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
-                     bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
-                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
-                     bf16_bits(rope_cache), rope_cache.stride(0), rope_cache.stride(1), rope_cache.stride(2),
-                     bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
-                     mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
-                     heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
+  const AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                           bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
+                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                           bf16_bits(rope_cache), rope_cache.stride(0), rope_cache.stride(1), rope_cache.stride(2),
+                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                           mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                           heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
+  if (kernel == PrefillAttention::brgemm) return attention_brgemm(p, batch, seq, end, q.options());
   return run_attention(unit, p, batch, seq, end, q.options());
 }
 

@@ -246,4 +246,16 @@ inline int64_t attention_scratch_floats(const AttentionProblem& p) {
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
                          int64_t key_end, const AttentionPartial& part);
 
+// One key block of the flash attention over brgemm tiles (attention_brgemm.cpp), for `rows`
+// query rows whose raw scores q.k are at `scores` (row stride `ld`): row r's mask row (its
+// allowed keys from the block's first) is `mask + (r / group) * mask_stride`, keys at or past
+// `keys` are masked too (`ld`, `v_dim` multiples of 8; `keys` <= `ld`). Turns the scores into bf16 weights exp(scale * score - max') at
+// `weights` (row stride `ld`, 0 where masked, through column `ld`), adds the rounded weights to
+// `sum` after scaling it by exp(max - max'), and scales each row's accumulated output (`v_dim`
+// floats at `out`) by the same factor; `max` / `sum` are per row. A row with no allowed key
+// yet keeps max -inf and weights 0. On the AVX2 unit: every native path has it.
+void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask,
+                              int64_t group, int64_t mask_stride, float scale, float* max, float* sum,
+                              uint16_t* weights, float* out, int64_t v_dim);
+
 }  // namespace tilefx

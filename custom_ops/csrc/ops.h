@@ -61,6 +61,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_log
                                                     int64_t num_expert_group, int64_t topk_group,
                                                     c10::string_view scoring_func, bool renormalize,
                                                     double routed_scaling_factor);
+// attention_brgemm.cpp: prefill attention of `p` over keys [0, end) as a flash attention over
+// oneDNN brgemm tiles; [batch, q_heads, seq, v_dim] bf16, rows that may attend no key zero.
+at::Tensor attention_brgemm(const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+                            const at::TensorOptions& options);
+
 // attention_ops.cpp (decode_attention and extend_attention share attention_cpu)
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,

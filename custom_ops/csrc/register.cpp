@@ -65,9 +65,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_walk_tuning", &tilefx::set_walk_tuning,
         "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes");
   m.def("get_walk_tuning", &tilefx::get_walk_tuning, "(streams, prefetch bytes) of a linear unit and weight format");
-  m.def("set_sdpa_from_tokens", &tilefx::set_sdpa_from_tokens,
-        "from how many new tokens an attention family (extend, mla) runs PyTorch's SDPA instead of its unit (0: never)");
-  m.def("get_sdpa_from_tokens", &tilefx::get_sdpa_from_tokens, "the attention family's SDPA threshold (0: never)");
+  m.def("set_prefill_attention", &tilefx::set_prefill_attention,
+        "the kernel an attention family (extend, mla) runs from how many new tokens on: unit (every length), "
+        "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");
+  m.def("get_prefill_attention", &tilefx::get_prefill_attention,
+        "(kernel, from_tokens) of an attention family's prefill; (unit, 0) when the unit runs every length");
   m.def("set_prefill_gemm", &tilefx::set_prefill_gemm,
         "the GEMM the linear ops run above 4 rows for weights of a format: default (the path's), unit or brgemm");
   m.def("get_prefill_gemm", &tilefx::get_prefill_gemm, "the prefill GEMM chosen for a weight format");

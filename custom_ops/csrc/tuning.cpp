@@ -58,7 +58,9 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
   return table()[static_cast<int>(unit) * kFormats + static_cast<int>(format)];
 }
 
-std::atomic<int64_t> sdpa_from[2] = {0, 0};
+// Per AttentionFamily: (from_tokens << 2) | PrefillAttention, one word so a reader never sees half a choice.
+std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
+constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 
 AttentionFamily parse_family(const std::string& name) {
@@ -69,17 +71,32 @@ AttentionFamily parse_family(const std::string& name) {
 
 }  // namespace
 
-int64_t sdpa_from_tokens(AttentionFamily family) {
-  return sdpa_from[static_cast<int>(family)].load(std::memory_order_relaxed);
+PrefillAttention prefill_attention(AttentionFamily family, int64_t seq) {
+  const int64_t choice = prefill_attention_choice[static_cast<int>(family)].load(std::memory_order_relaxed);
+  const auto kernel = static_cast<PrefillAttention>(choice & 3);
+  return kernel != PrefillAttention::unit && seq >= (choice >> 2) ? kernel : PrefillAttention::unit;
 }
 
-void set_sdpa_from_tokens(const std::string& family, int64_t tokens) {
-  TORCH_CHECK(tokens == 0 || tokens >= 2, "tilefx tuning: SDPA takes prefill from 2 new tokens on (or 0: never), got ",
-              tokens);
-  sdpa_from[static_cast<int>(parse_family(family))] = tokens;
+void set_prefill_attention(const std::string& family, const std::string& kernel, int64_t from_tokens) {
+  const int which = static_cast<int>(parse_family(family));
+  for (int k = 0; k < 3; ++k) {
+    if (kernel != kAttentionKernels[k]) continue;
+    if (k == 0) {
+      prefill_attention_choice[which] = 0;
+      return;
+    }
+    TORCH_CHECK(from_tokens >= 2 && from_tokens < (int64_t{1} << 40), "tilefx tuning: ", kernel,
+                " takes prefill from 2 new tokens on, got ", from_tokens);
+    prefill_attention_choice[which] = from_tokens << 2 | k;
+    return;
+  }
+  TORCH_CHECK(false, "tilefx tuning: unknown prefill attention kernel '", kernel, "' (unit, sdpa, brgemm)");
 }
 
-int64_t get_sdpa_from_tokens(const std::string& family) { return sdpa_from_tokens(parse_family(family)); }
+std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family) {
+  const int64_t choice = prefill_attention_choice[static_cast<int>(parse_family(family))].load();
+  return {kAttentionKernels[choice & 3], choice >> 2};
+}
 
 bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t rows) {
   if (rows <= kGemvRows) return false;

@@ -24,18 +24,22 @@ WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
 void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes);
 std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format);
 
-// Prefill attention: from how many new tokens on an attention op runs PyTorch's own
-// scaled_dot_product_attention (its flash kernel, GEMMs through oneDNN) instead of the
-// path's attention unit. Which is faster depends on the CPU and the head shapes (the
-// unit's row-at-a-time kernel led on AMD Zen; PyTorch's led on an Intel Xeon 6, see
-// docs/PERFORMANCE.md), so custom_ops/tuning.py times both per model at load and sets
-// this; 0 (the default) keeps the unit at every length. Decode (one new token) always
-// runs the unit.
+// Prefill attention: from how many new tokens on an attention op runs another kernel than the
+// path's attention unit (one query row at a time): PyTorch's own scaled_dot_product_attention
+// (its flash kernel, GEMMs through oneDNN) or tilefx's flash attention over oneDNN brgemm tiles
+// (attention_brgemm.cpp: AMX where the CPU has it). Which is fastest depends on the CPU and the
+// head shapes (the unit led on AMD Zen for Llama's heads, PyTorch's on an Intel Xeon 6, see
+// docs/PERFORMANCE.md), so custom_ops/tuning.py times them per model at load and sets this; the
+// default keeps the unit at every length. Decode (one new token) always runs the unit.
 enum class AttentionFamily : int { extend = 0, mla = 1 };
-int64_t sdpa_from_tokens(AttentionFamily family);
-// `family` "extend" or "mla"; `tokens` 0 (never) or at least 2.
-void set_sdpa_from_tokens(const std::string& family, int64_t tokens);
-int64_t get_sdpa_from_tokens(const std::string& family);
+enum class PrefillAttention : int { unit = 0, sdpa = 1, brgemm = 2 };
+// The kernel an op of `family` runs for `seq` new tokens.
+PrefillAttention prefill_attention(AttentionFamily family, int64_t seq);
+// `family` "extend" or "mla"; `kernel` "unit", "sdpa" or "brgemm"; `from_tokens` at least 2 for
+// sdpa / brgemm (the unit below it), ignored for the unit.
+void set_prefill_attention(const std::string& family, const std::string& kernel, int64_t from_tokens);
+// (kernel, from_tokens); ("unit", 0) when the unit runs every length.
+std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family);
 
 // Prefill linears (more than kGemvRows rows): the unit's GEMM or oneDNN's brgemm
 // (linear_brgemm.cpp), per weight format. By default the path's row of the dispatch table

@@ -13,15 +13,19 @@ from tilefx.custom_ops.attention import attention_reference
 
 
 def _op(op_name, kernel_path):
-    """``(op, context)``: ``extend_attention_sdpa`` is extend_attention with prefill forced onto PyTorch's SDPA
-    (the choice tuning may make; csrc/tuning.h), on every native path."""
+    """``(op, context)``: ``extend_attention_sdpa`` / ``_brgemm`` are extend_attention with prefill forced onto
+    PyTorch's SDPA / the flash attention on brgemm tiles (the choices tuning may make; csrc/tuning.h), on every
+    native path."""
     if op_name == "reference":
         return attention_reference, contextlib.nullcontext()
-    if op_name == "extend_attention_sdpa":
+    if op_name.startswith("extend_attention_"):
         if kernel_path == "reference":
             pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
-        return torch.ops.tilefx.extend_attention, tuning.forced_sdpa("extend", 2)
+        return torch.ops.tilefx.extend_attention, tuning.forced_attention("extend", op_name.rsplit("_", 1)[1])
     return getattr(torch.ops.tilefx, op_name), contextlib.nullcontext()
+
+
+PREFILL_OPS = ("extend_attention", "extend_attention_sdpa", "extend_attention_brgemm")
 
 
 def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=320, left_pad=(), seed=0):
@@ -65,12 +69,13 @@ CASES = [
     (2, 5, 1, 3, 150, (0, 40)),  # group not a multiple of the kernel's head tile
     (1, 8, 8, 1, 300, ()),  # decode, one task per KV head walks several key blocks (online softmax across them)
     (2, 4, 4, 5, 279, (0, 141)),  # extend over several key blocks, padded
+    (1, 2, 1, 150, 20, ()),  # a long prompt onto a prefix: several query tiles and key blocks of the brgemm kernel
 ]
 
 
 @pytest.mark.parametrize(
     "op_name,case",
-    [(op, c) for op in ("extend_attention", "extend_attention_sdpa", "decode_attention", "reference") for c in CASES
+    [(op, c) for op in (*PREFILL_OPS, "decode_attention", "reference") for c in CASES
      if op != "decode_attention" or c[3] == 1],  # decode takes one token
     ids=lambda x: x if isinstance(x, str) else f"b{x[0]}h{x[1]}/{x[2]}s{x[3]}p{x[4]}",
 )
@@ -105,17 +110,18 @@ def test_reads_only_valid_prefix(kernel_path, op_name):
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("op_name", ["extend_attention", "extend_attention_sdpa", "decode_attention", "reference"])
+@pytest.mark.parametrize("op_name", [*PREFILL_OPS, "decode_attention", "reference"])
 def test_mask_with_holes(kernel_path, op_name):
     """Keys masked in the middle of the range (every block has some) weigh nothing; the native kernels do not
-    even read them (NaN rows there), the reference multiplies them by zero weights."""
+    even read them (NaN rows there: the unit skips them, the brgemm kernel packs them as zeros), the reference
+    multiplies them by zero weights."""
     q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 8, 4, 1, 290, seed=1)
     holes = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) < 0.3
     holes[..., 290] = False  # the new token stays visible
     mask = mask & ~holes
     want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     op, context = _op(op_name, kernel_path)
-    if op_name in ("extend_attention", "decode_attention") and kernel_path != "reference":
+    if op_name in ("extend_attention", "extend_attention_brgemm", "decode_attention") and kernel_path != "reference":
         hidden = ~mask[:, 0, 0, :290].unsqueeze(1).expand(-1, 4, -1)
         k_cache[:2, :, :290][hidden] = float("nan")
         v_cache[:2, :, :290][hidden] = float("nan")
@@ -132,24 +138,30 @@ def test_opcheck(kernel_path, op_name):
     torch.library.opcheck(getattr(torch.ops.tilefx, op_name).default, (*args, 0.25))
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "brgemm"])
 @pytest.mark.parametrize("past", [0, 6], ids=["prompt", "extend"])
-def test_sdpa_prefill_from_its_threshold(kernel_path, past):
+def test_prefill_kernel_from_its_threshold(kernel_path, past, kernel):
     """Below the threshold the unit runs, from it SDPA (plain causal from position 0: is_causal; onto a prefix:
-    the mask); both equal the oracle, so the choice tuning makes changes no result."""
+    the mask) or the brgemm kernel; all equal the oracle, so the choice tuning makes changes no result."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
     for seq in (3, 8):
         q, k, v, k_cache, v_cache, positions, mask = _inputs(1, 8, 2, seq, past, seed=seq)
         want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
-        with tuning.forced_sdpa("extend", 5):
+        with tuning.forced_attention("extend", kernel, 5):
             got = torch.ops.tilefx.extend_attention(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+            assert isa.native.get_prefill_attention("extend") == (kernel, 5)
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
-def test_sdpa_threshold_refuses_one_token():
+def test_prefill_attention_choice_refuses_bad_input():
     if isa.native is None:
         pytest.skip("native library not built")
     with pytest.raises(RuntimeError, match="from 2 new tokens"):
-        isa.native.set_sdpa_from_tokens("extend", 1)
+        isa.native.set_prefill_attention("extend", "sdpa", 1)
     with pytest.raises(RuntimeError, match="unknown attention family"):
-        isa.native.set_sdpa_from_tokens("decode", 2)
+        isa.native.set_prefill_attention("decode", "sdpa", 2)
+    with pytest.raises(RuntimeError, match="unknown prefill attention kernel"):
+        isa.native.set_prefill_attention("extend", "flash", 2)
+    with tuning.forced_attention("mla", "unit", 7):
+        assert isa.native.get_prefill_attention("mla") == ("unit", 0)

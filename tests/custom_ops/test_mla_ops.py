@@ -61,20 +61,22 @@ CASES = [
     (2, 5, 1, 30, (0, 7)),  # decode, batch > 1, padded row, heads not a multiple of the head tile
     (1, 4, 9, 0, ()),  # prefill, odd length
     (3, 6, 7, 11, (0, 3, 17)),  # extend onto a prefix; one row sees no key at first
+    (2, 80, 30, 140, (0, 9)),  # more heads than the brgemm kernel's query tile, over two key blocks
 ]
 
 
-@pytest.mark.parametrize("sdpa", [False, True], ids=["unit", "sdpa"])
+@pytest.mark.parametrize("kernel", ["unit", "sdpa", "brgemm"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
-def test_absorbed_mla_equals_unabsorbed(kernel_path, case, sdpa):
-    """``sdpa``: prefill forced onto PyTorch's SDPA (the choice tuning may make; decode keeps the unit)."""
+def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
+    """``kernel``: prefill forced onto PyTorch's SDPA or the flash attention on brgemm tiles (the choices tuning
+    may make; decode keeps the unit)."""
     batch, heads, seq, past, pad = case
-    if sdpa and (kernel_path == "reference" or seq == 1):
-        pytest.skip("SDPA is a native path's choice for prefill")
+    if kernel != "unit" and (kernel_path == "reference" or seq == 1):
+        pytest.skip("the prefill kernel is a native path's choice")
     args, kv_b, nope, v_dim, want = _unabsorbed_oracle(batch, heads, seq, past, pad)
     latent_cache, rope_cache, positions = args[4], args[5], args[6]
     untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
-    with tuning.forced_sdpa("mla", 2) if sdpa else contextlib.nullcontext():
+    with tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext():
         o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
     assert o_latent.shape == args[0].shape and o_latent.is_contiguous()
     w_uv = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)

@@ -110,57 +110,77 @@ def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("shape", [tuning.AttentionShape("extend", 4, 2, 32), tuning.AttentionShape("mla", 4, 1, 64, 32)],
                          ids=["extend", "mla"])
-def test_attention_tuning_times_both_routes_caches_and_reloads(tmp_path, monkeypatch, shape):
-    """Short prompts, one round: the unit and SDPA are both timed at every length, the threshold is one of
-    the length classes' (or 0), set in the native table, saved, and read back by the next call."""
+def test_attention_tuning_times_every_kernel_caches_and_reloads(tmp_path, monkeypatch, shape):
+    """Short prompts, one round: the unit, SDPA and (where it has a compiled kernel) brgemm are all timed at every
+    length, the choice is one of them from one of the length classes (the unit: 0), set in the native table,
+    saved, and read back by the next call."""
     path = isa.current()
     if not tuning.decode_units(path):
         pytest.skip("the reference path has no native attention")
     monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (32, 24)))
     monkeypatch.setattr(tuning, "ATTENTION_ROUNDS", 1)
-    before = isa.native.get_sdpa_from_tokens(shape.family)
+    before = isa.native.get_prefill_attention(shape.family)
     try:
         first = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
-        assert first.how == "tuned" and len(first.unit_ms) == len(first.sdpa_ms) == 2
-        assert all(t > 0 for t in first.unit_ms + first.sdpa_ms)
-        assert first.sdpa_from in (0, 2, 24)
-        assert isa.native.get_sdpa_from_tokens(shape.family) == first.sdpa_from
-        isa.native.set_sdpa_from_tokens(shape.family, 0 if first.sdpa_from else 2)
+        timed = ["unit", "sdpa"] + (["brgemm"] if tuning.brgemm_has_kernel() else [])
+        assert first.how == "tuned" and sorted(first.ms) == sorted(timed)
+        assert all(len(ms) == 2 and all(t > 0 for t in ms) for ms in first.ms.values())
+        assert (first.kernel, first.from_tokens) in {("unit", 0)} | {(k, n) for k in timed[1:] for n in (2, 24)}
+        assert isa.native.get_prefill_attention(shape.family) == (first.kernel, first.from_tokens)
+        isa.native.set_prefill_attention(shape.family, "sdpa" if first.kernel == "unit" else "unit", 2)
         again = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
-        assert again.how == "cached" and again.sdpa_from == first.sdpa_from
-        assert isa.native.get_sdpa_from_tokens(shape.family) == first.sdpa_from
-        assert "prefill attention" in again.line() and "cached" in again.line()
+        assert again.how == "cached" and (again.kernel, again.from_tokens) == (first.kernel, first.from_tokens)
+        assert isa.native.get_prefill_attention(shape.family) == (first.kernel, first.from_tokens)
+        assert "prefill attention" in again.line() and "cached" in again.line() and "unit" in again.line()
         assert tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path, enabled=False).how == "untuned"
         assert tuning.ensure_attention_tuned(None, path=path, cache=tmp_path) is None
     finally:
-        isa.native.set_sdpa_from_tokens(shape.family, before)
+        isa.native.set_prefill_attention(shape.family, *before)
 
 
-def test_attention_threshold_is_the_first_class_sdpa_leads_from(monkeypatch):
-    """SDPA takes prompts from the first length class where it is faster and stays faster at every longer one."""
+@pytest.mark.parametrize("ms,want", [
+    ({"unit": (1, 1, 1), "sdpa": (2, 2, 2), "brgemm": (2, 2, 2)}, ("unit", 0)),  # the unit leads everywhere
+    ({"unit": (2, 2, 2), "sdpa": (1, 1, 1), "brgemm": (3, 3, 3)}, ("sdpa", 2)),
+    ({"unit": (1, 2, 2), "sdpa": (2, 1.5, 1.5), "brgemm": (2, 1, 1)}, ("brgemm", 12)),
+    ({"unit": (2, 1, 2), "sdpa": (1, 2, 1), "brgemm": (3, 3, 3)}, ("sdpa", 24)),  # must lead at every longer class
+    ({"unit": (2, 2, 2), "sdpa": (1, 1, 1.99)}, ("unit", 0)),  # under MIN_GAIN at the longest: the unit
+    ({"unit": (1, 1, 1)}, ("unit", 0)),
+])
+def test_attention_choice_is_the_fastest_from_the_first_class_it_leads(monkeypatch, ms, want):
+    """The kernel fastest at the longest prompt takes prompts from the first length class where it beats the unit
+    and beats it at every longer one."""
+    monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (16, 12), (32, 24)))
+    assert tuning.choose_attention(ms) == want
+
+
+def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
+    """tune_attention times each kernel through the native table it forces (fake calls charge each kernel's ms)."""
     path = isa.current()
     if not tuning.decode_units(path):
         pytest.skip("the reference path has no native attention")
     monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (16, 12), (32, 24)))
     monkeypatch.setattr(tuning, "ATTENTION_ROUNDS", 1)
+    monkeypatch.setattr(tuning, "brgemm_has_kernel", lambda: True)
     shape = tuning.AttentionShape("extend", 2, 1, 16)
-    before = isa.native.get_sdpa_from_tokens("extend")
-    clock = [0.0]  # perf_counter, advanced by the fake calls: each "takes" its row's ms
+    before = isa.native.get_prefill_attention("extend")
+    clock = [0.0]  # perf_counter, advanced by the fake calls: each "takes" its kernel's ms
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
-    for unit_ms, sdpa_ms, want in (((1, 1, 1), (2, 2, 2), 0), ((2, 2, 2), (1, 1, 1), 2),
-                                   ((1, 2, 2), (2, 1, 1), 12), ((2, 1, 2), (1, 2, 1), 24)):
+    ms = {"unit": (1, 2, 2), "sdpa": (2, 1.5, 1.5), "brgemm": (2, 1, 1)}
 
-        def fake_call(shape_, seq, unit_ms=unit_ms, sdpa_ms=sdpa_ms):
-            index = [n for n, _ in tuning.ATTENTION_LENGTHS].index(seq)
+    def fake_call(shape_, seq):
+        index = [n for n, _ in tuning.ATTENTION_LENGTHS].index(seq)
 
-            def call():
-                sdpa = isa.native.get_sdpa_from_tokens("extend") != 0
-                clock[0] += (sdpa_ms if sdpa else unit_ms)[index]
+        def call():
+            clock[0] += ms[isa.native.get_prefill_attention("extend")[0]][index]
 
-            return call
+        return call
 
-        monkeypatch.setattr(tuning, "_prefill_call", fake_call)
-        try:
-            assert tuning.tune_attention(shape, path).sdpa_from == want
-        finally:
-            isa.native.set_sdpa_from_tokens("extend", before)
+    monkeypatch.setattr(tuning, "_prefill_call", fake_call)
+    try:
+        choice = tuning.tune_attention(shape, path)
+        assert (choice.kernel, choice.from_tokens) == ("brgemm", 12)
+        assert choice.ms == {k: tuple(1e3 * t for t in v) for k, v in ms.items()}
+        assert isa.native.get_prefill_attention("extend") == ("brgemm", 12)
+        assert "flash attention on oneDNN brgemm from 12 tokens" in choice.line()
+    finally:
+        isa.native.set_prefill_attention("extend", *before)

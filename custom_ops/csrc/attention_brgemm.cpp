@@ -1,0 +1,217 @@
+// Prefill attention as a flash attention over oneDNN's brgemm tiles (at::native::cpublas::brgemm:
+// AMX where the CPU has it, oneDNN's AVX512-BF16 JIT kernels on other AVX512-BF16 CPUs, a slow
+// reference loop elsewhere, where only the tests force it). The attention unit attends one query
+// row at a time with vector FMAs; here a task takes a tile of query rows (a few positions times
+// every query head of one KV head: GQA and MLA's head folding make them rows of one GEMM over the
+// shared keys) and walks the keys in blocks: scores = Q . K^T as one brgemm, an online softmax on
+// the AVX2 unit (flash_block_softmax_avx2), out += weights . V as another. The keys and values of
+// the valid prefix are first repacked once per call into brgemm's VNNI layout for B, as zeros where
+// no query row may see them (padding, holes: whatever their cache rows hold never reaches a GEMM).
+// Key blocks no row of a tile may see are skipped, as the causal future is.
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "ops.h"
+#include "parallel.h"
+
+namespace tilefx {
+namespace {
+
+constexpr int64_t kKeyBlock = 128;   // keys per tile: N of the score GEMM, K of the value GEMM
+constexpr int64_t kQueryRows = 64;   // query rows per task (fewer positions when a KV head has many query heads)
+
+// What the tasks share: the problem, its packed keys and values per (batch row, KV head).
+struct Packed {
+  const AttentionProblem& p;
+  int64_t end, padded;  // keys [0, end) are valid; `padded` rounds `end` up to a key block
+  int64_t qdim;         // k_dim + rope_dim: a query row and a packed key column
+  std::vector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs
+  std::vector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2]
+
+  const uint32_t* keys_of(int64_t bh) const { return keys.data() + bh * (qdim / 2) * padded; }
+  const uint16_t* values_of(int64_t bh) const { return values.data() + bh * padded * p.v_dim; }
+};
+
+uint32_t pair_at(const uint16_t* row, int64_t pair) {
+  uint32_t word;
+  std::memcpy(&word, row + 2 * pair, sizeof(word));
+  return word;
+}
+
+// Which of keys [t0, t1) any query row of batch row b may see: the others (left padding,
+// holes) are packed as zeros, so whatever their cache rows hold never reaches the GEMMs.
+void visible_keys(const AttentionProblem& p, int64_t b, int64_t seq, int64_t t0, int64_t t1, bool* visible) {
+  std::fill(visible, visible + (t1 - t0), false);
+  for (int64_t s = 0; s < seq; ++s) {
+    const bool* m = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
+    for (int64_t t = t0; t < t1; ++t) visible[t - t0] |= m[t];
+  }
+}
+
+// Keys [t0, t1) of (b, kv_head) into brgemm's B of Q . K^T: column t of pair row i holds
+// dims (2i, 2i + 1) of key t, the key's rope part after its first part; zero past `end` and
+// where `visible` (from t0) is false.
+void pack_keys(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, int64_t t1, const bool* visible) {
+  const AttentionProblem& p = packed.p;
+  const int64_t k_pairs = p.k_dim / 2, pairs = packed.qdim / 2, padded = packed.padded;
+  uint32_t* dst = packed.keys.data() + bh * pairs * padded;
+  for (int64_t t = t0; t < t1; ++t) {
+    if (t >= packed.end || !visible[t - t0]) {
+      for (int64_t i = 0; i < pairs; ++i) dst[i * padded + t] = 0;
+      continue;
+    }
+    const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h + t * p.k_stride_t;
+    for (int64_t i = 0; i < k_pairs; ++i) dst[i * padded + t] = pair_at(k, i);
+    if (p.rope_dim) {
+      const uint16_t* kr = p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h + t * p.kr_stride_t;
+      for (int64_t i = k_pairs; i < pairs; ++i) dst[i * padded + t] = pair_at(kr, i - k_pairs);
+    }
+  }
+}
+
+// Values [t0, t1) (t0 even) of (b, kv_head) into brgemm's B of weights . V: pair row t / 2 holds
+// values t and t + 1 interleaved per column; zero past `end` and where `visible` is false.
+void pack_values(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, int64_t t1, const bool* visible) {
+  const AttentionProblem& p = packed.p;
+  const int64_t v_dim = p.v_dim;
+  uint16_t* dst = packed.values.data() + bh * packed.padded * v_dim;
+  for (int64_t t = t0; t < t1; t += 2) {
+    uint16_t* out = dst + t * v_dim;
+    for (int64_t j = 0; j < 2; ++j) {
+      if (t + j >= packed.end || !visible[t + j - t0]) {
+        for (int64_t c = 0; c < v_dim; ++c) out[2 * c + j] = 0;
+        continue;
+      }
+      const uint16_t* v = p.v_cache + b * p.v_stride_b + h * p.v_stride_h + (t + j) * p.v_stride_t;
+      for (int64_t c = 0; c < v_dim; ++c) out[2 * c + j] = v[c];
+    }
+  }
+}
+
+// Per-thread buffers of one task.
+struct TaskScratch {
+  std::vector<uint16_t> query, weights;
+  std::vector<float> scores, out, max, sum;
+  void fit(int64_t rows, int64_t qdim, int64_t v_dim) {
+    query.resize(rows * qdim);
+    weights.resize(rows * kKeyBlock);
+    scores.resize(rows * kKeyBlock);
+    out.resize(rows * v_dim);
+    max.resize(rows);
+    sum.resize(rows);
+  }
+};
+
+// The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
+// s0 + i of query head kv_head * group + g.
+void attend_tile(const Packed& packed, int64_t b, int64_t h, int64_t s0, int64_t positions, TaskScratch& scratch,
+                 at::BFloat16* y, int64_t seq) {
+  const AttentionProblem& p = packed.p;
+  const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
+  const bool* mask = p.mask + b * p.mask_stride_b + s0 * p.mask_stride_s;
+
+  // The keys any row may see: blocks outside [lo, hi) are skipped.
+  int64_t lo = packed.end, hi = 0;
+  for (int64_t i = 0; i < positions; ++i) {
+    const bool* m = mask + i * p.mask_stride_s;
+    int64_t first = 0, last = packed.end;
+    while (first < last && !m[first]) ++first;
+    while (last > first && !m[last - 1]) --last;
+    if (first < last) {
+      lo = std::min(lo, first);
+      hi = std::max(hi, last);
+    }
+  }
+
+  uint16_t* query = scratch.query.data();
+  for (int64_t i = 0; i < positions; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t head = h * group + g, s = s0 + i;
+      uint16_t* row = query + (i * group + g) * qdim;
+      std::memcpy(row, p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s, p.k_dim * sizeof(uint16_t));
+      if (p.rope_dim) {
+        std::memcpy(row + p.k_dim, p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s,
+                    p.rope_dim * sizeof(uint16_t));
+      }
+    }
+  }
+  float* out = scratch.out.data();
+  float* max = scratch.max.data();
+  float* sum = scratch.sum.data();
+  std::fill(out, out + rows * v_dim, 0.0f);
+  std::fill(max, max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + rows, 0.0f);
+
+  const int64_t bh = b * p.kv_heads + h;
+  const auto* keys = reinterpret_cast<const at::BFloat16*>(packed.keys_of(bh));
+  const auto* values = reinterpret_cast<const at::BFloat16*>(packed.values_of(bh));
+  const auto* q = reinterpret_cast<const at::BFloat16*>(query);
+  const auto* weights = reinterpret_cast<const at::BFloat16*>(scratch.weights.data());
+  for (int64_t c0 = lo / kKeyBlock * kKeyBlock; c0 < hi; c0 += kKeyBlock) {
+    at::native::cpublas::brgemm(rows, kKeyBlock, qdim, qdim, packed.padded, kKeyBlock, /*add_C=*/false, q,
+                                keys + 2 * c0, scratch.scores.data());
+    flash_block_softmax_avx2(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
+                             mask + c0, group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
+    at::native::cpublas::brgemm(rows, v_dim, kKeyBlock, kKeyBlock, v_dim, v_dim, /*add_C=*/true, weights,
+                                values + c0 * v_dim, out);
+  }
+
+  for (int64_t i = 0; i < positions; ++i) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+      at::BFloat16* dst = y + ((b * p.q_heads + h * group + g) * seq + s0 + i) * v_dim;
+      for (int64_t d = 0; d < v_dim; ++d) dst[d] = static_cast<at::BFloat16>(out[r * v_dim + d] * inv);
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor attention_brgemm(const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+                            const at::TensorOptions& options) {
+  TORCH_CHECK(p.k_dim % 16 == 0 && p.rope_dim % 16 == 0 && p.v_dim % 16 == 0,
+              "tilefx brgemm attention: head dims must be multiples of 16");
+  Packed packed{p, end, (end + kKeyBlock - 1) / kKeyBlock * kKeyBlock, p.k_dim + p.rope_dim, {}, {}};
+  const int64_t heads = batch * p.kv_heads, blocks = packed.padded / kKeyBlock;
+  packed.keys.resize(heads * (packed.qdim / 2) * packed.padded);
+  packed.values.resize(heads * packed.padded * p.v_dim);
+  parallel_chunks(heads * blocks, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
+    bool visible[kKeyBlock];
+    for (int64_t u = begin; u < stop; ++u) {
+      const int64_t bh = u / blocks, t0 = (u % blocks) * kKeyBlock, t1 = std::min(t0 + kKeyBlock, end);
+      const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
+      visible_keys(p, b, seq, t0, t1, visible);
+      pack_keys(packed, b, h, bh, t0, t0 + kKeyBlock, visible);
+      pack_values(packed, b, h, bh, t0, t0 + kKeyBlock, visible);
+    }
+  });
+
+  at::Tensor y = at::empty({batch, p.q_heads, seq, p.v_dim}, options);
+  const int64_t group = p.q_heads / p.kv_heads;
+  const int64_t per_task = std::max<int64_t>(1, kQueryRows / group);  // positions per task
+  const int64_t tiles = (seq + per_task - 1) / per_task;
+  // The last positions see the most keys (causal): they go first, so the threads, taking
+  // shrinking chunks as they free up, end together.
+  parallel_chunks(heads * tiles, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
+    thread_local TaskScratch scratch;
+    scratch.fit(per_task * group, packed.qdim, p.v_dim);
+    for (int64_t u = begin; u < stop; ++u) {
+      const int64_t bh = u % heads, tile = tiles - 1 - u / heads;
+      const int64_t s0 = tile * per_task;
+      attend_tile(packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), scratch,
+                  y.data_ptr<at::BFloat16>(), seq);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return y;
+}
+
+}  // namespace tilefx
