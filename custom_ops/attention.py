@@ -1,5 +1,6 @@
 """Attention over the tilefx KV cache: ``tilefx::extend_attention``, ``tilefx::decode_attention``
-and DeepSeek's weight-absorbed ``tilefx::mla_attention`` (at the end of this module).
+and DeepSeek's weight-absorbed ``tilefx::mla_attention`` and ``tilefx::mla_prefill`` (at the end of
+this module).
 
 Both ops write the new keys/values into the cache in place and attend over the
 valid prefix of the cache only. Conventions (DESIGN.md "KV cache and shapes"):
@@ -124,13 +125,14 @@ _MLA_SCHEMA = (
 )
 
 
-def _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask) -> None:
-    batch, heads, seq, rank = q_latent.shape
-    rope_dim = q_rope.shape[-1]
+def _check_mla_shapes(q, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask) -> None:
+    """``q``: the absorbed query ``[B, H, S, R]`` (mla_attention) or its nope part (mla_prefill)."""
+    batch, heads, seq, _ = q.shape
+    rank, rope_dim = latent_cache.shape[-1], q_rope.shape[-1]
     torch._check(q_rope.shape[:3] == (batch, heads, seq), lambda: f"q_rope shape {tuple(q_rope.shape)}")
     torch._check(latent.shape == (batch, 1, seq, rank), lambda: f"latent shape {tuple(latent.shape)}")
     torch._check(k_rope.shape == (batch, 1, seq, rope_dim), lambda: f"k_rope shape {tuple(k_rope.shape)}")
-    torch._check(latent_cache.shape[0] >= batch and latent_cache.shape[1] == 1 and latent_cache.shape[3] == rank,
+    torch._check(latent_cache.shape[0] >= batch and latent_cache.shape[1] == 1,
                  lambda: f"latent_cache shape {tuple(latent_cache.shape)}")
     torch._check(rope_cache.shape[:3] == latent_cache.shape[:3] and rope_cache.shape[3] == rope_dim,
                  lambda: f"rope_cache shape {tuple(rope_cache.shape)}")
@@ -139,9 +141,14 @@ def _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache
     torch._check(mask.shape[-2] == seq and mask.shape[-1] == latent_cache.shape[2], lambda: "mask shape")
 
 
+def _check_absorbed_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask) -> None:
+    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    torch._check(q_latent.shape[-1] == latent_cache.shape[-1], lambda: f"q_latent shape {tuple(q_latent.shape)}")
+
+
 def mla_attention_reference(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
     """The specification: write the latent and rope key, then attention with key [latent | rope], value latent."""
-    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    _check_absorbed_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
     batch = q_latent.shape[0]
     end = _write_kv(latent, k_rope, latent_cache, rope_cache, positions)
     values = latent_cache[:batch, :, :end]
@@ -151,7 +158,7 @@ def mla_attention_reference(q_latent, q_rope, latent, k_rope, latent_cache, rope
 
 def mla_attention_portable(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
     """The portable implementation (reference path): PyTorch's fused SDPA, all heads over the one latent head."""
-    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    _check_absorbed_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
     batch = q_latent.shape[0]
     end = _write_kv(latent, k_rope, latent_cache, rope_cache, positions)
     values = latent_cache[:batch, :, :end]
@@ -170,7 +177,7 @@ def mla_attention_portable(q_latent, q_rope, latent, k_rope, latent_cache, rope_
 
 
 def _mla_fake(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale):
-    _check_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    _check_absorbed_mla_shapes(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
     return q_latent.new_empty(q_latent.shape)
 
 
@@ -181,3 +188,56 @@ for _name in ("mla_attention", "mla_attention_portable"):
     torch.library.register_fake(f"tilefx::{_name}", _mla_fake, lib=_LIB)
 
 mla_attention = torch.ops.tilefx.mla_attention.default
+
+
+# -- MLA prefill -------------------------------------------------------------------------
+# ``tilefx::mla_prefill`` is MLA from the query's nope part to the per-head values, the prefill
+# graphs' form (the MLA pass): the same inputs as mla_attention with ``q_nope`` ``[B, H, S, Dn]``
+# in place of the absorbed query, plus ``kv_b_proj``'s absorbed packs (``w_uk``, ``w_uv``,
+# pack_mla_absorbed_weight) and the weight itself ``[H * (Dn + Dv), R]``; returns ``[B, H, S, Dv]``.
+# The native kernel runs it absorbed (linear_per_head, mla_attention, linear_per_head) or, where
+# the brgemm attention kernel runs MLA prefill and that costs fewer multiply-adds (a prompt over
+# a short prefix), over K/V expanded from the latent: HF's math over the valid prefix only
+# (csrc/attention_ops.cpp expanded_mla_pays).
+_MLA_PREFILL_SCHEMA = (
+    "(Tensor q_nope, Tensor q_rope, Tensor latent, Tensor k_rope, Tensor(a!) latent_cache, "
+    "Tensor(b!) rope_cache, Tensor positions, Tensor mask, float scale, Tensor w_uk, Tensor w_uv, "
+    "Tensor kv_b_proj) -> Tensor"
+)
+
+
+def _check_mla_prefill_shapes(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask,
+                              kv_b_proj) -> int:
+    """The checks of mla_prefill's inputs; returns the value head dim."""
+    _check_mla_shapes(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask)
+    heads, nope = q_nope.shape[1], q_nope.shape[-1]
+    torch._check(kv_b_proj.dim() == 2 and kv_b_proj.shape[1] == latent_cache.shape[-1]
+                 and kv_b_proj.shape[0] % heads == 0 and kv_b_proj.shape[0] // heads > nope,
+                 lambda: f"kv_b_proj {tuple(kv_b_proj.shape)} does not split into {heads} heads of {nope} key rows "
+                 f"and some value rows over a rank-{latent_cache.shape[-1]} latent")
+    return kv_b_proj.shape[0] // heads - nope
+
+
+def mla_prefill_reference(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale, w_uk,
+                          w_uv, kv_b_proj):
+    """The specification, HF's MLA: write the latent and rope key, expand the valid prefix's latent through
+    ``kv_b_proj`` into per-head keys ``[k_nope | rope key]`` and values, attend in fp32. (The packs are not read.)"""
+    v_dim = _check_mla_prefill_shapes(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask,
+                                      kv_b_proj)
+    batch, heads, _, nope = q_nope.shape
+    end = _write_kv(latent, k_rope, latent_cache, rope_cache, positions)
+    kv = torch.nn.functional.linear(latent_cache[:batch, 0, :end].float(), kv_b_proj.float())
+    kv = kv.view(batch, end, heads, nope + v_dim).transpose(1, 2)
+    keys = torch.cat([kv[..., :nope], rope_cache[:batch, :, :end].float().expand(-1, heads, -1, -1)], dim=-1)
+    return _attend(torch.cat([q_nope, q_rope], dim=-1), keys, kv[..., nope:], mask, scale)
+
+
+def _mla_prefill_fake(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale, w_uk, w_uv,
+                      kv_b_proj):
+    v_dim = _check_mla_prefill_shapes(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask,
+                                      kv_b_proj)
+    return q_nope.new_empty(q_nope.shape[:3] + (v_dim,))
+
+
+isa.define_native_op(_LIB, "mla_prefill", _MLA_PREFILL_SCHEMA, mla_prefill_reference, _mla_prefill_fake)
+mla_prefill = torch.ops.tilefx.mla_prefill.default

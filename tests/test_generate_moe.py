@@ -72,6 +72,7 @@ def test_explain_says_what_was_left_alone(pair):
     for phase in compiled.tilefx.report.graphs:  # prefill and decode: every MoE block through tilefx ops
         assert phase.tilefx_ops.get("tilefx.fused_moe") == moe_layers, phase.tilefx_ops
         assert phase.tilefx_ops.get(f"tilefx.{router_op}") == moe_layers, phase.tilefx_ops
-        if mla:
-            assert phase.tilefx_ops.get("tilefx.mla_attention") == layers, phase.tilefx_ops
+        if mla:  # prefill: one op that runs the absorbed steps or the expanded form; decode: the absorbed steps
+            mla_op = "tilefx.mla_prefill" if phase.phase == "prefill" else "tilefx.mla_attention"
+            assert phase.tilefx_ops.get(mla_op) == layers, phase.tilefx_ops
             assert phase.tilefx_ops.get("tilefx.linear_float") == moe_layers, phase.tilefx_ops  # fp32 routers

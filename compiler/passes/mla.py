@@ -22,6 +22,13 @@ for all heads, over the valid prefix only). Nothing is expanded: per token the
 step reads ``kv_b_proj`` once instead of computing it over the whole cache. Both
 halves are packed per head when the graph is compiled (``pack_mla_absorbed_weight``,
 run once and made a graph input by the backend, memoized on the weight).
+
+That is the decode graph's form (one new token). A prefill graph (the prompt length a
+symbol) gets the three steps as one op, ``tilefx.mla_prefill(q_nope, q_pe, ..., w_uk, w_uv,
+W_kvb)``, which runs them as above or, for a prompt over a short prefix where the brgemm
+attention kernel runs MLA prefill, expands the valid prefix's latent through ``W_kvb`` and
+attends per head (HF's math without the padding): with a 4096-token prompt that is a third
+of the absorbed form's multiply-adds (custom_ops/attention.py).
 Preconditions (else the region is left alone and the reason recorded): the expanded
 keys come from a bias-free linear over a cache buffer written by one ``index_copy_``,
 the rope key buffer is written at the same positions, the query is ``cat(q_nope, q_pe)``,
@@ -97,14 +104,20 @@ class MlaPass(TilefxPass):
                     f"{nope} key + {v_dim} value rows over a rank-{rank} latent")
 
         ops = torch.ops.tilefx
+        new_latent, new_rope = latent_write.args[3], rope_write.args[3]
+        decode = not isinstance(q_val.shape[2], torch.SymInt) and q_val.shape[2] == 1
         with graph.inserting_before(sdpa):
             w_uk = run_fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, False)))
             w_uv = run_fake(graph.call_function(ops.pack_mla_absorbed_weight.default, (weight, heads, nope, True)))
-            q_latent = run_fake(graph.call_function(ops.linear_per_head.default, (q_nope, w_uk, rank)))
-            o_latent = run_fake(graph.call_function(ops.mla_attention.default, (
-                q_latent, q_pe, latent_write.args[3], rope_write.args[3], latent_buf, rope_buf, positions, mask,
-                float(scale))))
-            out = graph.call_function(ops.linear_per_head.default, (o_latent, w_uv, v_dim))
+            if decode:
+                q_latent = run_fake(graph.call_function(ops.linear_per_head.default, (q_nope, w_uk, rank)))
+                o_latent = run_fake(graph.call_function(ops.mla_attention.default, (
+                    q_latent, q_pe, new_latent, new_rope, latent_buf, rope_buf, positions, mask, float(scale))))
+                out = graph.call_function(ops.linear_per_head.default, (o_latent, w_uv, v_dim))
+            else:
+                out = graph.call_function(ops.mla_prefill.default, (
+                    q_nope, q_pe, new_latent, new_rope, latent_buf, rope_buf, positions, mask, float(scale), w_uk,
+                    w_uv, weight))
         out.meta.update(sdpa.meta)
         sdpa.replace_all_uses_with(out)
         erase_region(graph, [sdpa, latent_write, rope_write], keep={latent_buf, rope_buf})

@@ -196,6 +196,32 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
   return run_attention(unit, p, batch, seq, end, q.options());
 }
 
+// The checks both MLA ops make of what they write and attend: 4-D bf16 queries (`q`: the
+// absorbed or the nope part), the new tokens' latent and rope key, and the contiguous caches
+// [max_batch, 1, max_len, rank / rope] they fit.
+void check_mla_inputs(const char* op, const at::Tensor& q, const at::Tensor& q_rope, const at::Tensor& latent,
+                      const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache) {
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&q, &q_rope, &latent, &k_rope, &latent_cache, &rope_cache}) {
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4, "tilefx ", op,
+                ": queries, latent, rope key and caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
+                t->sizes());
+  }
+  const int64_t batch = q.size(0), seq = q.size(2), rank = latent_cache.size(3), rope_dim = q_rope.size(3);
+  TORCH_CHECK(latent_cache.is_contiguous() && rope_cache.is_contiguous() &&
+                  latent_cache.sizes().slice(0, 3) == rope_cache.sizes().slice(0, 3) && latent_cache.size(1) == 1 &&
+                  latent_cache.size(0) >= batch && rope_cache.size(3) == rope_dim,
+              "tilefx ", op, ": caches ", latent_cache.sizes(), " / ", rope_cache.sizes(), " do not fit the queries ",
+              q.sizes(), " / ", q_rope.sizes());
+  TORCH_CHECK(q_rope.sizes().slice(0, 3) == q.sizes().slice(0, 3) &&
+                  latent.sizes() == at::IntArrayRef({batch, 1, seq, rank}) &&
+                  k_rope.sizes() == at::IntArrayRef({batch, 1, seq, rope_dim}),
+              "tilefx ", op, ": latent ", latent.sizes(), " / rope key ", k_rope.sizes(), " do not match the queries ",
+              q.sizes());
+  TORCH_CHECK(rank % 16 == 0 && rope_dim % 16 == 0, "tilefx ", op,
+              ": kv_lora_rank and the rope dim must be multiples of 16, got ", rank, ", ", rope_dim);
+}
+
 // Weight-absorbed MLA over the latent cache: key = [latent | rope key], value = the
 // latent, every query head against the one latent "head". Writes the new tokens'
 // latent and rope key first.
@@ -203,27 +229,11 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                                 const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
                                 const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
                                 AttentionUnit unit) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_latent_in, &q_rope_in, &latent, &k_rope,
-                                                                        &latent_cache, &rope_cache}) {
-    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
-                "tilefx mla_attention: queries, latent, rope key and caches must be 4-D bfloat16, got ",
-                t->scalar_type(), " ", t->sizes());
-  }
+  check_mla_inputs("mla_attention", q_latent_in, q_rope_in, latent, k_rope, latent_cache, rope_cache);
   const int64_t batch = q_latent_in.size(0), heads = q_latent_in.size(1), seq = q_latent_in.size(2);
   const int64_t rank = q_latent_in.size(3), rope_dim = q_rope_in.size(3), max_len = latent_cache.size(2);
-  TORCH_CHECK(latent_cache.is_contiguous() && rope_cache.is_contiguous() &&
-                  latent_cache.sizes().slice(0, 3) == rope_cache.sizes().slice(0, 3) && latent_cache.size(1) == 1 &&
-                  latent_cache.size(0) >= batch && latent_cache.size(3) == rank && rope_cache.size(3) == rope_dim,
-              "tilefx mla_attention: caches ", latent_cache.sizes(), " / ", rope_cache.sizes(),
-              " do not fit the queries ", q_latent_in.sizes(), " / ", q_rope_in.sizes());
-  TORCH_CHECK(q_rope_in.sizes().slice(0, 3) == q_latent_in.sizes().slice(0, 3) &&
-                  latent.sizes() == at::IntArrayRef({batch, 1, seq, rank}) &&
-                  k_rope.sizes() == at::IntArrayRef({batch, 1, seq, rope_dim}),
-              "tilefx mla_attention: latent ", latent.sizes(), " / rope key ", k_rope.sizes(),
-              " do not match the queries ", q_latent_in.sizes());
-  TORCH_CHECK(rank % 16 == 0 && rope_dim % 16 == 0,
-              "tilefx mla_attention: kv_lora_rank and the rope dim must be multiples of 16, got ", rank, ", ",
-              rope_dim);
+  TORCH_CHECK(latent_cache.size(3) == rank, "tilefx mla_attention: latent cache ", latent_cache.sizes(),
+              " does not fit the queries ", q_latent_in.sizes());
   const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len,
                                        {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
 
@@ -249,7 +259,91 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
   return run_attention(unit, p, batch, seq, end, q.options());
 }
 
+// Whether MLA prefill should attend over keys and values expanded from the latent (the MHA
+// form: kv_b_proj over the valid prefix, then every head over its own 128 + 64-wide keys and
+// 128-wide values) rather than absorbed (every head over the one 512 + 64-wide latent head,
+// through the per-head projections before and after). Multiply-adds per head: the expanded
+// form pays for the expansion of every key, the absorbed one for the projections of every
+// query row and for wider keys and values in every (query, key) pair the causal mask allows.
+bool expanded_mla_pays(int64_t seq, int64_t end, int64_t rank, int64_t nope, int64_t rope, int64_t v_dim) {
+  const double pairs = static_cast<double>(seq) * (end - seq) + 0.5 * static_cast<double>(seq) * (seq + 1);
+  const double expanded = static_cast<double>(end) * rank * (nope + v_dim) + pairs * (nope + rope + v_dim);
+  const double absorbed = static_cast<double>(seq) * rank * (nope + v_dim) + pairs * (2 * rank + rope);
+  return expanded < absorbed;
+}
+
+// The expanded K/V and their packed copies beyond this many bytes take the absorbed form,
+// which expands nothing.
+constexpr int64_t kExpandedMlaBytes = int64_t{512} << 20;
+
+// MLA prefill in the MHA form (expanded_mla_pays): writes the new tokens' latent and rope key,
+// expands the valid prefix's latent through kv_b_proj (oneDNN's bf16 GEMM) into per-head keys
+// and values, and attends on the brgemm kernel with the one rope key shared by every head.
+at::Tensor mla_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latent,
+                        const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
+                        const at::Tensor& positions, const at::Tensor& mask_in, double scale, const at::Tensor& kv_b,
+                        int64_t end) {
+  const int64_t batch = q_nope.size(0), heads = q_nope.size(1), seq = q_nope.size(2), nope = q_nope.size(3);
+  const int64_t rope_dim = q_rope.size(3), v_dim = kv_b.size(0) / heads - nope, width = nope + v_dim;
+  check_mla_inputs("mla_prefill", q_nope, q_rope, latent, k_rope, latent_cache, rope_cache);
+  write_new_tokens(mask_in, positions, batch, seq, latent_cache.size(2),
+                   {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
+  // [batch, end, heads * (nope + v_dim)]: head h's key at [h * width, + nope), its value after it.
+  const at::Tensor kv = at::linear(latent_cache.slice(0, 0, batch).select(1, 0).slice(1, 0, end), kv_b).contiguous();
+  const at::Tensor q = unit_stride(q_nope), qr = unit_stride(q_rope), mask = unit_stride(mask_in);
+  const uint16_t* k = bf16_bits(kv);
+  const AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
+                           bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
+                           k, end * heads * width, width, heads * width,
+                           bf16_bits(rope_cache), rope_cache.stride(0), /*kr_stride_h=*/0, rope_cache.stride(2),
+                           k + nope, end * heads * width, width, heads * width,
+                           mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                           heads, /*kv_heads=*/heads, nope, rope_dim, v_dim, static_cast<float>(scale)};
+  return attention_brgemm(p, batch, seq, end, q.options());
+}
+
 }  // namespace
+
+at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latent,
+                           const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
+                           const at::Tensor& positions, const at::Tensor& mask, double scale, const at::Tensor& w_uk,
+                           const at::Tensor& w_uv, const at::Tensor& kv_b) {
+  const KernelUnits units = current_units();
+  if (!units.native) {
+    static const auto portable =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("tilefx::mla_prefill_portable", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                              const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return portable.call(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale, w_uk, w_uv,
+                         kv_b);
+  }
+  TORCH_CHECK(q_nope.dim() == 4 && kv_b.dim() == 2 && kv_b.size(0) % q_nope.size(1) == 0 &&
+                  kv_b.size(0) / q_nope.size(1) > q_nope.size(3) && latent_cache.dim() == 4 &&
+                  kv_b.size(1) == latent_cache.size(3),
+              "tilefx mla_prefill: kv_b_proj ", kv_b.sizes(), " does not split into ", q_nope.size(1),
+              " heads of ", q_nope.size(-1), " key rows and some value rows over the latent ", latent_cache.sizes());
+  const int64_t batch = q_nope.size(0), heads = q_nope.size(1), seq = q_nope.size(2), nope = q_nope.size(3);
+  const int64_t rank = latent_cache.size(3), rope_dim = q_rope.size(-1), v_dim = kv_b.size(0) / heads - nope;
+  TORCH_CHECK(positions.numel() == seq && seq > 0, "tilefx mla_prefill: one position per new token");
+  const int64_t end = positions.reshape({-1})[seq - 1].item<int64_t>() + 1;
+  const bool bf16 = q_nope.scalar_type() == at::kBFloat16 && q_rope.scalar_type() == at::kBFloat16 &&
+                    latent.scalar_type() == at::kBFloat16 && k_rope.scalar_type() == at::kBFloat16 &&
+                    latent_cache.scalar_type() == at::kBFloat16 && rope_cache.scalar_type() == at::kBFloat16 &&
+                    kv_b.scalar_type() == at::kBFloat16;
+  const int64_t expanded_bytes = 2 * 2 * batch * heads * (end + 128) * (nope + rope_dim + v_dim);
+  if (bf16 && nope % 16 == 0 && rope_dim % 16 == 0 && v_dim % 16 == 0 && end <= latent_cache.size(2) &&
+      prefill_attention(AttentionFamily::mla, seq) == PrefillAttention::brgemm &&
+      expanded_mla_pays(seq, end, rank, nope, rope_dim, v_dim) && expanded_bytes <= kExpandedMlaBytes) {
+    return mla_expanded(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale,
+                        kv_b.contiguous(), end);
+  }
+  const at::Tensor q_latent = linear_per_head_cpu(q_nope, w_uk, rank);
+  const at::Tensor o_latent =
+      mla_attention_cpu(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale);
+  return linear_per_head_cpu(o_latent, w_uv, v_dim);
+}
 
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& positions, const at::Tensor& mask,

@@ -73,6 +73,13 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
                              const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
                              const at::Tensor& positions, const at::Tensor& mask, double scale);
+// tilefx::mla_prefill: MLA from q_nope to the per-head values, absorbed (linear_per_head,
+// mla_attention, linear_per_head) or, where the brgemm attention kernel runs MLA prefill and
+// that costs fewer multiply-adds, over K/V expanded from the latent (attention_ops.cpp).
+at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latent,
+                           const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
+                           const at::Tensor& positions, const at::Tensor& mask, double scale, const at::Tensor& w_uk,
+                           const at::Tensor& w_uv, const at::Tensor& kv_b);
 
 // memory.cpp, called from Python through the module.
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);

@@ -1,5 +1,6 @@
 """The MLA pass on captured graphs: every DeepSeek attention becomes one weight-absorbed
-tilefx.mla_attention between two tilefx.linear_per_head; nothing expands the cache; outputs equal eager."""
+tilefx.mla_attention between two tilefx.linear_per_head (decode) or one tilefx.mla_prefill (prefill);
+nothing expands the whole cache; outputs equal eager."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import tilefx.custom_ops  # noqa: F401
 from helpers import PassTestBackend, count, is_index_copy, is_op, is_sdpa, run
 from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.mla import MlaPass
+from tilefx.custom_ops import isa, tuning
 from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
@@ -43,12 +45,33 @@ def test_every_latent_attention_is_absorbed(family, batch, seq):
     assert attention.rewritten == 0 and mla.rewritten == layers and not mla.fallbacks
     assert count(after, is_sdpa) == 0
     assert count(after, is_index_copy) == 0  # the op writes the latent and rope key itself
-    assert count(after, is_op("mla_attention")) == layers
-    assert count(after, is_op("linear_per_head")) == 2 * layers  # q_nope -> latent, latent -> v
+    if seq == 1:  # decode: the absorbed steps as three ops
+        assert count(after, is_op("mla_attention")) == layers and count(after, is_op("mla_prefill")) == 0
+        assert count(after, is_op("linear_per_head")) == 2 * layers  # q_nope -> latent, latent -> v
+    else:  # prefill: one op that runs them or the expanded form
+        assert count(after, is_op("mla_prefill")) == layers and count(after, is_op("mla_attention")) == 0
+        assert count(after, is_op("linear_per_head")) == 0
     assert count(after, is_op("pack_mla_absorbed_weight")) == 2 * layers
     # kv_b_proj no longer runs as a linear over the cache: one linear fewer per layer
     assert count(after, is_linear) == count(before, is_linear) - layers
     assert count(after, lambda n: n.op == "call_method" and n.target in ("copy_", "new_empty")) == 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["tiny-deepseek-v2", "tiny-deepseek-v3"])
+def test_prefill_on_the_brgemm_kernel_equals_eager(family):
+    """With the brgemm kernel running MLA prefill, a prompt takes mla_prefill's expanded form (kv_b_proj over the
+    valid prefix, every head over its own keys): the logits still equal eager's."""
+    if isa.current() == "reference":
+        pytest.skip("the forms are the native kernel's")
+    torch._dynamo.reset()
+    model = build_model(family, seed=3)
+    ids = torch.randint(3, 500, (2, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+    with tuning.forced_attention("mla", "brgemm"):
+        got, backend, _ = _logits_with_passes(model, ids, AttentionPass(), MlaPass())
+    assert count(backend.after[0], is_op("mla_prefill")) == model.config.num_hidden_layers
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 

@@ -51,7 +51,7 @@ def _unabsorbed_oracle(batch, heads, seq, past, left_pad, nope=48, v_dim=40, see
     query = torch.cat([q_nope.float(), q_rope.float()], dim=-1)
     want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask[:batch], scale=0.1)
     args[0] = torch.matmul(q_nope.float(), w[:, :nope]).to(torch.bfloat16)  # absorbed query
-    return args, kv_b, nope, v_dim, want.nan_to_num(0.0)
+    return args, kv_b, nope, v_dim, want.nan_to_num(0.0), q_nope
 
 
 CASES = [
@@ -73,7 +73,7 @@ def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
     batch, heads, seq, past, pad = case
     if kernel != "unit" and (kernel_path == "reference" or seq == 1):
         pytest.skip("the prefill kernel is a native path's choice")
-    args, kv_b, nope, v_dim, want = _unabsorbed_oracle(batch, heads, seq, past, pad)
+    args, kv_b, nope, v_dim, want, _ = _unabsorbed_oracle(batch, heads, seq, past, pad)
     latent_cache, rope_cache, positions = args[4], args[5], args[6]
     untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
     with tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext():
@@ -90,6 +90,78 @@ def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
     assert torch.equal(rope_cache[:batch, :, positions], args[3])
     assert torch.equal(latent_cache[batch:], untouched[0])
     assert torch.equal(latent_cache[:, :, past + seq:], untouched[1])
+
+
+PREFILL_CASES = [
+    # batch, heads, seq, past, left_pad
+    (1, 4, 9, 0, ()),  # a prompt: expanded where the brgemm kernel runs MLA prefill
+    (2, 6, 20, 0, (0, 5)),  # a padded prompt
+    (3, 6, 7, 11, (0, 3, 17)),  # extend onto a prefix; one row sees no key at first
+    (1, 20, 3, 150, ()),  # a few tokens over a long prefix: absorbed (expanding 153 keys costs more)
+]
+
+
+def _mla_prefill_call(case, nope=32, v_dim=32):
+    """``(call, want, args, kv_b, w_uk, w_uv)``: tilefx.mla_prefill on the oracle's inputs (the query's nope part,
+    kv_b_proj and its absorbed packs); ``call(w_uk, w_uv, kv_b)`` runs it with the given weights."""
+    batch, heads, seq, past, pad = case
+    args, kv_b, nope, v_dim, want, q_nope = _unabsorbed_oracle(batch, heads, seq, past, pad, nope=nope, v_dim=v_dim)
+    w_uk = weights.pack_mla_absorbed_weight(kv_b, heads, nope, False)
+    w_uv = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)
+
+    def call(w_uk=w_uk, w_uv=w_uv, kv_b=kv_b):
+        return torch.ops.tilefx.mla_prefill(q_nope, *args[1:8], 0.1, w_uk, w_uv, kv_b)
+
+    return call, want, args, kv_b, w_uk, w_uv
+
+
+@pytest.mark.parametrize("kernel", ["unit", "brgemm"])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
+def test_mla_prefill_equals_unabsorbed(kernel_path, case, kernel):
+    """The prefill graphs' op, absorbed (the unit) or expanded / absorbed by the multiply-adds (brgemm), equals HF's
+    unabsorbed math; the new latent and rope key are written in place."""
+    if kernel != "unit" and kernel_path == "reference":
+        pytest.skip("the prefill kernel is a native path's choice")
+    batch, heads, seq, past, _ = case
+    call, want, args, _, _, _ = _mla_prefill_call(case)
+    with tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext():
+        got = call()
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert err[rows].max() < 1e-2
+    assert torch.all(got[~rows] == 0)
+    assert torch.equal(args[4][:batch, :, args[6]], args[2]) and torch.equal(args[5][:batch, :, args[6]], args[3])
+
+
+def test_mla_prefill_expands_a_prompt_and_absorbs_a_short_extend(kernel_path):
+    """Which form ran, seen by what it reads: a prompt on the brgemm kernel reads kv_b_proj and not the absorbed
+    packs (NaN there changes nothing); a few tokens over a long prefix read the packs and not kv_b_proj."""
+    if kernel_path == "reference":
+        pytest.skip("the forms are the native kernel's")
+    with tuning.forced_attention("mla", "brgemm"):
+        for case, expanded in ((PREFILL_CASES[0], True), (PREFILL_CASES[3], False)):
+            call, want, args, kv_b, w_uk, w_uv = _mla_prefill_call(case)
+            nan = float("nan")
+            if expanded:
+                got = call(w_uk=torch.full_like(w_uk, nan), w_uv=torch.full_like(w_uv, nan))
+            else:
+                got = call(kv_b=torch.full_like(kv_b, nan))
+            err = (got.float() - want).norm() / want.norm()
+            assert err < 1e-2, (case, expanded)
+
+
+def test_mla_prefill_checks_kv_b_proj(kernel_path):
+    call, _, _, kv_b, _, _ = _mla_prefill_call(PREFILL_CASES[0])
+    with pytest.raises(RuntimeError, match="does not split into"):
+        call(kv_b=kv_b[:-3])
+
+
+def test_mla_prefill_opcheck(kernel_path):
+    batch, heads, seq, past, pad = PREFILL_CASES[1]
+    args, kv_b, nope, _, _, q_nope = _unabsorbed_oracle(batch, heads, seq, past, pad, nope=32, v_dim=32)
+    packs = [weights.pack_mla_absorbed_weight(kv_b, heads, nope, value) for value in (False, True)]
+    torch.library.opcheck(torch.ops.tilefx.mla_prefill.default, (q_nope, *args[1:8], 0.1, *packs, kv_b))
 
 
 @pytest.mark.parametrize("case", CASES[:3] + CASES[4:], ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
