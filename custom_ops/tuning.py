@@ -311,7 +311,8 @@ class AttentionChoice:
         what = f"prefill attention ({self.shape.describe()}): {what}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
-        timed = "; ".join(f"{n} tokens " + ", ".join(f"{kernel} {ms[i]:.1f} ms" for kernel, ms in self.ms.items())
+        kernels = [k for k in ATTENTION_KERNELS if k in self.ms]
+        timed = "; ".join(f"{n} tokens " + ", ".join(f"{k} {self.ms[k][i]:.1f} ms" for k in kernels)
                           for i, (n, _) in enumerate(ATTENTION_LENGTHS))
         return f"{what} ({self.how}: {timed}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 

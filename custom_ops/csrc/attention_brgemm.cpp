@@ -4,9 +4,10 @@
 // row at a time with vector FMAs; here a task takes a tile of query rows (a few positions times
 // every query head of one KV head: GQA and MLA's head folding make them rows of one GEMM over the
 // shared keys) and walks the keys in blocks: scores = Q . K^T as one brgemm, an online softmax on
-// the AVX2 unit (flash_block_softmax_avx2), out += weights . V as another. The keys and values of
-// the valid prefix are first repacked once per call into brgemm's VNNI layout for B, as zeros where
-// no query row may see them (padding, holes: whatever their cache rows hold never reaches a GEMM).
+// the path's linear unit (UnitEpilogue::flash_softmax: AVX2 or AVX512), out += weights . V as
+// another. The keys and values of the valid prefix are first repacked once per call into brgemm's
+// VNNI layout for B, as zeros where no query row may see them (padding, holes: whatever their
+// cache rows hold never reaches a GEMM).
 // Key blocks no row of a tile may see are skipped, as the causal future is.
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -111,8 +112,8 @@ struct TaskScratch {
 
 // The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
 // s0 + i of query head kv_head * group + g.
-void attend_tile(const Packed& packed, int64_t b, int64_t h, int64_t s0, int64_t positions, TaskScratch& scratch,
-                 at::BFloat16* y, int64_t seq) {
+void attend_tile(const UnitEpilogue& unit, const Packed& packed, int64_t b, int64_t h, int64_t s0,
+                 int64_t positions, TaskScratch& scratch, at::BFloat16* y, int64_t seq) {
   const AttentionProblem& p = packed.p;
   const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
   const bool* mask = p.mask + b * p.mask_stride_b + s0 * p.mask_stride_s;
@@ -157,7 +158,7 @@ void attend_tile(const Packed& packed, int64_t b, int64_t h, int64_t s0, int64_t
   for (int64_t c0 = lo / kKeyBlock * kKeyBlock; c0 < hi; c0 += kKeyBlock) {
     at::native::cpublas::brgemm(rows, kKeyBlock, qdim, qdim, packed.padded, kKeyBlock, /*add_C=*/false, q,
                                 keys + 2 * c0, scratch.scores.data());
-    flash_block_softmax_avx2(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
+    unit.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
                              mask + c0, group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
     at::native::cpublas::brgemm(rows, v_dim, kKeyBlock, kKeyBlock, v_dim, v_dim, /*add_C=*/true, weights,
                                 values + c0 * v_dim, out);
@@ -175,8 +176,9 @@ void attend_tile(const Packed& packed, int64_t b, int64_t h, int64_t s0, int64_t
 
 }  // namespace
 
-at::Tensor attention_brgemm(const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
                             const at::TensorOptions& options) {
+  const UnitEpilogue& epilogue = epilogue_of(unit);
   TORCH_CHECK(p.k_dim % 16 == 0 && p.rope_dim % 16 == 0 && p.v_dim % 16 == 0,
               "tilefx brgemm attention: head dims must be multiples of 16");
   Packed packed{p, end, (end + kKeyBlock - 1) / kKeyBlock * kKeyBlock, p.k_dim + p.rope_dim, {}, {}};
@@ -206,7 +208,7 @@ at::Tensor attention_brgemm(const AttentionProblem& p, int64_t batch, int64_t se
     for (int64_t u = begin; u < stop; ++u) {
       const int64_t bh = u % heads, tile = tiles - 1 - u / heads;
       const int64_t s0 = tile * per_task;
-      attend_tile(packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), scratch,
+      attend_tile(epilogue, packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), scratch,
                   y.data_ptr<at::BFloat16>(), seq);
     }
     at::native::cpublas::brgemm_release();

@@ -160,7 +160,7 @@ at::Tensor attention_sdpa(const at::Tensor& q, const at::Tensor& keys, const at:
 
 at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
                             at::Tensor v_cache, const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
-                            AttentionUnit unit) {
+                            const KernelUnits& units) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q_in, &k, &v, &k_cache, &v_cache}) {
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 4,
                 "tilefx attention: q, k, v and the caches must be 4-D bfloat16, got ", t->scalar_type(), " ",
@@ -192,8 +192,8 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
                            bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
-  if (kernel == PrefillAttention::brgemm) return attention_brgemm(p, batch, seq, end, q.options());
-  return run_attention(unit, p, batch, seq, end, q.options());
+  if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
+  return run_attention(units.attention, p, batch, seq, end, q.options());
 }
 
 // The checks both MLA ops make of what they write and attend: 4-D bf16 queries (`q`: the
@@ -228,7 +228,7 @@ void check_mla_inputs(const char* op, const at::Tensor& q, const at::Tensor& q_r
 at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor& q_rope_in, const at::Tensor& latent,
                                 const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
                                 const at::Tensor& positions_in, const at::Tensor& mask_in, double scale,
-                                AttentionUnit unit) {
+                                const KernelUnits& units) {
   check_mla_inputs("mla_attention", q_latent_in, q_rope_in, latent, k_rope, latent_cache, rope_cache);
   const int64_t batch = q_latent_in.size(0), heads = q_latent_in.size(1), seq = q_latent_in.size(2);
   const int64_t rank = q_latent_in.size(3), rope_dim = q_rope_in.size(3), max_len = latent_cache.size(2);
@@ -250,13 +250,15 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
   }
   const AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
                            bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
-                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1),
+                           latent_cache.stride(2),
                            bf16_bits(rope_cache), rope_cache.stride(0), rope_cache.stride(1), rope_cache.stride(2),
-                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1), latent_cache.stride(2),
+                           bf16_bits(latent_cache), latent_cache.stride(0), latent_cache.stride(1),
+                           latent_cache.stride(2),
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
-  if (kernel == PrefillAttention::brgemm) return attention_brgemm(p, batch, seq, end, q.options());
-  return run_attention(unit, p, batch, seq, end, q.options());
+  if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
+  return run_attention(units.attention, p, batch, seq, end, q.options());
 }
 
 // Whether MLA prefill should attend over keys and values expanded from the latent (the MHA
@@ -282,7 +284,7 @@ constexpr int64_t kExpandedMlaBytes = int64_t{512} << 20;
 at::Tensor mla_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latent,
                         const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
                         const at::Tensor& positions, const at::Tensor& mask_in, double scale, const at::Tensor& kv_b,
-                        int64_t end) {
+                        int64_t end, LinearUnit unit) {
   const int64_t batch = q_nope.size(0), heads = q_nope.size(1), seq = q_nope.size(2), nope = q_nope.size(3);
   const int64_t rope_dim = q_rope.size(3), v_dim = kv_b.size(0) / heads - nope, width = nope + v_dim;
   check_mla_inputs("mla_prefill", q_nope, q_rope, latent, k_rope, latent_cache, rope_cache);
@@ -299,7 +301,7 @@ at::Tensor mla_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope, cons
                            k + nope, end * heads * width, width, heads * width,
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            heads, /*kv_heads=*/heads, nope, rope_dim, v_dim, static_cast<float>(scale)};
-  return attention_brgemm(p, batch, seq, end, q.options());
+  return attention_brgemm(unit, p, batch, seq, end, q.options());
 }
 
 }  // namespace
@@ -337,7 +339,7 @@ at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, c
       prefill_attention(AttentionFamily::mla, seq) == PrefillAttention::brgemm &&
       expanded_mla_pays(seq, end, rank, nope, rope_dim, v_dim) && expanded_bytes <= kExpandedMlaBytes) {
     return mla_expanded(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale,
-                        kv_b.contiguous(), end);
+                        kv_b.contiguous(), end, units.linear);
   }
   const at::Tensor q_latent = linear_per_head_cpu(q_nope, w_uk, rank);
   const at::Tensor o_latent =
@@ -352,7 +354,7 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
   if (units.native && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 && q.dim() == 4 &&
       q.size(3) % 16 == 0) {
     return attention_native(q, k.to(at::kBFloat16), v.to(at::kBFloat16), k_cache, v_cache, positions, mask, scale,
-                            units.attention);
+                            units);
   }
   static const auto portable =
       c10::Dispatcher::singleton()
@@ -370,7 +372,7 @@ at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
       q_latent.dim() == 4 && q_latent.size(3) % 16 == 0 && q_rope.dim() == 4 && q_rope.size(3) % 16 == 0) {
     return mla_attention_native(q_latent, q_rope.to(at::kBFloat16), latent.to(at::kBFloat16),
                                 k_rope.to(at::kBFloat16), latent_cache, rope_cache, positions, mask, scale,
-                                units.attention);
+                                units);
   }
   static const auto portable =
       c10::Dispatcher::singleton()

@@ -167,11 +167,16 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 
 // What oneDNN's brgemm GEMM (linear_brgemm.cpp) borrows from a unit: a quantized block as bf16
 // in the packed order (the unit's GEMM panel: fp8 scaled, int8 not), and the stores of fp32
-// result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul).
+// result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul); and
+// what the flash attention on brgemm tiles (attention_brgemm.cpp) borrows: the online softmax
+// of one key block (flash_block_softmax_avx2's contract, `ld` a multiple of 16).
 struct UnitEpilogue {
   void (*dequantize[kWeightFormats])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
   void (*store)(const LinearProblem& p, int64_t col0, const float* c);
   void (*store_silu_mul)(const LinearProblem& p, int64_t col0, const float* gate, const float* up);
+  void (*flash_softmax)(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
+                        int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
+                        int64_t v_dim);
 };
 const UnitEpilogue& unit_epilogue_avx2();
 const UnitEpilogue& unit_epilogue_avx512();
@@ -249,11 +254,12 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
 // One key block of the flash attention over brgemm tiles (attention_brgemm.cpp), for `rows`
 // query rows whose raw scores q.k are at `scores` (row stride `ld`): row r's mask row (its
 // allowed keys from the block's first) is `mask + (r / group) * mask_stride`, keys at or past
-// `keys` are masked too (`ld`, `v_dim` multiples of 8; `keys` <= `ld`). Turns the scores into bf16 weights exp(scale * score - max') at
-// `weights` (row stride `ld`, 0 where masked, through column `ld`), adds the rounded weights to
-// `sum` after scaling it by exp(max - max'), and scales each row's accumulated output (`v_dim`
-// floats at `out`) by the same factor; `max` / `sum` are per row. A row with no allowed key
-// yet keeps max -inf and weights 0. On the AVX2 unit: every native path has it.
+// `keys` are masked too (`ld`, `v_dim` multiples of 8; `keys` <= `ld`). Turns the scores into
+// bf16 weights exp(scale * score - max') at `weights` (row stride `ld`, 0 where masked, through
+// column `ld`), adds the rounded weights to `sum` after scaling it by exp(max - max'), and
+// scales each row's accumulated output (`v_dim` floats at `out`) by the same factor; `max` /
+// `sum` are per row. A row with no allowed key yet keeps max -inf and weights 0. The AVX2
+// unit's; each unit's is its UnitEpilogue::flash_softmax.
 void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask,
                               int64_t group, int64_t mask_stride, float scale, float* max, float* sum,
                               uint16_t* weights, float* out, int64_t v_dim);

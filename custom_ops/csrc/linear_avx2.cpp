@@ -536,7 +536,8 @@ const UnitEpilogue& unit_epilogue_avx2() {
   static const UnitEpilogue epilogue{
       {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
-      store_block_silu_mul};
+      store_block_silu_mul,
+      flash_block_softmax_avx2};
   return epilogue;
 }
 

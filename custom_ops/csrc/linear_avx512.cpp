@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #ifdef TILEFX_AVX512_EMULATED
 #define SIMDE_ENABLE_NATIVE_ALIASES
@@ -759,6 +760,70 @@ void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64
   quantize_x_groups(x, rows, ldx, bytes, scales, sums, row_absmax, round);
 }
 
+namespace {
+
+// One key block of the flash attention on brgemm tiles, 16 keys a vector: the contract of
+// flash_block_softmax_avx2 (kernels.h), with `ld` a multiple of 16.
+void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
+                   int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
+                   int64_t v_dim) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * ld;
+    uint16_t* w = weights + r * ld;
+    const bool* m = mask + (r / group) * mask_stride;
+    __m512 vmax = vneg_inf;
+    for (int64_t t = 0; t < keys; t += 16) {
+      __m128i bytes;  // the mask bytes of keys [t, t + 16), 0 past `keys` (the row may end there)
+      if (keys - t >= 16) {
+        bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + t));
+      } else {
+        alignas(16) bool tail[16] = {};
+        std::copy(m + t, m + keys, tail);
+        bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      }
+      const __m512i words = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(bytes));
+      const __mmask16 allowed = _mm512_test_epi32_mask(words, words);
+      const __m512 x = _mm512_mask_mul_ps(vneg_inf, allowed, _mm512_loadu_ps(s + t), vscale);
+      _mm512_storeu_ps(s + t, x);
+      vmax = _mm512_max_ps(vmax, x);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, vmax);
+    const float old_max = max[r], new_max = std::max(old_max, *std::max_element(lanes, lanes + 16));
+    if (new_max == neg_inf) {  // nothing allowed so far: weights 0, the row's output stays 0
+      std::fill(w, w + ld, uint16_t{0});
+      continue;
+    }
+    const __m512 vref = _mm512_set1_ps(new_max);
+    __m512 vsum = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t < keys; t += 16) {
+      const __m512 x = _mm512_loadu_ps(s + t);
+      // exp512 clamps -inf to ~1e-38: masked keys must weigh exactly 0.
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ),
+                                           exp512(_mm512_sub_ps(x, vref)));
+      store_bf16x16(w + t, e);
+      vsum = _mm512_add_ps(vsum, load_bf16x16(w + t));  // the sum of what the GEMM multiplies
+    }
+    std::fill(w + t, w + ld, uint16_t{0});
+    const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+    _mm512_store_ps(lanes, vsum);
+    float block_sum = 0.0f;
+    for (const float lane : lanes) block_sum += lane;
+    sum[r] = sum[r] * alpha + block_sum;
+    max[r] = new_max;
+    if (alpha != 1.0f) {
+      float* o = out + r * v_dim;
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int64_t d = 0; d < v_dim; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), va));
+    }
+  }
+}
+
+}  // namespace
+
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
                                         float* scratch) {
   walk<Avx512Unit>(p, block_begin, block_end, scratch);
@@ -768,7 +833,8 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
   static const UnitEpilogue epilogue{
       {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
-      store_block_silu_mul};
+      store_block_silu_mul,
+      flash_softmax};
   return epilogue;
 }
 

@@ -26,19 +26,6 @@ namespace {
 constexpr int64_t kBrgemmRows = 64;
 constexpr int64_t kBrgemmPairs = 1024;
 
-const UnitEpilogue& epilogue_of(LinearUnit unit) {
-  switch (unit) {
-    case LinearUnit::avx2: return unit_epilogue_avx2();
-    case LinearUnit::avx512: return unit_epilogue_avx512();
-    case LinearUnit::avx512_emulated:
-#ifdef TILEFX_AVX512_EMULATION
-      return unit_epilogue_avx512_emulated();
-#endif
-      break;  // unreachable: set_path refuses the emulated path in builds without it
-  }
-  TORCH_CHECK(false, "tilefx brgemm: no epilogue for unit ", unit_name(unit));
-}
-
 // `p` restricted to its rows [row, row + rows): what the epilogue writes.
 LinearProblem row_tile(const LinearProblem& p, int64_t row, int64_t rows) {
   LinearProblem tile = p;
@@ -51,6 +38,19 @@ LinearProblem row_tile(const LinearProblem& p, int64_t row, int64_t rows) {
 }  // namespace
 
 bool amx_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+const UnitEpilogue& epilogue_of(LinearUnit unit) {
+  switch (unit) {
+    case LinearUnit::avx2: return unit_epilogue_avx2();
+    case LinearUnit::avx512: return unit_epilogue_avx512();
+    case LinearUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return unit_epilogue_avx512_emulated();
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+  }
+  TORCH_CHECK(false, "tilefx brgemm: no epilogue for unit ", unit_name(unit));
+}
 
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
   const int64_t tile = std::min(p.M, kBrgemmRows);

@@ -30,6 +30,8 @@ void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::option
 // [begin, end) as linear_blocks takes them (blocks, or gate/up pairs with silu_mul); x in
 // bf16 pairs; the results leave through `unit`'s epilogue. `scratch`: brgemm_scratch_floats(p).
 bool amx_available();
+// What the brgemm kernels borrow from `unit` (kernels.h UnitEpilogue).
+const UnitEpilogue& epilogue_of(LinearUnit unit);
 int64_t brgemm_scratch_floats(const LinearProblem& p);
 void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch);
 
@@ -62,8 +64,9 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_log
                                                     c10::string_view scoring_func, bool renormalize,
                                                     double routed_scaling_factor);
 // attention_brgemm.cpp: prefill attention of `p` over keys [0, end) as a flash attention over
-// oneDNN brgemm tiles; [batch, q_heads, seq, v_dim] bf16, rows that may attend no key zero.
-at::Tensor attention_brgemm(const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
+// oneDNN brgemm tiles, the online softmax on `unit` (the path's linear unit); [batch, q_heads,
+// seq, v_dim] bf16, rows that may attend no key zero.
+at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
                             const at::TensorOptions& options);
 
 // attention_ops.cpp (decode_attention and extend_attention share attention_cpu)
