@@ -274,34 +274,47 @@ bool expanded_mla_pays(int64_t seq, int64_t end, int64_t rank, int64_t nope, int
   return expanded < absorbed;
 }
 
-// The expanded K/V and their packed copies beyond this many bytes take the absorbed form,
-// which expands nothing.
-constexpr int64_t kExpandedMlaBytes = int64_t{512} << 20;
+// The expanded form holds each head's keys and values twice (expanded, then packed for brgemm):
+// it runs over chunks of heads that hold at most mla_expand_budget() bytes at once (tuning.h),
+// and takes the absorbed form, which expands nothing, where one head alone holds more.
+int64_t expanded_head_bytes(int64_t batch, int64_t end, int64_t nope, int64_t rope, int64_t v_dim) {
+  return 2 * 2 * batch * (end + 128) * (nope + rope + v_dim);
+}
 
 // MLA prefill in the MHA form (expanded_mla_pays): writes the new tokens' latent and rope key,
-// expands the valid prefix's latent through kv_b_proj (oneDNN's bf16 GEMM) into per-head keys
-// and values, and attends on the brgemm kernel with the one rope key shared by every head.
+// then per chunk of `chunk` heads expands the valid prefix's latent through their rows of
+// kv_b_proj (oneDNN's bf16 GEMM) into per-head keys and values and attends on the brgemm kernel
+// (its softmax on `unit`) with the one rope key shared by every head.
 at::Tensor mla_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latent,
                         const at::Tensor& k_rope, at::Tensor latent_cache, at::Tensor rope_cache,
                         const at::Tensor& positions, const at::Tensor& mask_in, double scale, const at::Tensor& kv_b,
-                        int64_t end, LinearUnit unit) {
+                        int64_t end, int64_t chunk, LinearUnit unit) {
   const int64_t batch = q_nope.size(0), heads = q_nope.size(1), seq = q_nope.size(2), nope = q_nope.size(3);
   const int64_t rope_dim = q_rope.size(3), v_dim = kv_b.size(0) / heads - nope, width = nope + v_dim;
   check_mla_inputs("mla_prefill", q_nope, q_rope, latent, k_rope, latent_cache, rope_cache);
   write_new_tokens(mask_in, positions, batch, seq, latent_cache.size(2),
                    {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
-  // [batch, end, heads * (nope + v_dim)]: head h's key at [h * width, + nope), its value after it.
-  const at::Tensor kv = at::linear(latent_cache.slice(0, 0, batch).select(1, 0).slice(1, 0, end), kv_b).contiguous();
+  const at::Tensor latents = latent_cache.slice(0, 0, batch).select(1, 0).slice(1, 0, end);
   const at::Tensor q = unit_stride(q_nope), qr = unit_stride(q_rope), mask = unit_stride(mask_in);
-  const uint16_t* k = bf16_bits(kv);
-  const AttentionProblem p{bf16_bits(q), q.stride(0), q.stride(1), q.stride(2),
-                           bf16_bits(qr), qr.stride(0), qr.stride(1), qr.stride(2),
-                           k, end * heads * width, width, heads * width,
-                           bf16_bits(rope_cache), rope_cache.stride(0), /*kr_stride_h=*/0, rope_cache.stride(2),
-                           k + nope, end * heads * width, width, heads * width,
-                           mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
-                           heads, /*kv_heads=*/heads, nope, rope_dim, v_dim, static_cast<float>(scale)};
-  return attention_brgemm(unit, p, batch, seq, end, q.options());
+  at::Tensor y;
+  for (int64_t h0 = 0; h0 < heads; h0 += chunk) {
+    const int64_t n = std::min(chunk, heads - h0);
+    // [batch, end, n * width]: head h0 + i's key at [i * width, + nope), its value after it.
+    const at::Tensor kv = at::linear(latents, kv_b.narrow(0, h0 * width, n * width)).contiguous();
+    const uint16_t* k = bf16_bits(kv);
+    const AttentionProblem p{bf16_bits(q) + h0 * q.stride(1), q.stride(0), q.stride(1), q.stride(2),
+                             bf16_bits(qr) + h0 * qr.stride(1), qr.stride(0), qr.stride(1), qr.stride(2),
+                             k, end * n * width, width, n * width,
+                             bf16_bits(rope_cache), rope_cache.stride(0), /*kr_stride_h=*/0, rope_cache.stride(2),
+                             k + nope, end * n * width, width, n * width,
+                             mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
+                             n, /*kv_heads=*/n, nope, rope_dim, v_dim, static_cast<float>(scale)};
+    at::Tensor part = attention_brgemm(unit, p, batch, seq, end, q.options());
+    if (n == heads) return part;
+    if (!y.defined()) y = at::empty({batch, heads, seq, v_dim}, q.options());
+    y.narrow(1, h0, n).copy_(part);
+  }
+  return y;
 }
 
 }  // namespace
@@ -334,12 +347,12 @@ at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, c
                     latent.scalar_type() == at::kBFloat16 && k_rope.scalar_type() == at::kBFloat16 &&
                     latent_cache.scalar_type() == at::kBFloat16 && rope_cache.scalar_type() == at::kBFloat16 &&
                     kv_b.scalar_type() == at::kBFloat16;
-  const int64_t expanded_bytes = 2 * 2 * batch * heads * (end + 128) * (nope + rope_dim + v_dim);
-  if (bf16 && nope % 16 == 0 && rope_dim % 16 == 0 && v_dim % 16 == 0 && end <= latent_cache.size(2) &&
+  const int64_t chunk = mla_expand_budget() / expanded_head_bytes(batch, end, nope, rope_dim, v_dim);
+  if (bf16 && nope % 16 == 0 && rope_dim % 16 == 0 && v_dim % 16 == 0 && end <= latent_cache.size(2) && chunk > 0 &&
       prefill_attention(AttentionFamily::mla, seq) == PrefillAttention::brgemm &&
-      expanded_mla_pays(seq, end, rank, nope, rope_dim, v_dim) && expanded_bytes <= kExpandedMlaBytes) {
+      expanded_mla_pays(seq, end, rank, nope, rope_dim, v_dim)) {
     return mla_expanded(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale,
-                        kv_b.contiguous(), end, units.linear);
+                        kv_b.contiguous(), end, chunk, units.linear);
   }
   const at::Tensor q_latent = linear_per_head_cpu(q_nope, w_uk, rank);
   const at::Tensor o_latent =

@@ -71,6 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");
   m.def("get_prefill_attention", &tilefx::get_prefill_attention,
         "(kernel, from_tokens) of an attention family's prefill; (unit, 0) when the unit runs every length");
+  m.def("set_mla_expand_budget", &tilefx::set_mla_expand_budget,
+        "bytes of expanded keys and values MLA prefill's expanded form holds at once (0: always absorbed)");
+  m.def("get_mla_expand_budget", &tilefx::mla_expand_budget, "the MLA expansion budget in bytes");
   m.def("set_prefill_gemm", &tilefx::set_prefill_gemm,
         "the GEMM the linear ops run above 4 rows for weights of a format: default (the path's), unit or brgemm");
   m.def("get_prefill_gemm", &tilefx::get_prefill_gemm, "the prefill GEMM chosen for a weight format");

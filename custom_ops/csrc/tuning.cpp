@@ -71,6 +71,17 @@ AttentionFamily parse_family(const std::string& name) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> expand_budget{int64_t{256} << 20};
+}  // namespace
+
+int64_t mla_expand_budget() { return expand_budget.load(std::memory_order_relaxed); }
+
+void set_mla_expand_budget(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "tilefx tuning: the MLA expansion budget is a byte count, got ", bytes);
+  expand_budget = bytes;
+}
+
 PrefillAttention prefill_attention(AttentionFamily family, int64_t seq) {
   const int64_t choice = prefill_attention_choice[static_cast<int>(family)].load(std::memory_order_relaxed);
   const auto kernel = static_cast<PrefillAttention>(choice & 3);

@@ -41,6 +41,12 @@ void set_prefill_attention(const std::string& family, const std::string& kernel,
 // (kernel, from_tokens); ("unit", 0) when the unit runs every length.
 std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family);
 
+// MLA prefill's expanded form (attention_ops.cpp) holds at most this many bytes of expanded and
+// packed keys and values at once (256 MiB by default): it runs over chunks of heads that fit,
+// and takes the absorbed form where one head does not (0: always absorbed).
+int64_t mla_expand_budget();
+void set_mla_expand_budget(int64_t bytes);
+
 // Prefill linears (more than kGemvRows rows): the unit's GEMM or oneDNN's brgemm
 // (linear_brgemm.cpp), per weight format. By default the path's row of the dispatch table
 // decides (brgemm on amx); custom_ops/tuning.py times both where brgemm has a JIT kernel

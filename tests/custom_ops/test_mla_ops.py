@@ -9,7 +9,7 @@ import torch
 
 import tilefx.custom_ops  # noqa: F401
 from tilefx.custom_ops import linear as linear_ops
-from tilefx.custom_ops import tuning
+from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops import weights
 from tilefx.custom_ops.attention import mla_attention_reference
 
@@ -149,6 +149,34 @@ def test_mla_prefill_expands_a_prompt_and_absorbs_a_short_extend(kernel_path):
                 got = call(kv_b=torch.full_like(kv_b, nan))
             err = (got.float() - want).norm() / want.norm()
             assert err < 1e-2, (case, expanded)
+
+
+@pytest.mark.parametrize("budget", ["one head", "three heads", "none"])
+def test_mla_prefill_expands_heads_in_chunks_within_its_budget(kernel_path, budget):
+    """The expanded form runs over chunks of heads whose K/V fit the budget (1 or 3 of 20 heads here: the last
+    chunk partial); with no head fitting, the absorbed form. Every way equals HF's math."""
+    if kernel_path == "reference":
+        pytest.skip("the forms are the native kernel's")
+    case = (2, 20, 24, 0, (0, 5))
+    call, want, args, kv_b, w_uk, w_uv = _mla_prefill_call(case)
+    head_bytes = 2 * 2 * 2 * (24 + 128) * (32 + 32 + 32)  # batch 2, end 24, nope / rope / v 32
+    bytes_ = {"one head": head_bytes, "three heads": 3 * head_bytes + 1, "none": head_bytes - 1}[budget]
+    before = isa.native.get_mla_expand_budget()
+    isa.native.set_mla_expand_budget(bytes_)
+    try:
+        with tuning.forced_attention("mla", "brgemm"):
+            nan = float("nan")
+            if budget == "none":  # absorbed: kv_b_proj is not read
+                got = call(kv_b=torch.full_like(kv_b, nan))
+            else:  # expanded: the packs are not read
+                got = call(w_uk=torch.full_like(w_uk, nan), w_uv=torch.full_like(w_uv, nan))
+    finally:
+        isa.native.set_mla_expand_budget(before)
+    rows = args[7][:, 0].any(-1).unsqueeze(1).expand(2, 20, 24)
+    err = (got.float() - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)
+    assert err[rows].max() < 1e-2 and torch.all(got[~rows] == 0)
+    with pytest.raises(RuntimeError, match="byte count"):
+        isa.native.set_mla_expand_budget(-1)
 
 
 def test_mla_prefill_checks_kv_b_proj(kernel_path):
