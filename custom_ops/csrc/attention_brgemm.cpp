@@ -28,11 +28,34 @@ namespace {
 constexpr int64_t kKeyBlock = 128;   // keys per tile: N of the score GEMM, K of the value GEMM
 constexpr int64_t kQueryRows = 64;   // query rows per task (fewer positions when a KV head has many query heads)
 
-// What the tasks share: the problem, its packed keys and values per (batch row, KV head).
+// The keys one query row may see lie in [first, last) (first == last: none).
+struct KeyRange {
+  int64_t first, last;
+};
+
+bool none_of_8(const bool* m) {
+  uint64_t word;
+  std::memcpy(&word, m, sizeof(word));
+  return word == 0;
+}
+
+// The keys [0, end) mask row `m` allows lie in the returned range (8 mask bytes a step).
+KeyRange allowed_range(const bool* m, int64_t end) {
+  int64_t first = 0, last = end;
+  while (first + 8 <= last && none_of_8(m + first)) first += 8;
+  while (first < last && !m[first]) ++first;
+  while (last - 8 >= first && none_of_8(m + last - 8)) last -= 8;
+  while (last > first && !m[last - 1]) --last;
+  return {first, last};
+}
+
+// What the tasks share: the problem, each query row's key range, the packed keys and values
+// per (batch row, KV head).
 struct Packed {
   const AttentionProblem& p;
   int64_t end, padded;  // keys [0, end) are valid; `padded` rounds `end` up to a key block
   int64_t qdim;         // k_dim + rope_dim: a query row and a packed key column
+  std::vector<KeyRange> ranges;  // per (b, s)
   std::vector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs
   std::vector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2]
 
@@ -47,12 +70,19 @@ uint32_t pair_at(const uint16_t* row, int64_t pair) {
 }
 
 // Which of keys [t0, t1) any query row of batch row b may see: the others (left padding,
-// holes) are packed as zeros, so whatever their cache rows hold never reaches the GEMMs.
+// holes) are packed as zeros, so whatever their cache rows hold never reaches the GEMMs. The
+// last rows see the most (causal), so the rows are read from the last until every key is seen.
 void visible_keys(const AttentionProblem& p, int64_t b, int64_t seq, int64_t t0, int64_t t1, bool* visible) {
   std::fill(visible, visible + (t1 - t0), false);
-  for (int64_t s = 0; s < seq; ++s) {
+  int64_t unseen = t1 - t0;
+  for (int64_t s = seq - 1; s >= 0 && unseen > 0; --s) {
     const bool* m = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
-    for (int64_t t = t0; t < t1; ++t) visible[t - t0] |= m[t];
+    for (int64_t t = t0; t < t1; ++t) {
+      if (m[t] && !visible[t - t0]) {
+        visible[t - t0] = true;
+        --unseen;
+      }
+    }
   }
 }
 
@@ -121,13 +151,10 @@ void attend_tile(const UnitEpilogue& unit, const Packed& packed, int64_t b, int6
   // The keys any row may see: blocks outside [lo, hi) are skipped.
   int64_t lo = packed.end, hi = 0;
   for (int64_t i = 0; i < positions; ++i) {
-    const bool* m = mask + i * p.mask_stride_s;
-    int64_t first = 0, last = packed.end;
-    while (first < last && !m[first]) ++first;
-    while (last > first && !m[last - 1]) --last;
-    if (first < last) {
-      lo = std::min(lo, first);
-      hi = std::max(hi, last);
+    const KeyRange range = packed.ranges[b * seq + s0 + i];
+    if (range.first < range.last) {
+      lo = std::min(lo, range.first);
+      hi = std::max(hi, range.last);
     }
   }
 
@@ -181,8 +208,15 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
   const UnitEpilogue& epilogue = epilogue_of(unit);
   TORCH_CHECK(p.k_dim % 16 == 0 && p.rope_dim % 16 == 0 && p.v_dim % 16 == 0,
               "tilefx brgemm attention: head dims must be multiples of 16");
-  Packed packed{p, end, (end + kKeyBlock - 1) / kKeyBlock * kKeyBlock, p.k_dim + p.rope_dim, {}, {}};
+  Packed packed{p, end, (end + kKeyBlock - 1) / kKeyBlock * kKeyBlock, p.k_dim + p.rope_dim, {}, {}, {}};
   const int64_t heads = batch * p.kv_heads, blocks = packed.padded / kKeyBlock;
+  packed.ranges.resize(batch * seq);
+  at::parallel_for(0, batch * seq, 64, [&](int64_t begin, int64_t stop) {
+    for (int64_t row = begin; row < stop; ++row) {
+      packed.ranges[row] =
+          allowed_range(p.mask + (row / seq) * p.mask_stride_b + (row % seq) * p.mask_stride_s, end);
+    }
+  });
   packed.keys.resize(heads * (packed.qdim / 2) * packed.padded);
   packed.values.resize(heads * packed.padded * p.v_dim);
   parallel_chunks(heads * blocks, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
