@@ -185,8 +185,8 @@ void attend_tile(const UnitEpilogue& unit, const Packed& packed, int64_t b, int6
   for (int64_t c0 = lo / kKeyBlock * kKeyBlock; c0 < hi; c0 += kKeyBlock) {
     at::native::cpublas::brgemm(rows, kKeyBlock, qdim, qdim, packed.padded, kKeyBlock, /*add_C=*/false, q,
                                 keys + 2 * c0, scratch.scores.data());
-    unit.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
-                             mask + c0, group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
+    unit.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock, mask + c0,
+                       group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
     at::native::cpublas::brgemm(rows, v_dim, kKeyBlock, kKeyBlock, v_dim, v_dim, /*add_C=*/true, weights,
                                 values + c0 * v_dim, out);
   }
