@@ -308,6 +308,8 @@ class AttentionChoice:
 
     def line(self) -> str:
         what = _KERNEL_NAMES[self.kernel] + (f" from {self.from_tokens} tokens" if self.kernel != "unit" else "")
+        if self.shape.family == "mla" and self.kernel == "brgemm":  # csrc/attention_ops.cpp mla_prefill_cpu
+            what += ", over K/V expanded from the latent where that costs fewer multiply-adds"
         what = f"prefill attention ({self.shape.describe()}): {what}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
