@@ -142,7 +142,7 @@ struct TaskScratch {
 
 // The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
 // s0 + i of query head kv_head * group + g.
-void attend_tile(const UnitEpilogue& unit, const Packed& packed, int64_t b, int64_t h, int64_t s0,
+void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, int64_t h, int64_t s0,
                  int64_t positions, TaskScratch& scratch, at::BFloat16* y, int64_t seq) {
   const AttentionProblem& p = packed.p;
   const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
@@ -185,8 +185,8 @@ void attend_tile(const UnitEpilogue& unit, const Packed& packed, int64_t b, int6
   for (int64_t c0 = lo / kKeyBlock * kKeyBlock; c0 < hi; c0 += kKeyBlock) {
     at::native::cpublas::brgemm(rows, kKeyBlock, qdim, qdim, packed.padded, kKeyBlock, /*add_C=*/false, q,
                                 keys + 2 * c0, scratch.scores.data());
-    unit.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock, mask + c0,
-                       group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
+    epilogue.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
+                           mask + c0, group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
     at::native::cpublas::brgemm(rows, v_dim, kKeyBlock, kKeyBlock, v_dim, v_dim, /*add_C=*/true, weights,
                                 values + c0 * v_dim, out);
   }
