@@ -25,7 +25,6 @@
 namespace tilefx {
 namespace {
 
-constexpr int64_t kKeyBlock = 128;   // keys per tile: N of the score GEMM, K of the value GEMM
 constexpr int64_t kQueryRows = 64;   // query rows per task (fewer positions when a KV head has many query heads)
 
 // The keys one query row may see lie in [first, last) (first == last: none).
@@ -132,8 +131,8 @@ struct TaskScratch {
   std::vector<float> scores, out, max, sum;
   void fit(int64_t rows, int64_t qdim, int64_t v_dim) {
     query.resize(rows * qdim);
-    weights.resize(rows * kKeyBlock);
-    scores.resize(rows * kKeyBlock);
+    weights.resize(rows * kAttentionKeyBlock);
+    scores.resize(rows * kAttentionKeyBlock);
     out.resize(rows * v_dim);
     max.resize(rows);
     sum.resize(rows);
@@ -182,13 +181,14 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
   const auto* values = reinterpret_cast<const at::BFloat16*>(packed.values_of(bh));
   const auto* q = reinterpret_cast<const at::BFloat16*>(query);
   const auto* weights = reinterpret_cast<const at::BFloat16*>(scratch.weights.data());
-  for (int64_t c0 = lo / kKeyBlock * kKeyBlock; c0 < hi; c0 += kKeyBlock) {
-    at::native::cpublas::brgemm(rows, kKeyBlock, qdim, qdim, packed.padded, kKeyBlock, /*add_C=*/false, q,
-                                keys + 2 * c0, scratch.scores.data());
-    epilogue.flash_softmax(scratch.scores.data(), rows, std::min(kKeyBlock, packed.end - c0), kKeyBlock,
-                           mask + c0, group, p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
-    at::native::cpublas::brgemm(rows, v_dim, kKeyBlock, kKeyBlock, v_dim, v_dim, /*add_C=*/true, weights,
-                                values + c0 * v_dim, out);
+  constexpr int64_t block = kAttentionKeyBlock;
+  for (int64_t c0 = lo / block * block; c0 < hi; c0 += block) {
+    at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, block, /*add_C=*/false, q, keys + 2 * c0,
+                                scratch.scores.data());
+    epilogue.flash_softmax(scratch.scores.data(), rows, std::min(block, packed.end - c0), block, mask + c0, group,
+                           p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
+    at::native::cpublas::brgemm(rows, v_dim, block, block, v_dim, v_dim, /*add_C=*/true, weights, values + c0 * v_dim,
+                                out);
   }
 
   for (int64_t i = 0; i < positions; ++i) {
@@ -208,8 +208,9 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
   const UnitEpilogue& epilogue = epilogue_of(unit);
   TORCH_CHECK(p.k_dim % 16 == 0 && p.rope_dim % 16 == 0 && p.v_dim % 16 == 0,
               "tilefx brgemm attention: head dims must be multiples of 16");
-  Packed packed{p, end, (end + kKeyBlock - 1) / kKeyBlock * kKeyBlock, p.k_dim + p.rope_dim, {}, {}, {}};
-  const int64_t heads = batch * p.kv_heads, blocks = packed.padded / kKeyBlock;
+  constexpr int64_t block = kAttentionKeyBlock;
+  Packed packed{p, end, (end + block - 1) / block * block, p.k_dim + p.rope_dim, {}, {}, {}};
+  const int64_t heads = batch * p.kv_heads, blocks = packed.padded / block;
   packed.ranges.resize(batch * seq);
   at::parallel_for(0, batch * seq, 64, [&](int64_t begin, int64_t stop) {
     for (int64_t row = begin; row < stop; ++row) {
@@ -220,13 +221,13 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
   packed.keys.resize(heads * (packed.qdim / 2) * packed.padded);
   packed.values.resize(heads * packed.padded * p.v_dim);
   parallel_chunks(heads * blocks, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
-    bool visible[kKeyBlock];
+    bool visible[block];
     for (int64_t u = begin; u < stop; ++u) {
-      const int64_t bh = u / blocks, t0 = (u % blocks) * kKeyBlock, t1 = std::min(t0 + kKeyBlock, end);
+      const int64_t bh = u / blocks, t0 = (u % blocks) * block, t1 = std::min(t0 + block, end);
       const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
       visible_keys(p, b, seq, t0, t1, visible);
-      pack_keys(packed, b, h, bh, t0, t0 + kKeyBlock, visible);
-      pack_values(packed, b, h, bh, t0, t0 + kKeyBlock, visible);
+      pack_keys(packed, b, h, bh, t0, t0 + block, visible);
+      pack_values(packed, b, h, bh, t0, t0 + block, visible);
     }
   });
 

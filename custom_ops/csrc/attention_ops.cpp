@@ -278,7 +278,7 @@ bool expanded_mla_pays(int64_t seq, int64_t end, int64_t rank, int64_t nope, int
 // it runs over chunks of heads that hold at most mla_expand_budget() bytes at once (tuning.h),
 // and takes the absorbed form, which expands nothing, where one head alone holds more.
 int64_t expanded_head_bytes(int64_t batch, int64_t end, int64_t nope, int64_t rope, int64_t v_dim) {
-  return 2 * 2 * batch * (end + 128) * (nope + rope + v_dim);
+  return 2 * 2 * batch * (end + kAttentionKeyBlock) * (nope + rope + v_dim);
 }
 
 // MLA prefill in the MHA form (expanded_mla_pays): writes the new tokens' latent and rope key,
@@ -348,7 +348,7 @@ at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, c
                     latent_cache.scalar_type() == at::kBFloat16 && rope_cache.scalar_type() == at::kBFloat16 &&
                     kv_b.scalar_type() == at::kBFloat16;
   const int64_t chunk = mla_expand_budget() / expanded_head_bytes(batch, end, nope, rope_dim, v_dim);
-  if (bf16 && nope % 16 == 0 && rope_dim % 16 == 0 && v_dim % 16 == 0 && end <= latent_cache.size(2) && chunk > 0 &&
+  if (bf16 && nope % 16 == 0 && rope_dim % 16 == 0 && v_dim % 16 == 0 && chunk > 0 &&
       prefill_attention(AttentionFamily::mla, seq) == PrefillAttention::brgemm &&
       expanded_mla_pays(seq, end, rank, nope, rope_dim, v_dim)) {
     return mla_expanded(q_nope, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale,

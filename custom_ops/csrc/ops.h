@@ -63,7 +63,10 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_log
                                                     int64_t num_expert_group, int64_t topk_group,
                                                     c10::string_view scoring_func, bool renormalize,
                                                     double routed_scaling_factor);
-// attention_brgemm.cpp: prefill attention of `p` over keys [0, end) as a flash attention over
+// attention_brgemm.cpp: keys per tile of the flash attention over brgemm tiles (N of its score GEMM,
+// K of its value GEMM); the keys it packs per call are the valid prefix rounded up to a tile.
+constexpr int64_t kAttentionKeyBlock = 128;
+// Prefill attention of `p` over keys [0, end) as a flash attention over
 // oneDNN brgemm tiles, the online softmax on `unit` (the path's linear unit); [batch, q_heads,
 // seq, v_dim] bf16, rows that may attend no key zero.
 at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,

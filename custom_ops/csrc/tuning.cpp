@@ -62,6 +62,7 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
 constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
+std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
 
 AttentionFamily parse_family(const std::string& name) {
   if (name == "extend") return AttentionFamily::extend;
@@ -69,10 +70,6 @@ AttentionFamily parse_family(const std::string& name) {
   TORCH_CHECK(false, "tilefx tuning: unknown attention family '", name, "' (extend, mla)");
 }
 
-}  // namespace
-
-namespace {
-std::atomic<int64_t> expand_budget{int64_t{256} << 20};
 }  // namespace
 
 int64_t mla_expand_budget() { return expand_budget.load(std::memory_order_relaxed); }
