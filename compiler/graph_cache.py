@@ -20,7 +20,8 @@ A later process whose key matches loads these and calls the compiled functions i
 no Dynamo, no guards (the runtime chooses the graph; the key covers what the trace read).
 The key hashes tilefx's sources (the compiler's and the custom ops'; the caller names the
 directories of the code above them that shapes the graphs: the runtime's, the facade's),
-torch's (``torch_key``), the CPU's flags and Inductor's vector ISA, transformers' version and
+torch's (``torch_key``), the CPU's flags and Inductor's vector ISA, the thread count Inductor's kernels were
+generated for, transformers' version and
 the model class's source file, Inductor's config, the model's config, the names, shapes and
 dtypes of its parameters and buffers, the options, the kernel path and the Python version. Only graphs
 that are safe to call this way are saved: one output (the logits) and a source for every
@@ -233,6 +234,7 @@ def model_key(model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> 
     the caller's code (their ``*.py`` files) hashed with ``OWN_SOURCES``."""
     import transformers
     from torch._inductor.codecache import torch_key
+    from torch._inductor.utils import parallel_num_threads
 
     from tilefx.custom_ops import isa
 
@@ -242,8 +244,12 @@ def model_key(model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> 
     inductor = repr(sorted(torch._inductor.config.save_config_portable().items()))  # e.g. a caller's config.patch
     # A cache directory can outlive the CPU (a shared home, a VM moved): the compiled kernels use its ISA.
     cpu = f"{pick_vec_isa()} {_cpu_flags()}"
+    # Inductor writes `#pragma omp parallel num_threads(N)` into its kernels (its own cache keys on N): loaded
+    # into a process of another thread count, each of its kernels resizes OpenMP's team against the custom ops'
+    # and libgomp ends and recreates the surplus threads every time (docs/PERFORMANCE.md, the Xeon's 16 threads).
+    threads = f"threads={parallel_num_threads()}"
     for part in (str(FORMAT_VERSION), sys.version, transformers.__version__, options.key(), uuid, isa.current(),
-                 cpu, inductor, model.config.to_json_string(use_diff=False)):
+                 cpu, threads, inductor, model.config.to_json_string(use_diff=False)):
         digest.update(part.encode())
         digest.update(b"\0")
     digest.update(torch_key())

@@ -103,6 +103,13 @@ def test_key_changes_with_options_shapes_config_and_the_callers_sources(tmp_path
     assert first != key(build_model("tiny-llama", layers=1))
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # compiled code differs
         assert first != key()
+    threads = torch.get_num_threads()
+    try:  # Inductor's kernels are generated for the process's thread count
+        torch.set_num_threads(threads + 1)
+        assert first != key()
+    finally:
+        torch.set_num_threads(threads)
+    assert first == key()
     (tmp_path / "caller.py").write_text("STEPS = 2\n")  # the code above the compiler that shapes the graphs
     assert first != key()
 
