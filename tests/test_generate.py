@@ -162,6 +162,12 @@ def test_explain_reports_rewrites(pair):
     assert all(part in startup for part in ("load", "pack", "tune", "trace", "passes", "inductor", "caches: ")), startup
     walks = [line for line in text.splitlines() if line.startswith("decode walk ")]
     assert walks and all(("tuned" in line or "cached" in line) and "prefetch" in line for line in walks), walks
+    from tilefx.custom_ops import tuning
+
+    if tuning.brgemm_has_kernel():  # the linear ops' GEMM per phase: the unit's or oneDNN's brgemm, timed
+        gemms = [line for line in text.splitlines() if " GEMM bf16: " in line]
+        assert [line.split(" GEMM")[0] for line in gemms] == ["decode", "prefill"], gemms
+        assert all("tuned" in line or "cached" in line for line in gemms), gemms
     config = compiled.config
     attention = [line for line in text.splitlines() if line.startswith("prefill attention ")]
     assert len(attention) == 1 and ("tuned" in attention[0] or "cached" in attention[0]), attention

@@ -36,6 +36,9 @@ inline bool reads_pairs(LinearUnit unit) { return unit != LinearUnit::avx2; }
 inline LinearUnit gemm_reader(LinearUnit unit, bool brgemm) {
   return brgemm && !reads_pairs(unit) ? LinearUnit::avx512 : unit;
 }
+// The weight format whose forms x is prepared in for a GEMM: brgemm multiplies bf16 (a quantized
+// block becomes a bf16 panel first), so at any row count it reads x's base form, as over bf16 weights.
+inline WeightFormat gemm_x_format(WeightFormat format, bool brgemm) { return brgemm ? WeightFormat::bf16 : format; }
 
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem

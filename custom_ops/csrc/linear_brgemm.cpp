@@ -1,7 +1,8 @@
-// Prefill linears on oneDNN's brgemm (at::native::cpublas::brgemm), the GEMM kernel stock
+// The linear ops on oneDNN's brgemm (at::native::cpublas::brgemm), the GEMM kernel stock
 // PyTorch's bf16 matmul runs: AMX tiles where the CPU has them, oneDNN's AVX512-BF16 JIT
 // kernels on other AVX512-BF16 CPUs, a slow reference loop elsewhere (there only the tests
-// force it). The packed layout (kernels.h) is already brgemm's VNNI layout for B, one block
+// force it). Prefill, and decode's 1 to 4 rows where tuning found it faster than the unit's
+// walk (tuning.h decode_on_brgemm). The packed layout (kernels.h) is already brgemm's VNNI layout for B, one block
 // of kBlockN columns at a time. Each block (gate and up together for SiLU-and-mul) is read
 // once per call: a quantized one is dequantized to bf16 once, by the unit's panel routine,
 // and serves every row tile. The fp32 result tiles leave through the unit's epilogue (bias,

@@ -97,7 +97,8 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
 
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
 // here (decode makes about a hundred short calls): no ATen temporaries but the result.
-// Prefill runs the unit's GEMM or oneDNN's brgemm, as tuning chose (prefill_on_brgemm).
+// Prefill runs the unit's GEMM or oneDNN's brgemm, decode the unit's GEMV walk or brgemm, as
+// tuning chose (prefill_on_brgemm, decode_on_brgemm).
 at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, bool silu_mul, bool float_out, const KernelUnits& kernel_units,
                          const c10::optional<at::Tensor>& scales) {
@@ -120,9 +121,9 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
                   k_pairs, ldx, /*yf=*/float_out ? y.data_ptr<float>() : nullptr, /*ldy=*/out_features, silu_mul};
   attach_weight(p, packed, scales);
   apply_tuning(p, walk_tuning(unit, p.format));
-  const bool brgemm = prefill_on_brgemm(kernel_units, p.format, rows);
-  const Activations activations(gemm_reader(unit, brgemm), p.format, bf16_bits(x2), rows, in_features, in_features,
-                                ldx);
+  const bool brgemm = prefill_on_brgemm(kernel_units, p.format, rows) || decode_on_brgemm(p.format, rows);
+  const Activations activations(gemm_reader(unit, brgemm), gemm_x_format(p.format, brgemm), bf16_bits(x2), rows,
+                                in_features, in_features, ldx);
   activations.attach(p, 0);
   const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
   const size_t scratch_floats = brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);

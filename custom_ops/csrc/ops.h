@@ -26,7 +26,7 @@ void linear_blocks(LinearUnit unit, const LinearProblem& p, int64_t block_begin,
 WeightFormat weight_format(const at::Tensor& packed);
 void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::optional<at::Tensor>& scales);
 
-// linear_brgemm.cpp: prefill (more than kGemvRows rows) on oneDNN's brgemm. Work units
+// linear_brgemm.cpp: the linear ops on oneDNN's brgemm (prefill, or decode where tuning chose it). Work units
 // [begin, end) as linear_blocks takes them (blocks, or gate/up pairs with silu_mul); x in
 // bf16 pairs; the results leave through `unit`'s epilogue. `scratch`: brgemm_scratch_floats(p).
 bool amx_available();

@@ -77,6 +77,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_prefill_gemm", &tilefx::set_prefill_gemm,
         "the GEMM the linear ops run above 4 rows for weights of a format: default (the path's), unit or brgemm");
   m.def("get_prefill_gemm", &tilefx::get_prefill_gemm, "the prefill GEMM chosen for a weight format");
+  m.def("set_decode_gemm", &tilefx::set_decode_gemm,
+        "what the linear ops run at 1 to 4 rows for weights of a format: unit (its GEMV walk) or brgemm");
+  m.def("get_decode_gemm", &tilefx::get_decode_gemm, "the decode GEMM chosen for a weight format");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;

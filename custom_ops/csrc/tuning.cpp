@@ -62,6 +62,7 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
 constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
+std::atomic<bool> decode_gemm_brgemm[kFormats] = {};  // decode_on_brgemm, per WeightFormat
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
 
 AttentionFamily parse_family(const std::string& name) {
@@ -137,6 +138,21 @@ std::string get_prefill_gemm(const std::string& format) {
     case PrefillGemm::path_default: break;
   }
   return "default";
+}
+
+bool decode_on_brgemm(WeightFormat format, int64_t rows) {
+  return rows >= 1 && rows <= kGemvRows &&
+         decode_gemm_brgemm[static_cast<int>(format)].load(std::memory_order_relaxed);
+}
+
+void set_decode_gemm(const std::string& format, const std::string& choice) {
+  TORCH_CHECK(choice == "unit" || choice == "brgemm", "tilefx tuning: unknown decode GEMM '", choice,
+              "' (unit, brgemm)");
+  decode_gemm_brgemm[static_cast<int>(parse_format(format))] = choice == "brgemm";
+}
+
+std::string get_decode_gemm(const std::string& format) {
+  return decode_gemm_brgemm[static_cast<int>(parse_format(format))].load() ? "brgemm" : "unit";
 }
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {

@@ -1,5 +1,5 @@
-"""The linear ops' prefill on oneDNN's brgemm (csrc/linear_brgemm.cpp), forced on every native path and
-format: the choice tuning may make (tuning.ensure_gemm_tuned) changes no result. brgemm runs everywhere
+"""The linear ops on oneDNN's brgemm (csrc/linear_brgemm.cpp), prefill and decode, forced on every native path
+and format: the choice tuning may make (tuning.ensure_gemm_tuned) changes no result. brgemm runs everywhere
 (AMX tiles, oneDNN's AVX512-BF16 kernels, or its reference loop), so this covers the AMX path's GEMM code on
 any CPU."""
 
@@ -83,7 +83,7 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     try:
         first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
         assert [c.how for c in first] == ["tuned"] and first[0].gemm in ("unit", "brgemm")
-        assert first[0].unit_gflops > 0 and first[0].brgemm_gflops > 0
+        assert first[0].unit_rate > 0 and first[0].brgemm_rate > 0 and first[0].phase == "prefill"
         assert isa.native.get_prefill_gemm("int8") == first[0].gemm
         isa.native.set_prefill_gemm("int8", "default")
         again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
@@ -93,6 +93,78 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
             "untuned"]
     finally:
         isa.native.set_prefill_gemm("int8", before)
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("rows,in_features", [(1, 300), (4, 256), (2, 8200)], ids=["1x300-odd", "4x256", "2x8200"])
+def test_brgemm_decode_matches_the_reference(kernel_path, format, rows, in_features):
+    """1 to 4 rows with brgemm forced for decode: linear (with bias), linear_float and linear_silu_mul equal the
+    reference, and (bf16) the unit's GEMV walk; K past one brgemm call (8200 > 2 * 1024 pairs) adds onto the partial
+    result. Only 1 to 4 rows: prefill keeps its own choice, and fused_moe's experts keep the unit."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    out_features, intermediate = 3 * 32 + 5, 2 * 32
+    weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
+    gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
+    packed = weights.pack_linear_weight(weight, format)
+    gate_up = weights.pack_gate_up_weight(gate, up, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
+    w, g, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, gate, up))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    with tuning.untuned(), tuning.forced_decode_gemm(format, "brgemm"):
+        got = linear_ops.linear(x, packed, bias, out_features, scales)
+        got_float = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+        gated = linear_ops.linear_silu_mul(x, gate_up, intermediate, gate_up_scales)
+    want = x.float() @ w.T + bias.float()
+    assert _relative_error(got, want) < 1e-2 and _relative_error(got_float, want) < 1e-2
+    want_gated = torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
+    assert _relative_error(gated, want_gated) < 1e-2
+    if format != "bf16":  # brgemm multiplies the weights rounded to a bf16 panel: not the unit's products
+        return
+    with tuning.untuned():
+        unit = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+    assert _relative_error(got_float, unit.float()) < 1e-3
+
+
+def test_decode_gemm_choice_is_checked_and_defaults_to_the_unit():
+    with pytest.raises(RuntimeError, match="unknown decode GEMM"):
+        isa.native.set_decode_gemm("bf16", "default")
+    with pytest.raises(RuntimeError, match="unknown weight format"):
+        isa.native.set_decode_gemm("int3", "unit")
+    with tuning.untuned():
+        assert {isa.native.get_decode_gemm(f) for f in weights.FORMATS} == {"unit"}
+
+
+def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
+    """bf16 only is timed (a quantized block reaches brgemm only through a bf16 copy); the walk tuning times the
+    unit's walk even where brgemm was chosen for decode."""
+    path = isa.current()
+    if path == "reference" or not tuning.brgemm_has_kernel():
+        pytest.skip("brgemm has no compiled kernel on this CPU: nothing is timed (the unit's walk stays)")
+    monkeypatch.setattr(tuning, "MIN_PASS_BYTES", 8 << 20)
+    monkeypatch.setattr(tuning, "MAX_PASS_BYTES", 8 << 20)
+    monkeypatch.setattr(tuning, "ROUNDS", 1)
+    monkeypatch.setattr(tuning, "CONFIRM_ROUNDS", 1)
+    monkeypatch.setattr(tuning, "GEMM_SHAPES", ((96, 128),))
+    monkeypatch.setattr(tuning, "GEMM_ROWS", (8,))
+    monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
+    with tuning.untuned():
+        first = tuning.ensure_gemm_tuned(["bf16", "int8"], path=path, cache=tmp_path)
+        decode = [c for c in first if c.phase == "decode"]
+        assert [(c.format, c.how) for c in decode] == [("bf16", "tuned")]
+        assert decode[0].gemm in ("unit", "brgemm") and decode[0].unit_rate > 0 and decode[0].brgemm_rate > 0
+        assert isa.native.get_decode_gemm("bf16") == decode[0].gemm and isa.native.get_decode_gemm("int8") == "unit"
+        assert "decode GEMM bf16" in decode[0].line() and "GB/s" in decode[0].line()
+        isa.native.set_decode_gemm("bf16", "unit")
+        again = tuning.ensure_gemm_tuned(["bf16"], path=path, cache=tmp_path)
+        assert [(c.phase, c.how) for c in again] == [("decode", "cached"), ("prefill", "cached")]
+        assert isa.native.get_decode_gemm("bf16") == decode[0].gemm
+        calls = []
+        monkeypatch.setattr(tuning, "_time_pass", lambda *a: calls.append(isa.native.get_decode_gemm("bf16")) or 1.0)
+        with tuning.forced_decode_gemm("bf16", "brgemm"):
+            tuning.tune(tuning.decode_units(path)[0], "bf16", path)
+        assert set(calls) == {"unit"}
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
