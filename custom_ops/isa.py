@@ -32,13 +32,29 @@ import os
 
 PATHS = ("amx", "avx512_bf16", "avx2", "reference")  # fastest first
 
+def version_mismatch(built: str | None, running: str) -> str | None:
+    """Why a native library built against torch ``built`` (major.minor; None: a tilefx too old to say) cannot
+    serve torch ``running``, or None where it can. One built against another minor version imports, but its
+    ops register under the wrong dispatch keys (the enum changes between versions) and fail at their first
+    call, so it is refused up front."""
+    version = ".".join(running.split("+")[0].split(".")[:2])
+    if built == version:
+        return None
+    return (f"tilefx's native library was built against torch {built or 'of an older tilefx'} and this is torch "
+            f"{running}: rebuild it (`make clean install`, or `pip install --no-build-isolation -e .`)")
+
+
 try:
     from tilefx.custom_ops import _C as native
 except ImportError as error:  # a source checkout that was never built: reference kernels only
     native = None
-    NATIVE_IMPORT_ERROR: str | None = str(error)
+    NATIVE_IMPORT_ERROR: str | None = f"{error}; run `make install`"
 else:
-    NATIVE_IMPORT_ERROR = None
+    import torch
+
+    NATIVE_IMPORT_ERROR = version_mismatch(getattr(native, "torch_version", None), torch.__version__)
+    if NATIVE_IMPORT_ERROR is not None:
+        native = None
 
 # Paths with kernels in this build.
 BUILT = ("amx", "avx512_bf16", "avx2") if native is not None else ()
@@ -52,7 +68,7 @@ def unsupported_reason(path: str) -> str | None:
     if path == "reference":
         return None
     if native is None:
-        return f"the native library is not built ({NATIVE_IMPORT_ERROR}); run `make install`"
+        return f"the native library is not loaded: {NATIVE_IMPORT_ERROR}"
     if path == EMULATED_AVX512:
         if not getattr(native, "avx512_emulation", False):
             return "this build has no emulated AVX512-BF16 unit (install simde-py, then `make install`)"

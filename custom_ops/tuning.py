@@ -203,7 +203,7 @@ def tune(unit: str, format: str, path: str) -> Tuned:
     inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
     nbytes = sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
     walks = tuple(dict.fromkeys((default, *candidates(unit, format))))
-    with isa.forced(path), forced_decode_gemm(format, "unit"), torch.inference_mode():
+    with isa.forced(path), forced_decode_gemm(format, "unit", 0), torch.inference_mode():
         _time_pass(tensors, inputs)  # warm-up: page in every tensor, settle the clocks
         search = _medians(tensors, inputs, unit, format, walks, ROUNDS)
         best = min(search, key=search.get)
@@ -413,38 +413,58 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
 # -- The linear ops' GEMMs: the unit's or oneDNN's brgemm ------------------------------------------------------
 # brgemm (csrc/linear_brgemm.cpp) is oneDNN's GEMM kernel, what stock PyTorch's bf16 matmul runs: AMX tiles on
 # an AMX CPU, JIT AVX512-BF16 code on other AVX512-BF16 CPUs, a reference loop elsewhere. Where it has a JIT
-# kernel, both are timed per phase:
+# kernel, both are timed:
 # - prefill (above 4 rows), per weight format, on prefill-shaped linears, a short and a long prompt's rows in
 #   one pass (csrc/tuning.h prefill_on_brgemm); elsewhere the path's default stays (the unit's GEMM);
-# - decode (1 to 4 rows), bf16 only, on the walk tuning's pass over cold weights at one row, against the unit's
-#   tuned walk (csrc/tuning.h decode_on_brgemm). brgemm reads a quantized block only through a bf16 copy of it
-#   (the prefill route): the unit, which reads it at its own width, stays for those.
+# - decode (1 to 4 rows), bf16 only, on the walk tuning's pass over cold weights at 1, 2 and 4 rows, against
+#   the unit's tuned walk (csrc/tuning.h decode_on_brgemm): brgemm from the row count on where it wins there
+#   and at every larger count (AMX makes 4 rows cost what 1 does; the unit's GEMV does 4 times the work per
+#   byte). brgemm reads a quantized block only through a bf16 copy of it (the prefill route): the unit, which
+#   reads it at its own width, stays for those.
 GEMM_SHAPES = ((3072, 2048), (2048, 8192))  # Llama-3.2-1B's q/k/v and down projections
 GEMM_ROWS = (128, 1024)
 GEMM_ROUNDS = 3
 DECODE_GEMM_FORMATS = ("bf16",)
+DECODE_GEMM_ROWS = (1, 2, 4)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """Which GEMM the linear ops run in one phase (``decode``: 1 to 4 rows; ``prefill``: more) for one weight
-    format, and where the choice came from."""
+    """Which GEMM the linear ops run above 4 rows for one weight format, and where the choice came from."""
 
     format: str
-    gemm: str  # "unit", "brgemm" or, for prefill, "default" (the path's: brgemm on amx, else the unit)
+    gemm: str  # "unit", "brgemm" or "default" (the path's: brgemm on amx, else the unit)
     how: str  # "tuned", "cached", "untuned"
-    unit_rate: float = 0.0  # prefill: GFLOP/s; decode: GB/s of weights read
-    brgemm_rate: float = 0.0
+    unit_gflops: float = 0.0
+    brgemm_gflops: float = 0.0
     seconds: float = 0.0
-    phase: str = "prefill"
 
     def line(self) -> str:
-        what = f"{self.phase} GEMM {self.format}: {self.gemm}"
+        what = f"prefill GEMM {self.format}: {self.gemm}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
-        unit, rate = ("walk", "{:.1f} GB/s") if self.phase == "decode" else ("", "{:.0f} GFLOP/s")
-        return (f"{what} ({self.how}: unit{' ' + unit if unit else ''} {rate.format(self.unit_rate)}, "
-                f"oneDNN brgemm {rate.format(self.brgemm_rate)}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})")
+        return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
+                f"{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeGemmChoice:
+    """What the linear ops run at 1 to 4 rows for one weight format: the unit's walk, or oneDNN's brgemm from
+    ``from_rows`` rows on; and where the choice came from."""
+
+    format: str
+    from_rows: int  # brgemm from this many rows on; 0: the unit at every count
+    how: str  # "tuned", "cached", "untuned"
+    gbps: dict = dataclasses.field(default_factory=dict)  # rows: (unit walk GB/s, brgemm GB/s)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        what = f"decode GEMM {self.format}: " + (f"brgemm from {self.from_rows} row(s)" if self.from_rows else "unit")
+        if self.how == "untuned":
+            return f"{what} (not tuned)"
+        rates = "; ".join(f"{rows} row(s) unit walk {unit:.1f} GB/s, oneDNN brgemm {brgemm:.1f}"
+                          for rows, (unit, brgemm) in sorted(self.gbps.items()))
+        return f"{what} ({self.how}: {rates}{f'; {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
 def brgemm_has_kernel() -> bool:
@@ -457,15 +477,10 @@ def forced_gemm(format: str, gemm: str):
     return _temporarily(isa.native.get_prefill_gemm, isa.native.set_prefill_gemm, (format,), (gemm,))
 
 
-def forced_decode_gemm(format: str, gemm: str):
-    """Run a block with the linear ops' decode GEMM (1 to 4 rows) for ``format`` weights forced ("unit", "brgemm")."""
-    return _temporarily(isa.native.get_decode_gemm, isa.native.set_decode_gemm, (format,), (gemm,))
-
-
-def _faster(times: dict[str, list[float]]) -> tuple[str, float, float]:
-    """("brgemm" where its median beats the unit's by ``MIN_GAIN``, else "unit"; the two medians)."""
-    unit, brgemm = (statistics.median(times[g]) for g in ("unit", "brgemm"))
-    return ("brgemm" if brgemm * MIN_GAIN < unit else "unit"), unit, brgemm
+def forced_decode_gemm(format: str, gemm: str, from_rows: int = 1):
+    """Run a block with the linear ops' decode GEMM for ``format`` weights forced: "unit", or "brgemm" from
+    ``from_rows`` rows on."""
+    return _temporarily(isa.native.get_decode_gemm, isa.native.set_decode_gemm, (format,), (gemm, from_rows))
 
 
 def tune_gemm(format: str, path: str) -> GemmChoice:
@@ -477,74 +492,104 @@ def tune_gemm(format: str, path: str) -> GemmChoice:
     flops = sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
     times: dict[str, list[float]] = {"unit": [], "brgemm": []}
     with isa.forced(path), torch.inference_mode():
-        for round in range(GEMM_ROUNDS + 1):  # the first round warms up (and JIT-compiles brgemm) and is dropped
+        for _ in range(GEMM_ROUNDS + 1):  # the first round warms up (and JIT-compiles brgemm) and is dropped
             for gemm in times:
                 with forced_gemm(format, gemm):
-                    elapsed = sum(_time_pass(tensors, by_k) for by_k in inputs)
-                if round:
-                    times[gemm].append(elapsed)
-    gemm, unit, brgemm = _faster(times)
+                    times[gemm].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
+    unit, brgemm = (statistics.median(times[g][1:]) for g in ("unit", "brgemm"))
+    gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
     isa.native.set_prefill_gemm(format, gemm)
     return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started)
 
 
-def tune_decode_gemm(format: str, path: str) -> GemmChoice:
-    """Time the unit's GEMV walk (as tuned) and brgemm at one row on the walk tuning's pass over cold ``format``
-    weights, interleaved over ``ROUNDS`` rounds; set brgemm where it reads them faster by ``MIN_GAIN``."""
+def choose_decode_gemm(gbps: dict[int, tuple[float, float]]) -> int:
+    """From how many rows on brgemm runs decode, given (unit walk, brgemm) GB/s per timed row count: the fewest
+    rows where it leads by ``MIN_GAIN`` there and at every larger count; 0 (the unit throughout) where it does
+    not lead at the largest."""
+    from_rows = 0
+    for rows in sorted(gbps, reverse=True):
+        unit, brgemm = gbps[rows]
+        if brgemm < unit * MIN_GAIN:
+            break
+        from_rows = rows
+    return from_rows
+
+
+def tune_decode_gemm(format: str, path: str) -> DecodeGemmChoice:
+    """Time the unit's GEMV walk (as tuned) and brgemm at each of ``DECODE_GEMM_ROWS`` rows on the walk tuning's
+    pass over cold ``format`` weights, interleaved over ``ROUNDS`` rounds; set brgemm from the row count
+    ``choose_decode_gemm`` gives."""
     started = time.perf_counter()
     tensors = _decode_pass(format)
-    inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
     nbytes = sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
-    times: dict[str, list[float]] = {"unit": [], "brgemm": []}
+    gbps = {}
     with isa.forced(path), torch.inference_mode():
-        for round in range(ROUNDS + 1):  # the first round pages the weights in (and JIT-compiles brgemm)
-            for gemm in times:
-                with forced_decode_gemm(format, gemm):
-                    elapsed = _time_pass(tensors, inputs)
-                if round:
-                    times[gemm].append(elapsed)
-    gemm, unit, brgemm = _faster(times)
-    isa.native.set_decode_gemm(format, gemm)
-    return GemmChoice(format, gemm, "tuned", nbytes / unit / 1e9, nbytes / brgemm / 1e9,
-                      time.perf_counter() - started, phase="decode")
+        for rows in DECODE_GEMM_ROWS:
+            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
+            times: dict[str, list[float]] = {"unit": [], "brgemm": []}
+            for round in range(ROUNDS + 1):  # the first round pages the weights in (and JIT-compiles brgemm)
+                for gemm in times:
+                    with forced_decode_gemm(format, gemm):
+                        elapsed = _time_pass(tensors, inputs)
+                    if round:
+                        times[gemm].append(elapsed)
+            gbps[rows] = tuple(nbytes / statistics.median(times[g]) / 1e9 for g in ("unit", "brgemm"))
+    from_rows = choose_decode_gemm(gbps)
+    isa.native.set_decode_gemm(format, "brgemm" if from_rows else "unit", from_rows)
+    return DecodeGemmChoice(format, from_rows, "tuned", gbps, time.perf_counter() - started)
 
 
-_PHASES = {  # phase: (its formats among those used, tune, set, get)
-    "decode": (lambda used: [f for f in used if f in DECODE_GEMM_FORMATS], tune_decode_gemm,
-               lambda f, g: isa.native.set_decode_gemm(f, g), lambda f: isa.native.get_decode_gemm(f)),
-    "prefill": (lambda used: used, tune_gemm,
-                lambda f, g: isa.native.set_prefill_gemm(f, g), lambda f: isa.native.get_prefill_gemm(f)),
-}
+def _tuned_prefill_gemm(format: str, path: str, saved: dict) -> tuple[GemmChoice, bool]:
+    """The prefill GEMM of ``format`` from ``saved``, else timed and put there; (choice, whether timed)."""
+    key = _machine_key(path, "prefill_gemm", format)
+    entry = saved.get(key)
+    if entry is not None:
+        isa.native.set_prefill_gemm(format, entry["gemm"])
+        return GemmChoice(format, entry["gemm"], "cached", entry["unit_gflops"], entry["brgemm_gflops"]), False
+    choice = tune_gemm(format, path)
+    saved[key] = {"gemm": choice.gemm, "unit_gflops": choice.unit_gflops, "brgemm_gflops": choice.brgemm_gflops}
+    return choice, True
+
+
+def _tuned_decode_gemm(format: str, path: str, saved: dict) -> tuple[DecodeGemmChoice, bool]:
+    """The decode GEMM of ``format`` from ``saved``, else timed and put there; (choice, whether timed)."""
+    key = _machine_key(path, "decode_gemm", format)
+    entry = saved.get(key)
+    if entry is not None:
+        from_rows = entry["from_rows"]
+        isa.native.set_decode_gemm(format, "brgemm" if from_rows else "unit", from_rows)
+        gbps = {int(rows): tuple(rates) for rows, rates in entry["gbps"].items()}
+        return DecodeGemmChoice(format, from_rows, "cached", gbps), False
+    choice = tune_decode_gemm(format, path)
+    saved[key] = {"from_rows": choice.from_rows, "gbps": {str(rows): list(r) for rows, r in choice.gbps.items()}}
+    return choice, True
 
 
 def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path | None = None,
-                      enabled: bool = True) -> list[GemmChoice]:
-    """The linear ops' GEMM per phase for each format in ``formats_used`` (decode: bf16's only): read from the
+                      enabled: bool = True) -> list[GemmChoice | DecodeGemmChoice]:
+    """The linear ops' decode GEMM (bf16's) and prefill GEMM of each format in ``formats_used``: read from the
     cache file, else timed (``tune_decode_gemm``, ``tune_gemm``) and saved; set in the native table. Nothing is
     timed where brgemm has no compiled kernel (the defaults stay) or with ``enabled=False``. Call after
     ``ensure_tuned``: decode's unit candidate is the tuned walk."""
     path = path or isa.current()
     if isa.native is None or path == "reference" or not brgemm_has_kernel():
         return []
+    used = sorted(set(formats_used))
+    decode = [f for f in used if f in DECODE_GEMM_FORMATS]
+    if not enabled:
+        return [*(DecodeGemmChoice(f, isa.native.get_decode_gemm(f)[1], "untuned") for f in decode),
+                *(GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in used)]
     store = _store(cache)
     saved = _saved(store)
     results, changed = [], False
-    for phase, (formats_of, tune_one, set_choice, get_choice) in _PHASES.items():
-        for format in formats_of(sorted(set(formats_used))):
-            if not enabled:
-                results.append(GemmChoice(format, get_choice(format), "untuned", phase=phase))
-                continue
-            key = _machine_key(path, f"{phase}_gemm", format)
-            entry = saved.get(key)
-            if entry is not None:
-                set_choice(format, entry["gemm"])
-                results.append(GemmChoice(format, entry["gemm"], "cached", entry["unit_rate"], entry["brgemm_rate"],
-                                          phase=phase))
-                continue
-            choice = tune_one(format, path)
-            saved[key] = {"gemm": choice.gemm, "unit_rate": choice.unit_rate, "brgemm_rate": choice.brgemm_rate}
-            changed = True
-            results.append(choice)
+    for format in decode:
+        choice, timed = _tuned_decode_gemm(format, path, saved)
+        results.append(choice)
+        changed |= timed
+    for format in used:
+        choice, timed = _tuned_prefill_gemm(format, path, saved)
+        results.append(choice)
+        changed |= timed
     if changed:
         _save(store, saved)
     return results
@@ -558,7 +603,7 @@ def untuned():
     with contextlib.ExitStack() as stack:
         for format in formats.FORMATS:
             stack.enter_context(forced_gemm(format, "default"))
-            stack.enter_context(forced_decode_gemm(format, "unit"))
+            stack.enter_context(forced_decode_gemm(format, "unit", 0))
         for family in ("extend", "mla"):
             stack.enter_context(forced_attention(family, "unit"))
         yield

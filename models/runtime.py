@@ -20,6 +20,7 @@ import copy
 import functools
 import pathlib
 import types
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -77,6 +78,11 @@ class TilefxRuntime:
         self.graph_cache = GraphCache.open(model, options, self.backend.pass_manager.uuid(),
                                            sources=(pathlib.Path(__file__).parent, *sources))
         self.loaded: dict[str, object] = {}  # call class -> LoadedGraph, or None: nothing to load
+        # Inductor writes the thread count into its kernels (`omp parallel num_threads(N)`); the custom ops use
+        # the process's. Run at another count, every kernel resizes OpenMP's team against them, and libgomp
+        # ends and recreates threads each time (docs/PERFORMANCE.md, sixteenth session): warned once.
+        self.threads = torch.get_num_threads()
+        self._warned_threads = False
         # The model is tilefx's: its modules and weights do not change after compile_model (packed
         # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
         # checked before every decode step, are not installed.
@@ -150,6 +156,7 @@ class TilefxRuntime:
             raise ValueError(f"unsupported forward arguments: {sorted(kwargs)}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        self._check_threads()
         cache = self.cache
         batch, seq = input_ids.shape
         continuing = given_cache is cache and cache.seq_len > 0
@@ -186,6 +193,15 @@ class TilefxRuntime:
         if return_dict is False:
             return (logits, cache)
         return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))
+
+    def _check_threads(self) -> None:
+        threads = torch.get_num_threads()
+        if threads != self.threads and not self._warned_threads:
+            self._warned_threads = True
+            warnings.warn(f"tilefx: this model was compiled for {self.threads} threads and runs at {threads} "
+                          "(torch.set_num_threads after compile_model): its Inductor kernels keep their thread "
+                          "count, and switching between the two every op costs thread start-ups; call "
+                          "torch.set_num_threads before compile_model", RuntimeWarning, stacklevel=3)
 
     def _call_class(self, batch: int, seq: int, logits_to_keep: int) -> str:
         """Which graph serves a call: the runtime's inputs make every call of one class trace the same graph."""

@@ -130,6 +130,30 @@ def test_too_long_request_fails_cleanly_then_recovers(pair):
     assert_greedy_matches(reference, ids, mask, out)
 
 
+def test_running_at_another_thread_count_warns_once(pair):
+    """Inductor's kernels keep the thread count they were compiled for: a caller who changes it afterwards is
+    told, once, and the model still generates."""
+    import warnings
+
+    _, compiled = pair
+    runtime, threads = compiled.tilefx, torch.get_num_threads()
+    ids, mask = padded_batch([_prompt(5, 6)])
+    try:
+        runtime._warned_threads = False
+        torch.set_num_threads(threads + 1)
+        with pytest.warns(RuntimeWarning, match=f"compiled for {threads} threads and runs at {threads + 1}"):
+            compiled.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            compiled.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+        runtime._warned_threads = False
+    with warnings.catch_warnings():  # at the compiled count: silent
+        warnings.simplefilter("error", RuntimeWarning)
+        compiled.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
 def test_batch_over_max_fails_cleanly_then_recovers(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(5, s) for s in range(MAX_BATCH + 1)])
@@ -165,7 +189,7 @@ def test_explain_reports_rewrites(pair):
     from tilefx.custom_ops import tuning
 
     if tuning.brgemm_has_kernel():  # the linear ops' GEMM per phase: the unit's or oneDNN's brgemm, timed
-        gemms = [line for line in text.splitlines() if " GEMM bf16: " in line]
+        gemms = [line for line in text.splitlines() if " GEMM bf16: " in line]  # decode's first (the walk's after)
         assert [line.split(" GEMM")[0] for line in gemms] == ["decode", "prefill"], gemms
         assert all("tuned" in line or "cached" in line for line in gemms), gemms
     config = compiled.config

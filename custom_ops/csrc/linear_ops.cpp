@@ -75,9 +75,6 @@ void attach_weight(LinearProblem& p, const at::Tensor& packed, const c10::option
 
 namespace {
 
-// The rows a linear computes: every dimension of x but the features.
-int64_t rows_of(const at::Tensor& x) { return x.size(-1) == 0 ? 0 : x.numel() / x.size(-1); }
-
 void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                   int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tilefx linear: x must be bfloat16, got ", x.scalar_type());

@@ -2,6 +2,7 @@
 // and exposes the kernel path and the memory helpers to Python.
 #include <torch/extension.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <map>
 #include <memory>
@@ -78,11 +79,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the GEMM the linear ops run above 4 rows for weights of a format: default (the path's), unit or brgemm");
   m.def("get_prefill_gemm", &tilefx::get_prefill_gemm, "the prefill GEMM chosen for a weight format");
   m.def("set_decode_gemm", &tilefx::set_decode_gemm,
-        "what the linear ops run at 1 to 4 rows for weights of a format: unit (its GEMV walk) or brgemm");
-  m.def("get_decode_gemm", &tilefx::get_decode_gemm, "the decode GEMM chosen for a weight format");
+        "what the linear ops run at 1 to 4 rows for weights of a format: unit (its GEMV walk) or brgemm from a row "
+        "count on");
+  m.def("get_decode_gemm", &tilefx::get_decode_gemm, "(choice, from_rows) of a weight format's decode; (unit, 0)");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;
+  // The torch this library was compiled against (custom_ops/isa.py refuses another minor version).
+  m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
   m.def("huge_page_empty", &tilefx::huge_page_empty,
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
   m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,

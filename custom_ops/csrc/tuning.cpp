@@ -62,7 +62,7 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
 constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
-std::atomic<bool> decode_gemm_brgemm[kFormats] = {};  // decode_on_brgemm, per WeightFormat
+std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
 
 AttentionFamily parse_family(const std::string& name) {
@@ -141,18 +141,25 @@ std::string get_prefill_gemm(const std::string& format) {
 }
 
 bool decode_on_brgemm(WeightFormat format, int64_t rows) {
-  return rows >= 1 && rows <= kGemvRows &&
-         decode_gemm_brgemm[static_cast<int>(format)].load(std::memory_order_relaxed);
+  const int64_t from = decode_brgemm_from[static_cast<int>(format)].load(std::memory_order_relaxed);
+  return from > 0 && rows >= from && rows <= kGemvRows;
 }
 
-void set_decode_gemm(const std::string& format, const std::string& choice) {
-  TORCH_CHECK(choice == "unit" || choice == "brgemm", "tilefx tuning: unknown decode GEMM '", choice,
-              "' (unit, brgemm)");
-  decode_gemm_brgemm[static_cast<int>(parse_format(format))] = choice == "brgemm";
+void set_decode_gemm(const std::string& format, const std::string& choice, int64_t from_rows) {
+  const int which = static_cast<int>(parse_format(format));
+  if (choice == "unit") {
+    decode_brgemm_from[which] = 0;
+    return;
+  }
+  TORCH_CHECK(choice == "brgemm", "tilefx tuning: unknown decode GEMM '", choice, "' (unit, brgemm)");
+  TORCH_CHECK(from_rows >= 1 && from_rows <= kGemvRows, "tilefx tuning: brgemm takes decode from 1 to ", kGemvRows,
+              " rows on, got ", from_rows);
+  decode_brgemm_from[which] = from_rows;
 }
 
-std::string get_decode_gemm(const std::string& format) {
-  return decode_gemm_brgemm[static_cast<int>(parse_format(format))].load() ? "brgemm" : "unit";
+std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format) {
+  const int64_t from = decode_brgemm_from[static_cast<int>(parse_format(format))].load();
+  return {from > 0 ? "brgemm" : "unit", from};
 }
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {

@@ -58,14 +58,17 @@ void set_prefill_gemm(const std::string& format, const std::string& choice);
 std::string get_prefill_gemm(const std::string& format);
 
 // Decode linears (1 to kGemvRows rows): the unit's GEMV walk or oneDNN's brgemm over the same
-// packed blocks, per weight format; the unit's walk by default. custom_ops/tuning.py times both
-// for bf16 where brgemm has a JIT kernel and sets brgemm where it reads the weights faster (on a
-// Xeon with AMX, oneDNN's GEMV out-read the unit's walk on 2 threads, docs/PERFORMANCE.md). The
-// linear ops only: fused_moe's expert GEMVs stay on the unit.
+// packed blocks, per weight format: brgemm from a row count on (its AMX tiles make 4 rows cost
+// what 1 does, where the unit's GEMV does 4 times the work per byte), the unit below it; the unit
+// at every count by default. custom_ops/tuning.py times both at 1, 2 and 4 rows for bf16 where
+// brgemm has a JIT kernel (on a Xeon with AMX oneDNN's GEMV out-read the unit's walk on 2 threads,
+// docs/PERFORMANCE.md). The linear ops only: fused_moe's expert GEMVs stay on the unit.
 bool decode_on_brgemm(WeightFormat format, int64_t rows);
-// `format` bf16 / int8 / fp8 / int4; `choice` "unit" or "brgemm".
-void set_decode_gemm(const std::string& format, const std::string& choice);
-std::string get_decode_gemm(const std::string& format);
+// `format` bf16 / int8 / fp8 / int4; `choice` "unit" (from_rows ignored) or "brgemm" from
+// `from_rows` (1 to kGemvRows) rows on.
+void set_decode_gemm(const std::string& format, const std::string& choice, int64_t from_rows);
+// (choice, from_rows); ("unit", 0) when the unit runs every row count.
+std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format);
 
 // An op reads the walk once per call (walk_tuning) and sets it on each of its problems.
 inline void apply_tuning(LinearProblem& p, const WalkTuning& walk) {

@@ -83,7 +83,7 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     try:
         first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
         assert [c.how for c in first] == ["tuned"] and first[0].gemm in ("unit", "brgemm")
-        assert first[0].unit_rate > 0 and first[0].brgemm_rate > 0 and first[0].phase == "prefill"
+        assert first[0].unit_gflops > 0 and first[0].brgemm_gflops > 0
         assert isa.native.get_prefill_gemm("int8") == first[0].gemm
         isa.native.set_prefill_gemm("int8", "default")
         again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
@@ -129,16 +129,50 @@ def test_brgemm_decode_matches_the_reference(kernel_path, format, rows, in_featu
 
 def test_decode_gemm_choice_is_checked_and_defaults_to_the_unit():
     with pytest.raises(RuntimeError, match="unknown decode GEMM"):
-        isa.native.set_decode_gemm("bf16", "default")
+        isa.native.set_decode_gemm("bf16", "default", 1)
     with pytest.raises(RuntimeError, match="unknown weight format"):
-        isa.native.set_decode_gemm("int3", "unit")
+        isa.native.set_decode_gemm("int3", "unit", 0)
+    with pytest.raises(RuntimeError, match="from 1 to 4 rows"):
+        isa.native.set_decode_gemm("bf16", "brgemm", 5)
     with tuning.untuned():
-        assert {isa.native.get_decode_gemm(f) for f in weights.FORMATS} == {"unit"}
+        assert {tuple(isa.native.get_decode_gemm(f)) for f in weights.FORMATS} == {("unit", 0)}
+
+
+def test_decode_gemm_runs_brgemm_from_its_row_count(kernel_path):
+    """brgemm from 2 rows: 1 row is the unit's walk, bit for bit, and 2 and 4 rows are brgemm's (fp8, whose panel
+    rounds each scaled weight to bf16 where the unit scales its sums: the two differ, so which ran shows)."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    weight = _weight(64, 256, 5)
+    packed = weights.pack_linear_weight(weight, "fp8")
+    scales = weights.packed_scales(packed)
+    xs = {rows: torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+          for rows in (1, 2, 4)}
+
+    def run(gemm, from_rows=1):
+        with tuning.untuned(), tuning.forced_decode_gemm("fp8", gemm, from_rows):
+            return {rows: torch.ops.tilefx.linear_float(x, packed, None, 64, scales) for rows, x in xs.items()}
+
+    unit, brgemm, from_two = run("unit"), run("brgemm"), run("brgemm", 2)
+    assert not torch.equal(unit[2], brgemm[2])  # the two can be told apart
+    assert torch.equal(from_two[1], unit[1])
+    assert torch.equal(from_two[2], brgemm[2]) and torch.equal(from_two[4], brgemm[4])
+
+
+@pytest.mark.parametrize("gbps,want", [
+    ({1: (20.0, 25.0), 2: (18.0, 25.0), 4: (12.0, 25.0)}, 1),  # brgemm leads everywhere
+    ({1: (25.0, 24.0), 2: (20.0, 24.0), 4: (12.0, 24.0)}, 2),  # the walk leads at one row only
+    ({1: (25.0, 24.0), 2: (24.0, 24.5), 4: (12.0, 24.0)}, 4),  # within MIN_GAIN at 2 rows: the walk
+    ({1: (20.0, 25.0), 2: (25.0, 24.0), 4: (12.0, 24.0)}, 4),  # a lead at 1 row alone does not count
+    ({1: (35.0, 33.0), 2: (34.0, 33.0), 4: (34.0, 32.0)}, 0),  # the walk throughout (Zen 4)
+])
+def test_decode_gemm_choice_takes_brgemm_from_where_it_leads_onwards(gbps, want):
+    assert tuning.choose_decode_gemm(gbps) == want
 
 
 def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
-    """bf16 only is timed (a quantized block reaches brgemm only through a bf16 copy); the walk tuning times the
-    unit's walk even where brgemm was chosen for decode."""
+    """bf16 only is timed (a quantized block reaches brgemm only through a bf16 copy), at 1, 2 and 4 rows; the
+    walk tuning times the unit's walk even where brgemm was chosen for decode."""
     path = isa.current()
     if path == "reference" or not tuning.brgemm_has_kernel():
         pytest.skip("brgemm has no compiled kernel on this CPU: nothing is timed (the unit's walk stays)")
@@ -151,20 +185,22 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
     monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
     with tuning.untuned():
         first = tuning.ensure_gemm_tuned(["bf16", "int8"], path=path, cache=tmp_path)
-        decode = [c for c in first if c.phase == "decode"]
+        decode = [c for c in first if isinstance(c, tuning.DecodeGemmChoice)]
         assert [(c.format, c.how) for c in decode] == [("bf16", "tuned")]
-        assert decode[0].gemm in ("unit", "brgemm") and decode[0].unit_rate > 0 and decode[0].brgemm_rate > 0
-        assert isa.native.get_decode_gemm("bf16") == decode[0].gemm and isa.native.get_decode_gemm("int8") == "unit"
-        assert "decode GEMM bf16" in decode[0].line() and "GB/s" in decode[0].line()
-        isa.native.set_decode_gemm("bf16", "unit")
+        assert sorted(decode[0].gbps) == [1, 2, 4] and all(u > 0 and b > 0 for u, b in decode[0].gbps.values())
+        assert decode[0].from_rows == tuning.choose_decode_gemm(decode[0].gbps)
+        assert tuple(isa.native.get_decode_gemm("bf16"))[1] == decode[0].from_rows
+        assert tuple(isa.native.get_decode_gemm("int8")) == ("unit", 0)
+        assert decode[0].line().startswith("decode GEMM bf16: ") and "4 row(s) unit walk" in decode[0].line()
+        isa.native.set_decode_gemm("bf16", "unit", 0)
         again = tuning.ensure_gemm_tuned(["bf16"], path=path, cache=tmp_path)
-        assert [(c.phase, c.how) for c in again] == [("decode", "cached"), ("prefill", "cached")]
-        assert isa.native.get_decode_gemm("bf16") == decode[0].gemm
+        assert [(type(c).__name__, c.how) for c in again] == [("DecodeGemmChoice", "cached"), ("GemmChoice", "cached")]
+        assert again[0].gbps == decode[0].gbps and tuple(isa.native.get_decode_gemm("bf16"))[1] == decode[0].from_rows
         calls = []
         monkeypatch.setattr(tuning, "_time_pass", lambda *a: calls.append(isa.native.get_decode_gemm("bf16")) or 1.0)
         with tuning.forced_decode_gemm("bf16", "brgemm"):
             tuning.tune(tuning.decode_units(path)[0], "bf16", path)
-        assert set(calls) == {"unit"}
+        assert {tuple(c) for c in calls} == {("unit", 0)}
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])

@@ -227,3 +227,25 @@ def test_linear_float_keeps_fp32(kernel_path, rows, out_features, in_features):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.library.opcheck(linear_ops.linear_float, (x, weights.pack_linear_weight_reference(weight), None,
                                                     out_features))
+
+
+def test_a_built_native_library_is_loaded():
+    """Where the extension was built (as `make test` does), it must load: a library refused at import (say,
+    built against another torch) would otherwise turn every native test into a skip."""
+    import pathlib
+
+    from tilefx.custom_ops import isa
+
+    built = list(pathlib.Path(isa.__file__).parent.glob("_C*.so"))
+    if not built:
+        pytest.skip("the native library was never built here")
+    assert isa.native is not None, isa.NATIVE_IMPORT_ERROR
+    assert isa.version_mismatch(isa.native.torch_version, torch.__version__) is None
+
+
+def test_a_library_built_for_another_torch_is_refused():
+    from tilefx.custom_ops import isa
+
+    assert isa.version_mismatch("2.13", "2.13.0+cpu") is None and isa.version_mismatch("2.13", "2.13.1") is None
+    assert "built against torch 2.11 and this is torch 2.13.0+cpu: rebuild" in isa.version_mismatch("2.11", "2.13.0+cpu")
+    assert "of an older tilefx" in isa.version_mismatch(None, "2.13.0")
