@@ -26,6 +26,19 @@ namespace {
 // brgemm walks them, where a whole K of 8192 read both from L3 (docs/PERFORMANCE.md).
 constexpr int64_t kBrgemmRows = 64;
 constexpr int64_t kBrgemmPairs = 1024;
+// Work units are taken in groups whose bf16 weights (the blocks, or their dequantized panels) fill
+// at most kGroupBytes, and each row tile of x meets the whole group before the next tile: x is read
+// once per group rather than once per block. x of 1024 rows at K 2048 is 4 MiB, past an L2, so
+// block by block every block read it again from L3; at AMX's GEMM rate that traffic is a share of
+// the time (at Zen 4's, brgemm is compute-bound either way: measured level).
+constexpr int64_t kGroupBytes = 512 << 10;
+constexpr int64_t kMaxGroup = 8;
+
+// Units a group holds: blocks of K pairs (two with SiLU-and-mul) in bf16 within kGroupBytes.
+int64_t group_units(const LinearProblem& p) {
+  const int64_t unit_bytes = (p.silu_mul ? 2 : 1) * block_values(p.K_pairs) * int64_t{sizeof(uint16_t)};
+  return std::clamp<int64_t>(kGroupBytes / std::max<int64_t>(unit_bytes, 1), 1, kMaxGroup);
+}
 
 // `p` restricted to its rows [row, row + rows): what the epilogue writes.
 LinearProblem row_tile(const LinearProblem& p, int64_t row, int64_t rows) {
@@ -55,7 +68,10 @@ const UnitEpilogue& epilogue_of(LinearUnit unit) {
 
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
   const int64_t tile = std::min(p.M, kBrgemmRows);
-  const int64_t panels = p.format == WeightFormat::bf16 ? 0 : block_values(p.K_pairs);  // two bf16 panels, in floats
+  // the quantized group's bf16 panels, in floats
+  const int64_t panels = p.format == WeightFormat::bf16
+                             ? 0
+                             : group_units(p) * (p.silu_mul ? 2 : 1) * block_values(p.K_pairs) / 2;
   return 2 * tile * kBlockN + panels;
 }
 
@@ -64,12 +80,13 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const UnitEpilogue& epilogue = epilogue_of(unit);
   const int64_t block_elems = block_values(p.K_pairs);
   const int64_t tile = std::min(p.M, kBrgemmRows);
+  const int64_t per_unit = p.silu_mul ? 2 : 1;  // blocks a work unit multiplies: gate and up, or one
   float* results[2] = {scratch, scratch + tile * kBlockN};
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * tile * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
 
   // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
-  auto weight = [&](int64_t block, int which) {
+  auto weight = [&](int64_t block, int64_t which) {
     if (p.format == WeightFormat::bf16) return reinterpret_cast<const at::BFloat16*>(p.w + block * block_elems);
     uint16_t* panel = panels + which * block_elems;
     epilogue.dequantize[static_cast<int>(p.format)](p, block, panel);
@@ -88,19 +105,24 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
     }
   };
   // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul.
-  for (int64_t u = begin; u < end; ++u) {
-    const at::BFloat16* first = weight(p.silu_mul ? 2 * u : u, 0);
-    const at::BFloat16* up = p.silu_mul ? weight(2 * u + 1, 1) : nullptr;
+  const int64_t group = group_units(p);
+  const at::BFloat16* b[kMaxGroup * 2];
+  for (int64_t first = begin; first < end; first += group) {
+    const int64_t units = std::min(group, end - first);
+    for (int64_t i = 0; i < units * per_unit; ++i) b[i] = weight(first * per_unit + i, i);
     for (int64_t row = 0; row < p.M; row += tile) {
       const int64_t rows = std::min(tile, p.M - row);
       const LinearProblem out = row_tile(p, row, rows);
-      if (p.silu_mul) {
-        multiply(first, 2 * u, row, rows, results[0]);
-        multiply(up, 2 * u + 1, row, rows, results[1]);
-        epilogue.store_silu_mul(out, u * kBlockN, results[0], results[1]);
-      } else {
-        multiply(first, u, row, rows, results[0]);
-        epilogue.store(out, u * kBlockN, results[0]);
+      for (int64_t i = 0; i < units; ++i) {
+        const int64_t u = first + i;
+        if (p.silu_mul) {
+          multiply(b[2 * i], 2 * u, row, rows, results[0]);
+          multiply(b[2 * i + 1], 2 * u + 1, row, rows, results[1]);
+          epilogue.store_silu_mul(out, u * kBlockN, results[0], results[1]);
+        } else {
+          multiply(b[i], u, row, rows, results[0]);
+          epilogue.store(out, u * kBlockN, results[0]);
+        }
       }
     }
   }

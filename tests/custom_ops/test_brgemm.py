@@ -27,13 +27,15 @@ def _relative_error(got, want):
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
-@pytest.mark.parametrize("rows,in_features", [(5, 300), (70, 301), (3, 256)], ids=["5x300", "70x301-odd", "3x256"])
-def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features):
+@pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90)],
+                         ids=["5x300", "70x301-odd", "3x256", "70x64-groups"])
+def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features, blocks):
     """linear (with bias), linear_float and linear_silu_mul over more rows than one brgemm tile (70 > 64), an odd
-    K (padded pair) and a ragged last block; 3 rows stays a GEMV on the unit whatever is forced."""
+    K (padded pair) and a ragged last block; 90 blocks make chunks of several groups of blocks (a row tile meets a
+    group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
-    out_features, intermediate = 5 * 32 + 7, 5 * 32  # a ragged last block; gate/up take whole blocks
+    out_features, intermediate = blocks * 32 + 7, blocks * 32  # a ragged last block; gate/up take whole blocks
     weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
     gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
     packed = weights.pack_linear_weight(weight, format)
