@@ -26,6 +26,27 @@ def _relative_error(got, want):
     return ((got.float() - want).norm() / want.norm()).item()
 
 
+def _linear_ops(format, rows, in_features, out_features, intermediate):
+    """Random weights packed in ``format`` and x of ``rows`` rows: a function that runs linear (with bias),
+    linear_float and linear_silu_mul on them (under whatever GEMM the caller forces), and their fp32 references
+    (the plain linear's, the gated one's)."""
+    weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
+    gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
+    packed = weights.pack_linear_weight(weight, format)
+    gate_up = weights.pack_gate_up_weight(gate, up, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
+    w, g, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, gate, up))
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+
+    def run():
+        return (linear_ops.linear(x, packed, bias, out_features, scales),
+                torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales),
+                linear_ops.linear_silu_mul(x, gate_up, intermediate, gate_up_scales))
+
+    return run, x.float() @ w.T + bias.float(), torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
+
+
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90)],
                          ids=["5x300", "70x301-odd", "3x256", "70x64-groups"])
@@ -35,27 +56,16 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
-    out_features, intermediate = blocks * 32 + 7, blocks * 32  # a ragged last block; gate/up take whole blocks
-    weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
-    gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
-    packed = weights.pack_linear_weight(weight, format)
-    gate_up = weights.pack_gate_up_weight(gate, up, format)
-    scales = weights.packed_scales(packed) if format != "bf16" else None
-    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
-    w, g, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, gate, up))
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    # a ragged last block; gate/up take whole blocks
+    run, want, want_gated = _linear_ops(format, rows, in_features, blocks * 32 + 7, blocks * 32)
     with tuning.forced_gemm(format, "brgemm"):
-        got = linear_ops.linear(x, packed, bias, out_features, scales)
-        got_float = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
-        gated = linear_ops.linear_silu_mul(x, gate_up, intermediate, gate_up_scales)
-    want = x.float() @ w.T + bias.float()
+        got, got_float, gated = run()
     assert got.dtype == torch.bfloat16 and got_float.dtype == torch.float32
     assert _relative_error(got, want) < 1e-2
     assert _relative_error(got_float, want) < 1e-2
-    want_gated = torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
     assert _relative_error(gated, want_gated) < 1e-2
     with tuning.forced_gemm(format, "unit"):  # the same products on the unit's GEMM
-        unit = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+        unit = run()[1]
     assert _relative_error(got_float, unit.float()) < 1e-3
 
 
@@ -105,27 +115,15 @@ def test_brgemm_decode_matches_the_reference(kernel_path, format, rows, in_featu
     result. Only 1 to 4 rows: prefill keeps its own choice, and fused_moe's experts keep the unit."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
-    out_features, intermediate = 3 * 32 + 5, 2 * 32
-    weight, bias = _weight(out_features, in_features, 1), _weight(1, out_features, 3)[0]
-    gate, up = _weight(intermediate, in_features, 2), _weight(intermediate, in_features, 4)
-    packed = weights.pack_linear_weight(weight, format)
-    gate_up = weights.pack_gate_up_weight(gate, up, format)
-    scales = weights.packed_scales(packed) if format != "bf16" else None
-    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
-    w, g, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, gate, up))
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    run, want, want_gated = _linear_ops(format, rows, in_features, 3 * 32 + 5, 2 * 32)
     with tuning.untuned(), tuning.forced_decode_gemm(format, "brgemm"):
-        got = linear_ops.linear(x, packed, bias, out_features, scales)
-        got_float = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
-        gated = linear_ops.linear_silu_mul(x, gate_up, intermediate, gate_up_scales)
-    want = x.float() @ w.T + bias.float()
+        got, got_float, gated = run()
     assert _relative_error(got, want) < 1e-2 and _relative_error(got_float, want) < 1e-2
-    want_gated = torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
     assert _relative_error(gated, want_gated) < 1e-2
     if format != "bf16":  # brgemm multiplies the weights rounded to a bf16 panel: not the unit's products
         return
     with tuning.untuned():
-        unit = torch.ops.tilefx.linear_float(x, packed, bias, out_features, scales)
+        unit = run()[1]
     assert _relative_error(got_float, unit.float()) < 1e-3
 
 
