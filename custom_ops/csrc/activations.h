@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned.h"
 #include "dispatch.h"
 #include "kernels.h"
 
@@ -81,7 +82,7 @@ class Activations {
   WeightFormat format_;
   int64_t count_, ldx_;
   const void* rows_ = nullptr;   // the base form: base_, or the caller's bf16 rows where they already are pairs
-  std::vector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs
+  AlignedVector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs (brgemm's A)
   std::vector<uint32_t> words_;   // int16 pairs, ldx / 2 per row
   std::vector<float> word_scales_;
   std::vector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row

@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "aligned.h"
 #include "kernels.h"
 #include "ops.h"
 #include "parallel.h"
@@ -55,8 +56,8 @@ struct Packed {
   int64_t end, padded;  // keys [0, end) are valid; `padded` rounds `end` up to a key block
   int64_t qdim;         // k_dim + rope_dim: a query row and a packed key column
   std::vector<KeyRange> ranges;  // per (b, s)
-  std::vector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs
-  std::vector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2]
+  AlignedVector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs
+  AlignedVector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2]
 
   const uint32_t* keys_of(int64_t bh) const { return keys.data() + bh * (qdim / 2) * padded; }
   const uint16_t* values_of(int64_t bh) const { return values.data() + bh * padded * p.v_dim; }
@@ -127,8 +128,9 @@ void pack_values(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, i
 
 // Per-thread buffers of one task.
 struct TaskScratch {
-  std::vector<uint16_t> query, weights;
-  std::vector<float> scores, out, max, sum;
+  AlignedVector<uint16_t> query, weights;
+  AlignedVector<float> scores, out;
+  std::vector<float> max, sum;
   void fit(int64_t rows, int64_t qdim, int64_t v_dim) {
     query.resize(rows * qdim);
     weights.resize(rows * kAttentionKeyBlock);

@@ -12,7 +12,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 
+#include "aligned.h"
 #include "dispatch.h"
 #include "kernels.h"
 #include "layout.h"
@@ -77,6 +79,8 @@ int64_t brgemm_scratch_floats(const LinearProblem& p) {
 
 void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
   TORCH_CHECK(p.x_form == ActivationForm::bf16_pairs, "tilefx brgemm: x must be bf16 pairs");
+  // its panels and result tiles are brgemm's B and C: a row split across two cache lines costs two (aligned.h)
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(scratch) % kCacheLine == 0, "tilefx brgemm: scratch must be cache-line aligned");
   const UnitEpilogue& epilogue = epilogue_of(unit);
   const int64_t block_elems = block_values(p.K_pairs);
   const int64_t tile = std::min(p.M, kBrgemmRows);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "aligned.h"
 #include "activations.h"
 #include "dispatch.h"
 #include "kernels.h"
@@ -125,7 +126,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
   const size_t scratch_floats = brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
+    thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     if (brgemm) {
       linear_blocks_brgemm(unit, p, begin, end, scratch.data());
@@ -164,7 +165,7 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
   const size_t scratch_floats = 2 * std::max<int64_t>(seq, 2) * kBlockN;
   const WalkTuning walk = walk_tuning(isa, WeightFormat::bf16);
   at::parallel_for(0, groups * heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
+    thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t unit = begin; unit < end;) {  // one call per (group, head) run of blocks
       const int64_t matrix = unit / blocks, first = unit % blocks;

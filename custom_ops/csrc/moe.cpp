@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "aligned.h"
 #include "activations.h"
 #include "kernels.h"
 #include "layout.h"
@@ -54,7 +55,7 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
   const size_t scratch_floats =
       std::max(linear_scratch_floats(widest), on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
   parallel_chunks(work, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scratch;
+    thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     for (int64_t unit = begin; unit < end;) {
       const int64_t i = unit / blocks_per_expert, first = unit % blocks_per_expert;
