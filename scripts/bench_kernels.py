@@ -10,6 +10,8 @@ bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
 the streaming-read bandwidth measured in the same run: each M=1 linear pass (over
 enough weight copies to miss the L3 cache, as decode does) alternates with a
 streaming-read pass, and the fraction is best over best and median over median.
+Next to it, the same linear on oneDNN's brgemm (decode's other candidate, where brgemm has
+a compiled kernel), torch's bf16 linear and oneDNN's packed one, each on cold copies.
 Linears are measured as decode runs them, siblings fused (q/k/v as one weight,
 gate/up with SiLU-and-mul as one op), and also unfused for comparison.
 """
@@ -163,6 +165,10 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
         tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True),
                                                case.weight_bytes, probe, repeats)
         t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
+        t_brgemm = None  # the decode GEMM's other candidate on the same packed blocks (tuning.tune_decode_gemm)
+        if tuning.brgemm_has_kernel():
+            with tuning.forced_decode_gemm("bf16", "brgemm"):
+                t_brgemm = median_seconds_per_copy(lambda w: op(x, w), cold_copies(packed, huge_pages=True), repeats)
         onednn = onednn_cold_copies(weight)
         t_onednn = median_seconds_per_copy(lambda w: onednn_linear(x, w), onednn, repeats) if onednn else None
         del onednn
@@ -178,6 +184,7 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
             "fraction_of_stream_median": statistics.median(tilefx_gbps) / statistics.median(stream_gbps),
             "torch_gbps": weight.nbytes / t_torch / 1e9,
             "onednn_gbps": weight.nbytes / t_onednn / 1e9 if t_onednn else None,
+            "brgemm_gbps": case.weight_bytes / t_brgemm / 1e9 if t_brgemm else None,
             "prefill_tilefx_gflops": flops / t_prefill / 1e9,
             "prefill_torch_gflops": flops / t_prefill_torch / 1e9,
         })
@@ -323,13 +330,14 @@ def main(argv=None) -> int:
     linears = bench_linears(presets, args.repeats, args.prefill_rows, args.stream_mib)
     print("\n## tilefx.linear, M=1 (decode) and M=%d (prefill)\n" % args.prefill_rows)
     print("| shape N x K | used as | rel err | tilefx GB/s | stream GB/s | of stream (best) | of stream (median) "
-          "| torch bf16 GB/s | oneDNN packed GB/s | prefill tilefx GFLOP/s | prefill torch GFLOP/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| tilefx on brgemm GB/s | torch bf16 GB/s | oneDNN packed GB/s | prefill tilefx GFLOP/s | prefill torch GFLOP/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in sorted(linears, key=lambda r: not r["in_decode"]):
         onednn = f"{r['onednn_gbps']:.1f}" if r["onednn_gbps"] else "n/a"
+        brgemm = f"{r['brgemm_gbps']:.1f}" if r["brgemm_gbps"] else "n/a"
         print(f"| {r['N']} x {r['K']} | {r['preset']} {r['linear']} | {r['rel_err']:.1e} | {r['tilefx_gbps']:.1f} "
               f"| {r['stream_gbps']:.1f} | {r['fraction_of_stream']:.0%} | {r['fraction_of_stream_median']:.0%} "
-              f"| {r['torch_gbps']:.1f} | {onednn} "
+              f"| {brgemm} | {r['torch_gbps']:.1f} | {onednn} "
               f"| {r['prefill_tilefx_gflops']:.0f} | {r['prefill_torch_gflops']:.0f} |")
     worst = min((r for r in linears if r["in_decode"]), key=lambda r: r["fraction_of_stream"])
     print(f"\nslowest M=1 shape that decode runs: {worst['N']} x {worst['K']} ({worst['linear']}) at "

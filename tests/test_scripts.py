@@ -24,6 +24,9 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     quantized = result["quantized_linear"]  # the decode linears in int8 and fp8
     assert {r["format"] for r in quantized} == {"int8", "fp8"} and all(r["rel_err"] < 1e-2 for r in quantized)
     assert all(r["tilefx_gbps"] > 0 and r["fraction_of_stream"] > 0 for r in result["linear"])
+    from tilefx.custom_ops import tuning  # decode's brgemm candidate, timed where it has a compiled kernel
+
+    assert all((r["brgemm_gbps"] or 0) > 0 for r in result["linear"]) == tuning.brgemm_has_kernel()
     assert [r["op"] for r in result["attention"]] == ["decode_attention"] * 2 + ["extend_attention"]
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])
     out = capsys.readouterr().out
