@@ -176,6 +176,11 @@ def _decode_pass(format: str):
     return [_random_packing(n, k, format) for n, k in LAYER_SHAPES * max(1, -(-pass_bytes // layer_bytes))]
 
 
+def _pass_bytes(tensors) -> int:
+    """The bytes a pass over ``tensors`` (``_decode_pass``'s) reads: the packed values and their scales."""
+    return sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
+
+
 def _time_pass(tensors, inputs) -> float:
     start = time.perf_counter()
     for data, scales, n, k in tensors:
@@ -201,7 +206,7 @@ def tune(unit: str, format: str, path: str) -> Tuned:
     default = current(unit, format)
     tensors = _decode_pass(format)
     inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
-    nbytes = sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
+    nbytes = _pass_bytes(tensors)
     walks = tuple(dict.fromkeys((default, *candidates(unit, format))))
     with isa.forced(path), forced_decode_gemm(format, "unit", 0), torch.inference_mode():
         _time_pass(tensors, inputs)  # warm-up: page in every tensor, settle the clocks
@@ -521,7 +526,7 @@ def tune_decode_gemm(format: str, path: str) -> DecodeGemmChoice:
     ``choose_decode_gemm`` gives."""
     started = time.perf_counter()
     tensors = _decode_pass(format)
-    nbytes = sum(d.nbytes + (0 if s is None else s.nbytes) for d, s, _, _ in tensors)
+    nbytes = _pass_bytes(tensors)
     gbps = {}
     with isa.forced(path), torch.inference_mode():
         for rows in DECODE_GEMM_ROWS:

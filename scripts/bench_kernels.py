@@ -162,13 +162,14 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
             reference = lambda x, w: linear_ops.linear_reference(x, w, None, n)  # noqa: E731
         x = torch.randn(1, k).to(torch.bfloat16)
         err = relative_error(op(x, packed), reference(x, packed))
-        tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True),
-                                               case.weight_bytes, probe, repeats)
-        t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
+        copies = cold_copies(packed, huge_pages=True)
+        tilefx_gbps, stream_gbps = paired_gbps(lambda w: op(x, w), copies, case.weight_bytes, probe, repeats)
         t_brgemm = None  # the decode GEMM's other candidate on the same packed blocks (tuning.tune_decode_gemm)
         if tuning.brgemm_has_kernel():
             with tuning.forced_decode_gemm("bf16", "brgemm"):
-                t_brgemm = median_seconds_per_copy(lambda w: op(x, w), cold_copies(packed, huge_pages=True), repeats)
+                t_brgemm = median_seconds_per_copy(lambda w: op(x, w), copies, repeats)
+        del copies
+        t_torch = median_seconds_per_copy(lambda w: torch.nn.functional.linear(x, w), cold_copies(weight), repeats)
         onednn = onednn_cold_copies(weight)
         t_onednn = median_seconds_per_copy(lambda w: onednn_linear(x, w), onednn, repeats) if onednn else None
         del onednn

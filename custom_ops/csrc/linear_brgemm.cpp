@@ -36,9 +36,12 @@ constexpr int64_t kBrgemmPairs = 1024;
 constexpr int64_t kGroupBytes = 512 << 10;
 constexpr int64_t kMaxGroup = 8;
 
-// Units a group holds: blocks of K pairs (two with SiLU-and-mul) in bf16 within kGroupBytes.
+// Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
+int64_t blocks_per_unit(const LinearProblem& p) { return p.silu_mul ? 2 : 1; }
+
+// Units a group holds: their blocks of K pairs in bf16 within kGroupBytes.
 int64_t group_units(const LinearProblem& p) {
-  const int64_t unit_bytes = (p.silu_mul ? 2 : 1) * block_values(p.K_pairs) * int64_t{sizeof(uint16_t)};
+  const int64_t unit_bytes = blocks_per_unit(p) * block_values(p.K_pairs) * int64_t{sizeof(uint16_t)};
   return std::clamp<int64_t>(kGroupBytes / std::max<int64_t>(unit_bytes, 1), 1, kMaxGroup);
 }
 
@@ -73,7 +76,7 @@ int64_t brgemm_scratch_floats(const LinearProblem& p) {
   // the quantized group's bf16 panels, in floats
   const int64_t panels = p.format == WeightFormat::bf16
                              ? 0
-                             : group_units(p) * (p.silu_mul ? 2 : 1) * block_values(p.K_pairs) / 2;
+                             : group_units(p) * blocks_per_unit(p) * block_values(p.K_pairs) / 2;
   return 2 * tile * kBlockN + panels;
 }
 
@@ -84,7 +87,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const UnitEpilogue& epilogue = epilogue_of(unit);
   const int64_t block_elems = block_values(p.K_pairs);
   const int64_t tile = std::min(p.M, kBrgemmRows);
-  const int64_t per_unit = p.silu_mul ? 2 : 1;  // blocks a work unit multiplies: gate and up, or one
+  const int64_t per_unit = blocks_per_unit(p);
   float* results[2] = {scratch, scratch + tile * kBlockN};
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * tile * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
