@@ -72,7 +72,7 @@ class CompileReport:
     walks: list[Tuned] = dataclasses.field(default_factory=list)  # the decode walks' tuning (custom_ops/tuning.py)
     # the linear ops' GEMM per phase and format (tuning.py)
     gemms: list[GemmChoice | DecodeGemmChoice] = dataclasses.field(default_factory=list)
-    attention: AttentionChoice | None = None  # the prefill attention's choice (custom_ops/tuning.py)
+    attention: AttentionChoice | None = None  # prefill and decode attention's choices (custom_ops/tuning.py)
     placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
     collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator
 

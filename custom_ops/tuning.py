@@ -12,9 +12,9 @@ sources, linear unit and weight format, keeps the fastest in the native table
 (``cache_root()``), so a later process reads it instead of timing again.
 
 The same module picks the linear ops' GEMM (``ensure_gemm_tuned``: the unit's or oneDNN's brgemm, above 4 rows
-per weight format, at 1 to 4 rows for bf16) and prefill attention's per model (``ensure_attention_tuned``: the
-path's attention unit, PyTorch's own SDPA or tilefx's flash attention on brgemm, timed on the model's head
-shape); see below.
+per weight format, at 1 to 4 rows for bf16) and attention's per model (``ensure_attention_tuned``: for prefill the
+path's attention unit, PyTorch's own SDPA or tilefx's flash attention on brgemm, for decode the unit or flash
+decoding on brgemm, timed on the model's head shape); see below.
 
 Correctness never depends on the choice: every candidate computes the same products
 (tests force each one).
@@ -277,10 +277,16 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
 # has it. Which leads depends on the CPU and the heads' shape, so each is timed on the model's own head shape
 # at a short and a long prompt (brgemm only where it has a compiled kernel). The fastest at the long prompt,
 # if it beats the unit there, takes the prompts from the first length class where it leads the unit (and
-# leads at every longer one): csrc/tuning.h prefill_attention. Decode always runs the unit.
+# leads at every longer one): csrc/tuning.h prefill_attention.
+# Decode (one new token over a long context) is timed the same way, the unit against flash decoding on brgemm
+# tiles (csrc/tuning.h decode_attention): brgemm where it has a compiled kernel and beats the unit at every context
+# timed. MLA's 16 heads over one latent head make a tile brgemm fills; GQA's 4 to 8 query heads per KV head
+# fill a quarter to half of it.
 ATTENTION_LENGTHS = ((128, 2), (1024, 384))  # (the prompt length timed, the first length of its class)
 ATTENTION_ROUNDS = 3
 ATTENTION_KERNELS = ("unit", "sdpa", "brgemm")  # csrc/tuning.h PrefillAttention
+DECODE_ATTENTION_CONTEXTS = (1024, 4096)  # cached tokens a decode step attends, timed
+DECODE_ATTENTION_KERNELS = ("unit", "brgemm")  # csrc/tuning.h DecodeAttention
 _KERNEL_NAMES = {"unit": "the unit's kernel", "sdpa": "PyTorch SDPA", "brgemm": "flash attention on oneDNN brgemm"}
 
 
@@ -309,7 +315,19 @@ class AttentionChoice:
     from_tokens: int  # 0 for the unit (every length)
     how: str  # "tuned", "cached", "untuned"
     ms: dict = dataclasses.field(default_factory=dict)  # kernel -> median ms per ATTENTION_LENGTHS entry
-    seconds: float = 0.0
+    seconds: float = 0.0  # prefill's and decode's timing together
+    decode_kernel: str = "unit"  # one of DECODE_ATTENTION_KERNELS
+    decode_ms: dict = dataclasses.field(default_factory=dict)  # kernel -> median ms per DECODE_ATTENTION_CONTEXTS
+
+    def decode_line(self) -> str:
+        what = f"decode attention ({self.shape.describe()}): " + (
+            "flash decoding on oneDNN brgemm" if self.decode_kernel == "brgemm" else _KERNEL_NAMES["unit"])
+        if self.how == "untuned":
+            return f"{what} (not tuned)"
+        kernels = [k for k in DECODE_ATTENTION_KERNELS if k in self.decode_ms]
+        timed = "; ".join(f"context {n} " + ", ".join(f"{k} {self.decode_ms[k][i]:.2f} ms" for k in kernels)
+                          for i, n in enumerate(DECODE_ATTENTION_CONTEXTS))
+        return f"{what} ({self.how}: {timed})"
 
     def line(self) -> str:
         what = _KERNEL_NAMES[self.kernel] + (f" from {self.from_tokens} tokens" if self.kernel != "unit" else "")
@@ -328,6 +346,56 @@ def forced_attention(family: str, kernel: str, tokens: int = 2):
     """Run a block with ``family``'s prefill on ``kernel`` from ``tokens`` new tokens on (the unit: every length)."""
     return _temporarily(isa.native.get_prefill_attention, isa.native.set_prefill_attention, (family,),
                         (kernel, tokens))
+
+
+def forced_decode_attention(family: str, kernel: str):
+    """Run a block with ``family``'s decode attention on ``kernel`` ("unit" or "brgemm")."""
+    return _temporarily(isa.native.get_decode_attention, isa.native.set_decode_attention, (family,), (kernel,))
+
+
+def _decode_call(shape: AttentionShape, context: int):
+    """One new token through ``shape``'s attention op at position ``context - 1``, over a cache of random keys and
+    values (fresh random inputs)."""
+    g = torch.Generator().manual_seed(context)
+
+    def rand(*size):
+        return torch.randn(*size, generator=g).to(torch.bfloat16)
+
+    positions = torch.tensor([context - 1])
+    mask = torch.ones(1, 1, 1, context, dtype=torch.bool)
+    if shape.family == "mla":
+        args = (rand(1, shape.heads, 1, shape.head_dim), rand(1, shape.heads, 1, shape.rope_dim),
+                rand(1, 1, 1, shape.head_dim), rand(1, 1, 1, shape.rope_dim), rand(1, 1, context, shape.head_dim),
+                rand(1, 1, context, shape.rope_dim), positions, mask, (shape.head_dim + shape.rope_dim) ** -0.5)
+        return lambda: torch.ops.tilefx.mla_attention(*args)
+    args = (rand(1, shape.heads, 1, shape.head_dim), rand(1, shape.kv_heads, 1, shape.head_dim),
+            rand(1, shape.kv_heads, 1, shape.head_dim), rand(1, shape.kv_heads, context, shape.head_dim),
+            rand(1, shape.kv_heads, context, shape.head_dim), positions, mask, shape.head_dim**-0.5)
+    return lambda: torch.ops.tilefx.decode_attention(*args)
+
+
+def _time_kernels(calls, kernels, force) -> dict[str, tuple[float, ...]]:
+    """Median ms of each call of ``calls`` under ``force(kernel)`` for each of ``kernels``, interleaved,
+    ``ATTENTION_ROUNDS`` rounds after one dropped warm-up round."""
+    ms: dict[str, list[float]] = {k: [] for k in kernels}
+    for call in calls:
+        times: dict[str, list[float]] = {k: [] for k in kernels}
+        for _ in range(ATTENTION_ROUNDS + 1):
+            for kernel in kernels:
+                with force(kernel):
+                    start = time.perf_counter()
+                    call()
+                    times[kernel].append(time.perf_counter() - start)
+        for kernel in kernels:
+            ms[kernel].append(statistics.median(times[kernel][1:]) * 1e3)
+    return {k: tuple(v) for k, v in ms.items()}
+
+
+def choose_decode_attention(ms: dict) -> str:
+    """brgemm where it was timed and beats the unit by ``MIN_GAIN`` at every context; else the unit."""
+    if "brgemm" not in ms:
+        return "unit"
+    return "brgemm" if all(b * MIN_GAIN < u for b, u in zip(ms["brgemm"], ms["unit"])) else "unit"
 
 
 def _prefill_call(shape: AttentionShape, seq: int):
@@ -368,27 +436,23 @@ def choose_attention(ms: dict) -> tuple[str, int]:
 
 
 def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
-    """Time each kernel on ``shape`` at each of ``ATTENTION_LENGTHS`` (interleaved, ``ATTENTION_ROUNDS`` rounds;
-    brgemm only where it has a compiled kernel), set ``choose_attention``'s choice."""
+    """Time each prefill kernel on ``shape`` at each of ``ATTENTION_LENGTHS`` and each decode kernel at each of
+    ``DECODE_ATTENTION_CONTEXTS`` (brgemm only where it has a compiled kernel), set the choices."""
     started = time.perf_counter()
-    kernels = [k for k in ATTENTION_KERNELS if k != "brgemm" or brgemm_has_kernel()]
-    ms: dict[str, list[float]] = {k: [] for k in kernels}
+    has_brgemm = brgemm_has_kernel()
+    kernels = [k for k in ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
+    decode_kernels = [k for k in DECODE_ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
     with isa.forced(path), torch.inference_mode():
-        for seq, _ in ATTENTION_LENGTHS:
-            call = _prefill_call(shape, seq)
-            times: dict[str, list[float]] = {k: [] for k in kernels}
-            for _ in range(ATTENTION_ROUNDS + 1):  # the first round warms up and is dropped
-                for kernel in kernels:
-                    with forced_attention(shape.family, kernel):
-                        start = time.perf_counter()
-                        call()
-                        times[kernel].append(time.perf_counter() - start)
-            for kernel in kernels:
-                ms[kernel].append(statistics.median(times[kernel][1:]) * 1e3)
-    timed = {k: tuple(v) for k, v in ms.items()}
-    kernel, from_tokens = choose_attention(timed)
+        ms = _time_kernels([_prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], kernels,
+                           lambda kernel: forced_attention(shape.family, kernel))
+        decode_ms = _time_kernels([_decode_call(shape, n) for n in DECODE_ATTENTION_CONTEXTS], decode_kernels,
+                                  lambda kernel: forced_decode_attention(shape.family, kernel))
+    kernel, from_tokens = choose_attention(ms)
+    decode_kernel = choose_decode_attention(decode_ms)
     isa.native.set_prefill_attention(shape.family, kernel, from_tokens)
-    return AttentionChoice(shape, kernel, from_tokens, "tuned", timed, time.perf_counter() - started)
+    isa.native.set_decode_attention(shape.family, decode_kernel)
+    return AttentionChoice(shape, kernel, from_tokens, "tuned", ms, time.perf_counter() - started, decode_kernel,
+                           decode_ms)
 
 
 def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = None,
@@ -399,18 +463,23 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
     if isa.native is None or path == "reference" or shape is None:
         return None
     if not enabled:
-        return AttentionChoice(shape, *isa.native.get_prefill_attention(shape.family), "untuned")
+        return AttentionChoice(shape, *isa.native.get_prefill_attention(shape.family), "untuned",
+                               decode_kernel=isa.native.get_decode_attention(shape.family))
     store = _store(cache)
     saved = _saved(store)
     key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim)
     entry = saved.get(key)
-    if entry is not None and "kernel" in entry:
+    if entry is not None and "decode_kernel" in entry:  # (an entry from before decode was tuned is timed again)
         isa.native.set_prefill_attention(shape.family, entry["kernel"], entry["from_tokens"])
+        isa.native.set_decode_attention(shape.family, entry["decode_kernel"])
         ms = {k: tuple(v) for k, v in entry["ms"].items()}
-        return AttentionChoice(shape, entry["kernel"], entry["from_tokens"], "cached", ms)
+        decode_ms = {k: tuple(v) for k, v in entry["decode_ms"].items()}
+        return AttentionChoice(shape, entry["kernel"], entry["from_tokens"], "cached", ms,
+                               decode_kernel=entry["decode_kernel"], decode_ms=decode_ms)
     choice = tune_attention(shape, path)
     saved[key] = {"kernel": choice.kernel, "from_tokens": choice.from_tokens,
-                  "ms": {k: list(v) for k, v in choice.ms.items()}}
+                  "ms": {k: list(v) for k, v in choice.ms.items()}, "decode_kernel": choice.decode_kernel,
+                  "decode_ms": {k: list(v) for k, v in choice.decode_ms.items()}}
     _save(store, saved)
     return choice
 
@@ -611,4 +680,5 @@ def untuned():
             stack.enter_context(forced_decode_gemm(format, "unit", 0))
         for family in ("extend", "mla"):
             stack.enter_context(forced_attention(family, "unit"))
+            stack.enter_context(forced_decode_attention(family, "unit"))
         yield

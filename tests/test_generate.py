@@ -196,6 +196,8 @@ def test_explain_reports_rewrites(pair):
     attention = [line for line in text.splitlines() if line.startswith("prefill attention ")]
     assert len(attention) == 1 and ("tuned" in attention[0] or "cached" in attention[0]), attention
     assert f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads" in attention[0]
+    decode = [line for line in text.splitlines() if line.startswith("decode attention ")]
+    assert len(decode) == 1 and ("tuned" in decode[0] or "cached" in decode[0]) and "context" in decode[0], decode
 
 
 def test_weights_are_packed_as_they_load_and_held_once(pair, monkeypatch):

@@ -164,7 +164,7 @@ def explain(model) -> str:
         *([_int4_activations_line()] if "int4" in report.packing.formats else []),
         *(f"decode walk {walk.line()}" for walk in report.walks),
         *(gemm.line() for gemm in report.gemms),
-        *([report.attention.line()] if report.attention is not None else []),
+        *([report.attention.line(), report.attention.decode_line()] if report.attention is not None else []),
         report.startup_line(),
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),

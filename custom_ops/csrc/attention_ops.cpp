@@ -81,7 +81,7 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
   const int64_t split_len = (end + splits - 1) / splits;
   splits = (end + split_len - 1) / split_len;
 
-  std::vector<float> max(rows * splits * group), sum(rows * splits * group), part(rows * splits * group * dim);
+  AttentionSplits parts(batch, kv_heads, seq, group, splits, dim);
   const size_t scratch_floats = attention_scratch_floats(p);
   parallel_chunks(rows * splits, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
     thread_local std::vector<float> scratch;
@@ -90,14 +90,20 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
       const int64_t row = task / splits, split = task % splits;
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
       const int64_t key_begin = split * split_len, key_end = std::min(end, key_begin + split_len);
-      const int64_t at = task * group;
-      AttentionPartial out{&max[at], &sum[at], &part[at * dim], scratch.data()};
+      const int64_t at = parts.at(row, split);
+      AttentionPartial out{&parts.max[at], &parts.sum[at], &parts.out[at * dim], scratch.data()};
       attention_task(unit, p, b, kv_head, s, key_begin, key_end, out);
     }
   });
+  return merge_attention_splits(parts, options);
+}
 
-  // Merge the splits of each (row, head); rows that may attend no key are zero.
-  at::Tensor y = at::empty({batch, q_heads, seq, dim}, options);
+}  // namespace
+
+at::Tensor merge_attention_splits(const AttentionSplits& parts, const at::TensorOptions& options) {
+  const int64_t group = parts.group, splits = parts.splits, dim = parts.dim, seq = parts.seq;
+  const int64_t kv_heads = parts.kv_heads, q_heads = kv_heads * group, rows = parts.batch * kv_heads * seq;
+  at::Tensor y = at::empty({parts.batch, q_heads, seq, dim}, options);
   at::BFloat16* out = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t stop) {
     std::vector<float> acc(dim);
@@ -105,16 +111,16 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
       const int64_t s = row % seq, kv_head = (row / seq) % kv_heads, b = row / (seq * kv_heads);
       for (int64_t g = 0; g < group; ++g) {
         float global_max = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < splits; ++i) global_max = std::max(global_max, max[(row * splits + i) * group + g]);
+        for (int64_t i = 0; i < splits; ++i) global_max = std::max(global_max, parts.max[parts.at(row, i) + g]);
         std::fill(acc.begin(), acc.end(), 0.0f);
         float total = 0.0f;
         if (global_max != -std::numeric_limits<float>::infinity()) {
           for (int64_t i = 0; i < splits; ++i) {
-            const int64_t at = (row * splits + i) * group + g;
-            if (sum[at] == 0.0f) continue;
-            const float w = std::exp(max[at] - global_max);
-            total += w * sum[at];
-            const float* src = &part[at * dim];
+            const int64_t at = parts.at(row, i) + g;
+            if (parts.sum[at] == 0.0f) continue;
+            const float w = std::exp(parts.max[at] - global_max);
+            total += w * parts.sum[at];
+            const float* src = &parts.out[at * dim];
             for (int64_t d = 0; d < dim; ++d) acc[d] += w * src[d];
           }
         }
@@ -126,6 +132,8 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
   });
   return y;
 }
+
+namespace {
 
 // Whether row b of `mask` is plain causal over keys [0, end) for every b < batch: the new
 // tokens start the sequence (end == seq) and none is padding.
@@ -179,7 +187,11 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
   const int64_t end = write_new_tokens(mask_in, positions_in, batch, seq, max_len, {{&k, &k_cache}, {&v, &v_cache}});
 
   const at::Tensor q = unit_stride(q_in), mask = unit_stride(mask_in);
-  const PrefillAttention kernel = prefill_attention(AttentionFamily::extend, seq);
+  // A few new tokens may run flash decoding on brgemm tiles (tuning.h decode_attention), whatever prefill runs.
+  const bool decode_tiles =
+      decode_attention(AttentionFamily::extend, seq * (q_heads / kv_heads)) == DecodeAttention::brgemm;
+  const PrefillAttention kernel =
+      decode_tiles ? PrefillAttention::unit : prefill_attention(AttentionFamily::extend, seq);
   if (kernel == PrefillAttention::sdpa) {
     const at::Tensor keys = k_cache.slice(0, 0, batch).slice(2, 0, end);
     const at::Tensor values = v_cache.slice(0, 0, batch).slice(2, 0, end);
@@ -192,6 +204,7 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
                            bf16_bits(v_cache), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
+  if (decode_tiles) return attention_decode_brgemm(units.linear, p, batch, seq, end, q.options());
   if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
   return run_attention(units.attention, p, batch, seq, end, q.options());
 }
@@ -238,7 +251,11 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                                        {{&latent, &latent_cache}, {&k_rope, &rope_cache}});
 
   const at::Tensor q = unit_stride(q_latent_in), qr = unit_stride(q_rope_in), mask = unit_stride(mask_in);
-  const PrefillAttention kernel = prefill_attention(AttentionFamily::mla, seq);
+  // A few new tokens may run flash decoding on brgemm tiles (tuning.h decode_attention), whatever prefill runs.
+  const bool decode_tiles =
+      decode_attention(AttentionFamily::mla, seq * heads) == DecodeAttention::brgemm;
+  const PrefillAttention kernel =
+      decode_tiles ? PrefillAttention::unit : prefill_attention(AttentionFamily::mla, seq);
   if (kernel == PrefillAttention::sdpa) {
     // The value (the latent) is the key's first `rank` dims: attending with the whole key as
     // the value gives the same first `rank` outputs, and SDPA's flash kernel takes only one
@@ -257,6 +274,7 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                            latent_cache.stride(2),
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
+  if (decode_tiles) return attention_decode_brgemm(units.linear, p, batch, seq, end, q.options());
   if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
   return run_attention(units.attention, p, batch, seq, end, q.options());
 }

@@ -224,6 +224,9 @@ struct AttentionProblem {
 // Query heads of one KV head processed together per pass over a key block; the
 // group is padded with zero heads to a multiple of it.
 constexpr int kAttentionHeadTile = 4;
+// The most query rows per KV head (new tokens times the query heads sharing it) decode attention
+// may run on brgemm tiles (attention_decode_brgemm: one tile of rows against each block of keys).
+constexpr int64_t kDecodeAttentionRows = 64;
 
 struct AttentionPartial {
   float* max;      // [group]

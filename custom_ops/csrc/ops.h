@@ -71,6 +71,25 @@ constexpr int64_t kAttentionKeyBlock = 128;
 // seq, v_dim] bf16, rows that may attend no key zero.
 at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
                             const at::TensorOptions& options);
+// Decode attention of `p` (seq new tokens times the query heads per KV head: at most
+// kDecodeAttentionRows, kernels.h) over keys [0, end) as flash decoding over brgemm tiles: the keys
+// split across tasks, the cache rows read as they lie (scores^T = K . Q^T); same result as above.
+at::Tensor attention_decode_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq,
+                                   int64_t end, const at::TensorOptions& options);
+
+// Flash decoding's partial results: per query row (b, kv_head, s), key split and query head g of
+// the KV head's group, the running max, the sum of exp and the unnormalized output.
+struct AttentionSplits {
+  int64_t batch, kv_heads, seq, group, splits, dim;
+  std::vector<float> max, sum, out;
+  AttentionSplits(int64_t batch, int64_t kv_heads, int64_t seq, int64_t group, int64_t splits, int64_t dim)
+      : batch(batch), kv_heads(kv_heads), seq(seq), group(group), splits(splits), dim(dim),
+        max(batch * kv_heads * seq * splits * group), sum(max.size()), out(max.size() * dim) {}
+  // Index of head 0 of row (b * kv_heads + kv_head) * seq + s in `split` (times dim in `out`).
+  int64_t at(int64_t row, int64_t split) const { return (row * splits + split) * group; }
+};
+// The splits merged into [batch, kv_heads * group, seq, dim] bf16; rows that may attend no key are zero.
+at::Tensor merge_attention_splits(const AttentionSplits& parts, const at::TensorOptions& options);
 
 // attention_ops.cpp (decode_attention and extend_attention share attention_cpu)
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,

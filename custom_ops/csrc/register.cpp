@@ -72,6 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");
   m.def("get_prefill_attention", &tilefx::get_prefill_attention,
         "(kernel, from_tokens) of an attention family's prefill; (unit, 0) when the unit runs every length");
+  m.def("set_decode_attention", &tilefx::set_decode_attention,
+        "the kernel an attention family (extend, mla) runs for a few new tokens: unit or brgemm (flash decoding "
+        "over oneDNN brgemm tiles)");
+  m.def("get_decode_attention", &tilefx::get_decode_attention, "the decode attention kernel of a family");
   m.def("set_mla_expand_budget", &tilefx::set_mla_expand_budget,
         "bytes of expanded keys and values MLA prefill's expanded form holds at once (0: always absorbed)");
   m.def("get_mla_expand_budget", &tilefx::mla_expand_budget, "the MLA expansion budget in bytes");

@@ -61,6 +61,7 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 // Per AttentionFamily: (from_tokens << 2) | PrefillAttention, one word so a reader never sees half a choice.
 std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
 constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
+std::atomic<int> decode_attention_choice[2] = {0, 0};  // DecodeAttention, per AttentionFamily
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
@@ -105,6 +106,22 @@ void set_prefill_attention(const std::string& family, const std::string& kernel,
 std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family) {
   const int64_t choice = prefill_attention_choice[static_cast<int>(parse_family(family))].load();
   return {kAttentionKernels[choice & 3], choice >> 2};
+}
+
+DecodeAttention decode_attention(AttentionFamily family, int64_t rows) {
+  if (rows > kDecodeAttentionRows) return DecodeAttention::unit;
+  return static_cast<DecodeAttention>(
+      decode_attention_choice[static_cast<int>(family)].load(std::memory_order_relaxed));
+}
+
+void set_decode_attention(const std::string& family, const std::string& kernel) {
+  TORCH_CHECK(kernel == "unit" || kernel == "brgemm", "tilefx tuning: unknown decode attention kernel '", kernel,
+              "' (unit, brgemm)");
+  decode_attention_choice[static_cast<int>(parse_family(family))] = kernel == "brgemm";
+}
+
+std::string get_decode_attention(const std::string& family) {
+  return decode_attention_choice[static_cast<int>(parse_family(family))].load() ? "brgemm" : "unit";
 }
 
 bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t rows) {

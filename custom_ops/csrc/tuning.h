@@ -30,7 +30,7 @@ std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std:
 // (attention_brgemm.cpp: AMX where the CPU has it). Which is fastest depends on the CPU and the
 // head shapes (the unit led on AMD Zen for Llama's heads, PyTorch's on an Intel Xeon 6, see
 // docs/PERFORMANCE.md), so custom_ops/tuning.py times them per model at load and sets this; the
-// default keeps the unit at every length. Decode (one new token) always runs the unit.
+// default keeps the unit at every length. Decode has its own choice (below).
 enum class AttentionFamily : int { extend = 0, mla = 1 };
 enum class PrefillAttention : int { unit = 0, sdpa = 1, brgemm = 2 };
 // The kernel an op of `family` runs for `seq` new tokens.
@@ -40,6 +40,16 @@ PrefillAttention prefill_attention(AttentionFamily family, int64_t seq);
 void set_prefill_attention(const std::string& family, const std::string& kernel, int64_t from_tokens);
 // (kernel, from_tokens); ("unit", 0) when the unit runs every length.
 std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family);
+
+// Decode attention (a few new tokens: at most kDecodeAttentionRows query rows per KV head, and
+// below the prefill choice's from_tokens): the path's attention unit (fp32 FMAs, one query row at a
+// time) or flash decoding over oneDNN brgemm tiles (attention_brgemm.cpp: AMX where the CPU has
+// it), per family; the unit by default. custom_ops/tuning.py times both per model at load.
+enum class DecodeAttention : int { unit = 0, brgemm = 1 };
+DecodeAttention decode_attention(AttentionFamily family, int64_t rows);
+// `family` "extend" or "mla"; `kernel` "unit" or "brgemm".
+void set_decode_attention(const std::string& family, const std::string& kernel);
+std::string get_decode_attention(const std::string& family);
 
 // MLA prefill's expanded form (attention_ops.cpp) holds at most this many bytes of expanded and
 // packed keys and values at once (256 MiB by default): it runs over chunks of heads that fit,

@@ -14,10 +14,15 @@ from tilefx.custom_ops.attention import attention_reference
 
 def _op(op_name, kernel_path):
     """``(op, context)``: ``extend_attention_sdpa`` / ``_brgemm`` are extend_attention with prefill forced onto
-    PyTorch's SDPA / the flash attention on brgemm tiles (the choices tuning may make; csrc/tuning.h), on every
-    native path."""
+    PyTorch's SDPA / the flash attention on brgemm tiles, ``*_tiles`` the op with decode forced onto flash decoding
+    on brgemm tiles (the choices tuning may make; csrc/tuning.h), on every native path."""
     if op_name == "reference":
         return attention_reference, contextlib.nullcontext()
+    if op_name.endswith("_tiles"):  # decode (up to kDecodeAttentionRows rows per KV head) as flash decoding on brgemm
+        if kernel_path == "reference":
+            pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
+        return getattr(torch.ops.tilefx, op_name.removesuffix("_tiles")), tuning.forced_decode_attention("extend",
+                                                                                                         "brgemm")
     if op_name.startswith("extend_attention_"):
         if kernel_path == "reference":
             pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
@@ -25,7 +30,8 @@ def _op(op_name, kernel_path):
     return getattr(torch.ops.tilefx, op_name), contextlib.nullcontext()
 
 
-PREFILL_OPS = ("extend_attention", "extend_attention_sdpa", "extend_attention_brgemm")
+PREFILL_OPS = ("extend_attention", "extend_attention_sdpa", "extend_attention_brgemm", "extend_attention_tiles")
+DECODE_OPS = ("decode_attention", "decode_attention_tiles")
 
 
 def _inputs(batch, q_heads, kv_heads, seq, past, head_dim=32, max_batch=3, max_len=320, left_pad=(), seed=0):
@@ -75,8 +81,8 @@ CASES = [
 
 @pytest.mark.parametrize(
     "op_name,case",
-    [(op, c) for op in (*PREFILL_OPS, "decode_attention", "reference") for c in CASES
-     if op != "decode_attention" or c[3] == 1],  # decode takes one token
+    [(op, c) for op in (*PREFILL_OPS, *DECODE_OPS, "reference") for c in CASES
+     if op not in DECODE_OPS or c[3] == 1],  # decode takes one token
     ids=lambda x: x if isinstance(x, str) else f"b{x[0]}h{x[1]}/{x[2]}s{x[3]}p{x[4]}",
 )
 def test_matches_oracle(kernel_path, op_name, case):
@@ -99,29 +105,30 @@ def test_matches_oracle(kernel_path, op_name, case):
     assert torch.equal(k_cache[:, :, past + seq :], untouched[1])
 
 
-@pytest.mark.parametrize("op_name", ["decode_attention", "reference"])
+@pytest.mark.parametrize("op_name", [*DECODE_OPS, "reference"])
 def test_reads_only_valid_prefix(kernel_path, op_name):
-    op = attention_reference if op_name == "reference" else torch.ops.tilefx.decode_attention
+    op, context = _op(op_name, kernel_path)
     q, k, v, k_cache, v_cache, positions, mask = _inputs(1, 4, 2, 1, 10)
-    before = op(q, k, v, k_cache.clone(), v_cache.clone(), positions, mask, 0.3)
-    k_cache[:, :, 11:] = float("nan")  # the padded tail: never read
-    v_cache[:, :, 11:] = float("nan")
-    after = op(q, k, v, k_cache, v_cache, positions, mask, 0.3)
+    with context:
+        before = op(q, k, v, k_cache.clone(), v_cache.clone(), positions, mask, 0.3)
+        k_cache[:, :, 11:] = float("nan")  # the padded tail: never read
+        v_cache[:, :, 11:] = float("nan")
+        after = op(q, k, v, k_cache, v_cache, positions, mask, 0.3)
     assert torch.equal(before, after)
 
 
-@pytest.mark.parametrize("op_name", [*PREFILL_OPS, "decode_attention", "reference"])
+@pytest.mark.parametrize("op_name", [*PREFILL_OPS, *DECODE_OPS, "reference"])
 def test_mask_with_holes(kernel_path, op_name):
     """Keys masked in the middle of the range (every block has some) weigh nothing; the native kernels do not
-    even read them (NaN rows there: the unit skips them, the brgemm kernel packs them as zeros), the reference
-    multiplies them by zero weights."""
+    even read them as numbers (NaN rows there: the unit skips them, the brgemm kernels pack their values as zeros
+    and mask their scores), the reference multiplies them by zero weights."""
     q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 8, 4, 1, 290, seed=1)
     holes = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) < 0.3
     holes[..., 290] = False  # the new token stays visible
     mask = mask & ~holes
     want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
     op, context = _op(op_name, kernel_path)
-    if op_name in ("extend_attention", "extend_attention_brgemm", "decode_attention") and kernel_path != "reference":
+    if op_name not in ("extend_attention_sdpa", "reference") and kernel_path != "reference":
         hidden = ~mask[:, 0, 0, :290].unsqueeze(1).expand(-1, 4, -1)
         k_cache[:2, :, :290][hidden] = float("nan")
         v_cache[:2, :, :290][hidden] = float("nan")
@@ -165,3 +172,9 @@ def test_prefill_attention_choice_refuses_bad_input():
         isa.native.set_prefill_attention("extend", "flash", 2)
     with tuning.forced_attention("mla", "unit", 7):
         assert isa.native.get_prefill_attention("mla") == ("unit", 0)
+    with pytest.raises(RuntimeError, match="unknown decode attention kernel"):
+        isa.native.set_decode_attention("extend", "sdpa")
+    with pytest.raises(RuntimeError, match="unknown attention family"):
+        isa.native.set_decode_attention("decode", "brgemm")
+    with tuning.forced_decode_attention("mla", "brgemm"):
+        assert isa.native.get_decode_attention("mla") == "brgemm" and isa.native.get_decode_attention("extend") == "unit"

@@ -65,18 +65,25 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["unit", "sdpa", "brgemm"])
+def _forced_mla(kernel):
+    """Prefill forced onto PyTorch's SDPA or the flash attention on brgemm tiles, or decode (up to
+    kDecodeAttentionRows rows: every case but the 80-head one) onto flash decoding on brgemm tiles ("tiles")."""
+    if kernel == "tiles":
+        return tuning.forced_decode_attention("mla", "brgemm")
+    return tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kernel", ["unit", "sdpa", "brgemm", "tiles"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
 def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
-    """``kernel``: prefill forced onto PyTorch's SDPA or the flash attention on brgemm tiles (the choices tuning
-    may make; decode keeps the unit)."""
+    """``kernel``: the choices tuning may make (_forced_mla)."""
     batch, heads, seq, past, pad = case
-    if kernel != "unit" and (kernel_path == "reference" or seq == 1):
+    if kernel != "unit" and (kernel_path == "reference" or (seq == 1 and kernel != "tiles")):
         pytest.skip("the prefill kernel is a native path's choice")
     args, kv_b, nope, v_dim, want, _ = _unabsorbed_oracle(batch, heads, seq, past, pad)
     latent_cache, rope_cache, positions = args[4], args[5], args[6]
     untouched = latent_cache[batch:].clone(), latent_cache[:, :, past + seq:].clone()
-    with tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext():
+    with _forced_mla(kernel):
         o_latent = torch.ops.tilefx.mla_attention(*args, 0.1)
     assert o_latent.shape == args[0].shape and o_latent.is_contiguous()
     w_uv = weights.pack_mla_absorbed_weight(kv_b, heads, nope, True)
@@ -90,6 +97,20 @@ def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
     assert torch.equal(rope_cache[:batch, :, positions], args[3])
     assert torch.equal(latent_cache[batch:], untouched[0])
     assert torch.equal(latent_cache[:, :, past + seq:], untouched[1])
+
+
+def test_decode_tiles_take_at_most_their_rows(kernel_path):
+    """Forced onto brgemm tiles, decode runs there up to kDecodeAttentionRows query rows (16 heads: the result
+    differs from the unit's in its roundings) and on the unit past them (80 heads: the unit's result bit for bit)."""
+    if kernel_path == "reference":
+        pytest.skip("the decode kernel is a native path's choice")
+    for heads, tiled in ((16, True), (80, False)):
+        args = _mla_inputs(1, heads, 1, 150)
+        unit = torch.ops.tilefx.mla_attention(*args, 0.1)
+        with _forced_mla("tiles"):
+            got = torch.ops.tilefx.mla_attention(*args, 0.1)
+        assert torch.equal(got, unit) != tiled, heads
+        assert ((got.float() - unit.float()).norm() / unit.float().norm()).item() < 1e-2
 
 
 PREFILL_CASES = [

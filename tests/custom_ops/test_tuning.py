@@ -118,8 +118,9 @@ def test_attention_tuning_times_every_kernel_caches_and_reloads(tmp_path, monkey
     if not tuning.decode_units(path):
         pytest.skip("the reference path has no native attention")
     monkeypatch.setattr(tuning, "ATTENTION_LENGTHS", ((8, 2), (32, 24)))
+    monkeypatch.setattr(tuning, "DECODE_ATTENTION_CONTEXTS", (16, 200))
     monkeypatch.setattr(tuning, "ATTENTION_ROUNDS", 1)
-    before = isa.native.get_prefill_attention(shape.family)
+    before = isa.native.get_prefill_attention(shape.family), isa.native.get_decode_attention(shape.family)
     try:
         first = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
         timed = ["unit", "sdpa"] + (["brgemm"] if tuning.brgemm_has_kernel() else [])
@@ -127,15 +128,23 @@ def test_attention_tuning_times_every_kernel_caches_and_reloads(tmp_path, monkey
         assert all(len(ms) == 2 and all(t > 0 for t in ms) for ms in first.ms.values())
         assert (first.kernel, first.from_tokens) in {("unit", 0)} | {(k, n) for k in timed[1:] for n in (2, 24)}
         assert isa.native.get_prefill_attention(shape.family) == (first.kernel, first.from_tokens)
+        assert sorted(first.decode_ms) == sorted(k for k in ("unit", "brgemm") if k in timed)
+        assert all(len(ms) == 2 and all(t > 0 for t in ms) for ms in first.decode_ms.values())
+        assert isa.native.get_decode_attention(shape.family) == first.decode_kernel
         isa.native.set_prefill_attention(shape.family, "sdpa" if first.kernel == "unit" else "unit", 2)
+        isa.native.set_decode_attention(shape.family, "brgemm" if first.decode_kernel == "unit" else "unit")
         again = tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path)
         assert again.how == "cached" and (again.kernel, again.from_tokens) == (first.kernel, first.from_tokens)
         assert isa.native.get_prefill_attention(shape.family) == (first.kernel, first.from_tokens)
+        assert again.decode_kernel == first.decode_kernel == isa.native.get_decode_attention(shape.family)
+        assert again.decode_ms == first.decode_ms
         assert "prefill attention" in again.line() and "cached" in again.line() and "unit" in again.line()
+        assert again.decode_line().startswith("decode attention (") and "context 200 unit" in again.decode_line()
         assert tuning.ensure_attention_tuned(shape, path=path, cache=tmp_path, enabled=False).how == "untuned"
         assert tuning.ensure_attention_tuned(None, path=path, cache=tmp_path) is None
     finally:
-        isa.native.set_prefill_attention(shape.family, *before)
+        isa.native.set_prefill_attention(shape.family, *before[0])
+        isa.native.set_decode_attention(shape.family, before[1])
 
 
 @pytest.mark.parametrize("ms,want", [
@@ -153,8 +162,19 @@ def test_attention_choice_is_the_fastest_from_the_first_class_it_leads(monkeypat
     assert tuning.choose_attention(ms) == want
 
 
+@pytest.mark.parametrize("ms,want", [
+    ({"unit": (1.0, 4.0), "brgemm": (0.5, 2.0)}, "brgemm"),
+    ({"unit": (1.0, 4.0), "brgemm": (1.2, 2.0)}, "unit"),  # must lead at every context
+    ({"unit": (1.0, 4.0), "brgemm": (0.99, 3.99)}, "unit"),  # under MIN_GAIN
+    ({"unit": (1.0, 4.0)}, "unit"),  # brgemm not timed (no compiled kernel)
+])
+def test_decode_attention_choice_is_brgemm_only_where_it_leads_everywhere(ms, want):
+    assert tuning.choose_decode_attention(ms) == want
+
+
 def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
-    """tune_attention times each kernel through the native table it forces (fake calls charge each kernel's ms)."""
+    """tune_attention times each prefill and decode kernel through the native table it forces (fake calls charge
+    each kernel's ms)."""
     path = isa.current()
     if not tuning.decode_units(path):
         pytest.skip("the reference path has no native attention")
@@ -175,12 +195,28 @@ def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
 
         return call
 
+    decode_ms = {"unit": (1, 4), "brgemm": (0.5, 2)}
+
+    def fake_decode_call(shape_, context):
+        index = tuning.DECODE_ATTENTION_CONTEXTS.index(context)
+
+        def call():
+            clock[0] += decode_ms[isa.native.get_decode_attention("extend")][index]
+
+        return call
+
     monkeypatch.setattr(tuning, "_prefill_call", fake_call)
+    monkeypatch.setattr(tuning, "_decode_call", fake_decode_call)
+    before_decode = isa.native.get_decode_attention("extend")
     try:
         choice = tuning.tune_attention(shape, path)
         assert (choice.kernel, choice.from_tokens) == ("brgemm", 12)
         assert choice.ms == {k: tuple(1e3 * t for t in v) for k, v in ms.items()}
         assert isa.native.get_prefill_attention("extend") == ("brgemm", 12)
         assert "flash attention on oneDNN brgemm from 12 tokens" in choice.line()
+        assert choice.decode_kernel == "brgemm" == isa.native.get_decode_attention("extend")
+        assert choice.decode_ms == {k: tuple(1e3 * t for t in v) for k, v in decode_ms.items()}
+        assert "flash decoding on oneDNN brgemm" in choice.decode_line()
     finally:
         isa.native.set_prefill_attention("extend", *before)
+        isa.native.set_decode_attention("extend", before_decode)
