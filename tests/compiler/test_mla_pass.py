@@ -75,8 +75,12 @@ def test_prefill_on_the_brgemm_kernel_equals_eager(family):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_decode_over_a_prefix_equals_eager():
-    """Prefill, then one decode step over the cached latent: the step's logits equal eager's for the whole sequence."""
+@pytest.mark.parametrize("decode", ["unit", "brgemm"])
+def test_decode_over_a_prefix_equals_eager(decode):
+    """Prefill, then one decode step over the cached latent (on the unit, or as flash decoding on brgemm tiles):
+    the step's logits equal eager's for the whole sequence."""
+    if decode != "unit" and isa.current() == "reference":
+        pytest.skip("the decode kernel is a native path's choice")
     torch._dynamo.reset()
     model = build_model("tiny-deepseek-v2", seed=4)
     ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -87,7 +91,7 @@ def test_decode_over_a_prefix_equals_eager():
     cache.start(1)
     fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     mask = torch.zeros(1, 32, dtype=torch.long)
-    with torch.no_grad():
+    with torch.no_grad(), tuning.forced_decode_attention("mla", decode):
         for start, stop in ((0, 7), (7, 8)):
             mask[:, :stop] = 1
             out = fn(input_ids=ids[:, start:stop], attention_mask=mask.clone(),
