@@ -241,23 +241,49 @@ def attention_inputs(batch, q_heads, kv_heads, head_dim, seq, context, max_len):
 
 
 def bench_attention(preset: str, contexts, repeats: int, stream_mib: int) -> list[dict]:
+    """The preset's attention: decode at each context and a 128-token prompt, on the unit (the "tilefx" column),
+    on PyTorch's SDPA (the reference path) and, for decode, as flash decoding on brgemm tiles where brgemm has a
+    compiled kernel (tuning's decode candidate); then DeepSeek-V2-Lite's MLA decode (16 heads over the latent 512
+    + rope 64), unit against brgemm."""
     config = get_preset(preset).build_config(layers=1)
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     scale = head_dim**-0.5
+    has_brgemm = tuning.brgemm_has_kernel()
     rows = []
-    for op_name, seq, context in [("decode_attention", 1, c) for c in contexts] + [("extend_attention", 128, 128)]:
-        args = attention_inputs(1, heads, kv_heads, head_dim, seq, context, max(contexts) + 128)
-        op = getattr(attention_ops, op_name)
-        want = attention_ops.attention_reference(*args, scale)
-        err = relative_error(op(*args, scale), want)
-        with isa.forced("reference"):  # the reference path runs PyTorch's fused SDPA
-            t_sdpa = median_seconds(lambda: op(*args, scale), repeats)
-        t_tilefx = median_seconds(lambda: op(*args, scale), repeats)
-        kv_bytes = 2 * kv_heads * context * head_dim * 2
-        gbps = isa.stream_read_gbps(size_mib=stream_mib, repeats=3)
-        rows.append({"preset": preset, "op": op_name, "new_tokens": seq, "context": context, "rel_err": err,
-                     "tilefx_us": t_tilefx * 1e6, "sdpa_us": t_sdpa * 1e6, "kv_gbps": kv_bytes / t_tilefx / 1e9,
-                     "stream_gbps": gbps})
+    with tuning.untuned():
+        for op_name, seq, context in [("decode_attention", 1, c) for c in contexts] + [("extend_attention", 128, 128)]:
+            args = attention_inputs(1, heads, kv_heads, head_dim, seq, context, max(contexts) + 128)
+            op = getattr(attention_ops, op_name)
+            want = attention_ops.attention_reference(*args, scale)
+            err = relative_error(op(*args, scale), want)
+            with isa.forced("reference"):  # the reference path runs PyTorch's fused SDPA
+                t_sdpa = median_seconds(lambda: op(*args, scale), repeats)
+            t_tilefx = median_seconds(lambda: op(*args, scale), repeats)
+            t_brgemm = None
+            if has_brgemm and seq == 1:
+                with tuning.forced_decode_attention("extend", "brgemm"):
+                    err = max(err, relative_error(op(*args, scale), want))
+                    t_brgemm = median_seconds(lambda: op(*args, scale), repeats)
+            kv_bytes = 2 * kv_heads * context * head_dim * 2
+            gbps = isa.stream_read_gbps(size_mib=stream_mib, repeats=3)
+            rows.append({"preset": preset, "op": op_name, "new_tokens": seq, "context": context, "rel_err": err,
+                         "tilefx_us": t_tilefx * 1e6, "sdpa_us": t_sdpa * 1e6,
+                         "brgemm_us": t_brgemm * 1e6 if t_brgemm else None, "kv_gbps": kv_bytes / t_tilefx / 1e9,
+                         "stream_gbps": gbps})
+        mla = tuning.AttentionShape("mla", 16, 1, 512, 64)
+        for context in contexts:
+            call = tuning._decode_call(mla, context)
+            t_unit = median_seconds(call, repeats)
+            t_brgemm, err = None, 0.0
+            if has_brgemm:
+                unit_out = call()
+                with tuning.forced_decode_attention("mla", "brgemm"):
+                    err = relative_error(call(), unit_out)
+                    t_brgemm = median_seconds(call, repeats)
+            rows.append({"preset": "deepseek-v2-lite", "op": "mla_attention", "new_tokens": 1, "context": context,
+                         "rel_err": err, "tilefx_us": t_unit * 1e6, "sdpa_us": None,
+                         "brgemm_us": t_brgemm * 1e6 if t_brgemm else None,
+                         "kv_gbps": context * (512 + 64) * 2 / t_unit / 1e9, "stream_gbps": None})
     return rows
 
 
@@ -361,12 +387,15 @@ def main(argv=None) -> int:
                   f"| {r['prefill_tilefx_gflops']:.0f} |")
 
     attention = bench_attention(presets[0], contexts, args.repeats, args.stream_mib)
-    print(f"\n## attention ({presets[0]} heads), tilefx kernel vs PyTorch SDPA over the valid prefix\n")
-    print("| op | new tokens | context | rel err | tilefx us | SDPA us | KV read GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"\n## attention ({presets[0]} heads; MLA: DeepSeek-V2-Lite's), the unit's kernel vs PyTorch SDPA over the "
+          "valid prefix and (decode) flash decoding on brgemm tiles\n")
+    print("| op | new tokens | context | rel err | unit us | SDPA us | brgemm us | KV read GB/s (unit) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in attention:
+        sdpa = f"{r['sdpa_us']:.0f}" if r["sdpa_us"] else "n/a"
+        brgemm = f"{r['brgemm_us']:.0f}" if r["brgemm_us"] else "n/a"
         print(f"| {r['op']} | {r['new_tokens']} | {r['context']} | {r['rel_err']:.1e} | {r['tilefx_us']:.0f} "
-              f"| {r['sdpa_us']:.0f} | {r['kv_gbps']:.1f} |")
+              f"| {sdpa} | {brgemm} | {r['kv_gbps']:.1f} |")
 
     glue = bench_inductor_glue(presets[0], steps=20)
     print(f"\n## left to Inductor: its generated kernels in a tilefx decode step ({presets[0]}, 2 layers)\n")

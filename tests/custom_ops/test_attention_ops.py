@@ -177,4 +177,5 @@ def test_prefill_attention_choice_refuses_bad_input():
     with pytest.raises(RuntimeError, match="unknown attention family"):
         isa.native.set_decode_attention("decode", "brgemm")
     with tuning.forced_decode_attention("mla", "brgemm"):
-        assert isa.native.get_decode_attention("mla") == "brgemm" and isa.native.get_decode_attention("extend") == "unit"
+        assert isa.native.get_decode_attention("mla") == "brgemm"
+        assert isa.native.get_decode_attention("extend") == "unit"
