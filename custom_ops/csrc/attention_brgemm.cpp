@@ -292,20 +292,9 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
         if (p.rope_dim) prefetch_row(kr + j * p.kr_stride_t, p.rope_dim);
         if (!keys_are_values) prefetch_row(v + j * p.v_stride_t, v_dim);
       }
-      uint16_t* dst = packed + t * v_dim;
       const uint16_t* v0 = t < keys && visible[t] ? v + (c0 + t) * p.v_stride_t : nullptr;
       const uint16_t* v1 = t + 1 < keys && visible[t + 1] ? v + (c0 + t + 1) * p.v_stride_t : nullptr;
-      if (v0 && v1) {
-        for (int64_t c = 0; c < v_dim; ++c) {
-          dst[2 * c] = v0[c];
-          dst[2 * c + 1] = v1[c];
-        }
-      } else {
-        for (int64_t c = 0; c < v_dim; ++c) {
-          dst[2 * c] = v0 ? v0[c] : 0;
-          dst[2 * c + 1] = v1 ? v1[c] : 0;
-        }
-      }
+      epilogue.interleave_rows(v0, v1, v_dim, packed + t * v_dim);
     }
     at::native::cpublas::brgemm(keys, n, p.k_dim, p.k_stride_t, n, n, /*add_C=*/false,
                                 reinterpret_cast<const at::BFloat16*>(k + c0 * p.k_stride_t), q_pairs, scores_t);

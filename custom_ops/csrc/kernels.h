@@ -169,7 +169,8 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 // in the packed order (the unit's GEMM panel: fp8 scaled, int8 not), and the stores of fp32
 // result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul); and
 // what the flash attention on brgemm tiles (attention_brgemm.cpp) borrows: the online softmax
-// of one key block (flash_block_softmax_avx2's contract, `ld` a multiple of 16).
+// of one key block (flash_block_softmax_avx2's contract, `ld` a multiple of 16), and for decode
+// two value rows interleaved into brgemm's VNNI pairs.
 struct UnitEpilogue {
   void (*dequantize[kWeightFormats])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
   void (*store)(const LinearProblem& p, int64_t col0, const float* c);
@@ -177,6 +178,8 @@ struct UnitEpilogue {
   void (*flash_softmax)(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
                         int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
                         int64_t v_dim);
+  // out[2c] = a[c], out[2c + 1] = b[c] for c < n (a multiple of 16); a null row reads as zeros.
+  void (*interleave_rows)(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out);
 };
 const UnitEpilogue& unit_epilogue_avx2();
 const UnitEpilogue& unit_epilogue_avx512();

@@ -532,12 +532,29 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
   walk<Avx2Unit>(p, block_begin, block_end, scratch);
 }
 
+namespace {
+
+// UnitEpilogue::interleave_rows, 16 columns a step: unpack within 128-bit lanes, then the lanes in order.
+void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256i va = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)) : zero;
+    const __m256i vb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)) : zero;
+    const __m256i lo = _mm256_unpacklo_epi16(va, vb), hi = _mm256_unpackhi_epi16(va, vb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+}  // namespace
+
 const UnitEpilogue& unit_epilogue_avx2() {
   static const UnitEpilogue epilogue{
       {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
       store_block_silu_mul,
-      flash_block_softmax_avx2};
+      flash_block_softmax_avx2,
+      interleave_rows};
   return epilogue;
 }
 

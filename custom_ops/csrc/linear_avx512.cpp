@@ -822,6 +822,28 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
   }
 }
 
+// UnitEpilogue::interleave_rows, 32 columns a step (16 at the end where n is an odd multiple of 16):
+// unpack within 128-bit lanes, then the lanes in order.
+void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out) {
+  alignas(64) static constexpr int64_t kFirst[8] = {0, 1, 8, 9, 2, 3, 10, 11}, kSecond[8] = {4, 5, 12, 13, 6, 7, 14, 15};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+  const __m512i zero = _mm512_setzero_si512();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512i va = a ? _mm512_loadu_si512(a + c) : zero, vb = b ? _mm512_loadu_si512(b + c) : zero;
+    const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+    _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi64(lo, first, hi));
+    _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi64(lo, second, hi));
+  }
+  if (c < n) {  // 16 columns
+    const __m256i va = a ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)) : _mm256_setzero_si256();
+    const __m256i vb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + c)) : _mm256_setzero_si256();
+    const __m256i lo = _mm256_unpacklo_epi16(va, vb), hi = _mm256_unpackhi_epi16(va, vb);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * c + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
@@ -834,7 +856,8 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
       {nullptr, dequantize_block<WeightFormat::int8>, dequantize_block<WeightFormat::fp8>, dequantize_int4_block},
       store_block,
       store_block_silu_mul,
-      flash_softmax};
+      flash_softmax,
+      interleave_rows};
   return epilogue;
 }
 
