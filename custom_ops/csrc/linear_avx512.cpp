@@ -762,13 +762,43 @@ void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64
 
 namespace {
 
+// 2^t for t >= -126 (finite), to ~3e-6 relative: 2^round(t) (scalef) times a degree-4 polynomial
+// of the fraction in [-0.5, 0.5] (fitted to the relative error): the softmax's weights are rounded
+// to bf16 (8 bits) right after, where exp512's degree-7 accuracy buys nothing.
+static inline __m512 exp2_for_bf16(__m512 t) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 y = _mm512_set1_ps(0.009560520f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05591712f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24024981f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.69312197f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.99999917f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// 16 fp32 -> 16 bf16 bits, round to nearest even (store_bf16x16's rounding; one instruction where
+// the CPU has AVX512-BF16, which SIMDe's emulation does not provide).
+static inline __m256i round_bf16x16(__m512 v) {
+#ifdef TILEFX_AVX512_EMULATED
+  alignas(32) uint16_t bits[16];
+  store_bf16x16(bits, v);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+#else
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
+}
+
 // One key block of the flash attention on brgemm tiles, 16 keys a vector: the contract of
-// flash_block_softmax_avx2 (kernels.h), with `ld` a multiple of 16.
+// flash_block_softmax_avx2 (kernels.h), with `ld` a multiple of 16. The first pass masks and
+// takes the max of the raw scores (the scale is positive); the second folds the scale, log2(e)
+// and the max into one FMA before exp2, and sums the weights as rounded to bf16.
 void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
                    int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
                    int64_t v_dim) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), vscale = _mm512_set1_ps(scale);
+  const __m512 vneg_inf = _mm512_set1_ps(neg_inf), floor = _mm512_set1_ps(-126.0f);
+  const float log2e_scale = scale * 1.44269504088896341f;
+  const __m512 vfactor = _mm512_set1_ps(log2e_scale);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     uint16_t* w = weights + r * ld;
@@ -783,32 +813,32 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
         std::copy(m + t, m + keys, tail);
         bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
       }
-      const __m512i words = _mm512_cvtepu16_epi32(_mm256_cvtepu8_epi16(bytes));
-      const __mmask16 allowed = _mm512_test_epi32_mask(words, words);
-      const __m512 x = _mm512_mask_mul_ps(vneg_inf, allowed, _mm512_loadu_ps(s + t), vscale);
+      const __mmask16 allowed = _mm_cmpneq_epi8_mask(bytes, _mm_setzero_si128());
+      const __m512 x = _mm512_mask_loadu_ps(vneg_inf, allowed, s + t);
       _mm512_storeu_ps(s + t, x);
       vmax = _mm512_max_ps(vmax, x);
     }
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, vmax);
-    const float old_max = max[r], new_max = std::max(old_max, *std::max_element(lanes, lanes + 16));
+    const float block_max = _mm512_reduce_max_ps(vmax) * scale;  // (-inf stays -inf)
+    const float old_max = max[r], new_max = std::max(old_max, block_max);
     if (new_max == neg_inf) {  // nothing allowed so far: weights 0, the row's output stays 0
       std::fill(w, w + ld, uint16_t{0});
       continue;
     }
-    const __m512 vref = _mm512_set1_ps(new_max);
+    const __m512 vbias = _mm512_set1_ps(-new_max * 1.44269504088896341f);
     __m512 vsum = _mm512_setzero_ps();
     int64_t t = 0;
     for (; t < keys; t += 16) {
       const __m512 x = _mm512_loadu_ps(s + t);
-      // exp512 clamps -inf to ~1e-38: masked keys must weigh exactly 0.
-      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ),
-                                           exp512(_mm512_sub_ps(x, vref)));
-      store_bf16x16(w + t, e);
-      vsum = _mm512_add_ps(vsum, load_bf16x16(w + t));  // the sum of what the GEMM multiplies
+      const __mmask16 live = _mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
+      const __m512 e = _mm512_maskz_mov_ps(live, exp2_for_bf16(_mm512_max_ps(_mm512_fmadd_ps(x, vfactor, vbias), floor)));
+      const __m256i rounded = round_bf16x16(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), rounded);  // ld is a multiple of 16
+      // the sum of what the GEMM multiplies: the weights as rounded
+      vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
     }
     std::fill(w + t, w + ld, uint16_t{0});
     const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+    alignas(64) float lanes[16];
     _mm512_store_ps(lanes, vsum);
     float block_sum = 0.0f;
     for (const float lane : lanes) block_sum += lane;
