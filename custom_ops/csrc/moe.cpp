@@ -151,8 +151,11 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, /*every_row_words=*/true,
                        [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
-  // 2. gate/up with SiLU-and-mul -> act (fp32; the odd column of an odd I stays zero).
-  at::Tensor act_tensor = at::zeros({pairs, ld_act}, hidden.options().dtype(at::kFloat));
+  // 2. gate/up with SiLU-and-mul -> act (fp32). Every row is some expert's, and its gate/up writes
+  // columns [0, I); only the columns past I (w2's K padding, which the down projection reads) are
+  // zeroed here. (Zeroing all of it cost ~30 ms a layer for a 4096-token prompt: ~140 MB.)
+  at::Tensor act_tensor = at::empty({pairs, ld_act}, hidden.options().dtype(at::kFloat));
+  if (ld_act > inter) act_tensor.narrow(1, inter, ld_act - inter).zero_();
   float* act = act_tensor.data_ptr<float>();
   for_expert_blocks(units, active, inter / kBlockN, [&](const ExpertRows& r) {
     LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
