@@ -126,25 +126,40 @@ void pack_values(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, i
   }
 }
 
-// Per-thread buffers of one task.
-struct TaskScratch {
-  AlignedVector<uint16_t> query, weights;
-  AlignedVector<float> scores, out;
-  std::vector<float> max, sum;
-  void fit(int64_t rows, int64_t qdim, int64_t v_dim) {
-    query.resize(rows * qdim);
-    weights.resize(rows * kAttentionKeyBlock);
+// A tile of query rows through the keys, one block at a time (the online softmax): the block's
+// scores (brgemm's C) and weights (the value GEMM's A), each row's running max and sum, and the
+// unnormalized output (the value GEMM's C).
+struct TileSoftmax {
+  AlignedVector<float> scores, out;  // [rows][kAttentionKeyBlock], [rows][v_dim]
+  AlignedVector<uint16_t> weights;   // [rows][kAttentionKeyBlock]
+  std::vector<float> max, sum;       // [rows]
+
+  // `rows` rows of `v_dim` values, no key seen yet.
+  void start(int64_t rows, int64_t v_dim) {
     scores.resize(rows * kAttentionKeyBlock);
-    out.resize(rows * v_dim);
-    max.resize(rows);
-    sum.resize(rows);
+    weights.resize(rows * kAttentionKeyBlock);
+    out.assign(rows * v_dim, 0.0f);
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.0f);
+  }
+
+  // The block whose `keys` scores are in `scores` (row r masked by mask + (r / group) * mask_stride):
+  // softmax on the unit, then out += weights . values (a block of [kAttentionKeyBlock / 2][v_dim][2]).
+  void add_block(const UnitEpilogue& epilogue, int64_t rows, int64_t keys, const bool* mask, int64_t group,
+                 int64_t mask_stride, float scale, const at::BFloat16* values, int64_t v_dim) {
+    constexpr int64_t block = kAttentionKeyBlock;
+    epilogue.flash_softmax(scores.data(), rows, keys, block, mask, group, mask_stride, scale, max.data(), sum.data(),
+                           weights.data(), out.data(), v_dim);
+    at::native::cpublas::brgemm(rows, v_dim, block, block, v_dim, v_dim, /*add_C=*/true,
+                                reinterpret_cast<const at::BFloat16*>(weights.data()), values, out.data());
   }
 };
 
 // The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
 // s0 + i of query head kv_head * group + g.
 void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, int64_t h, int64_t s0,
-                 int64_t positions, TaskScratch& scratch, at::BFloat16* y, int64_t seq) {
+                 int64_t positions, AlignedVector<uint16_t>& query_rows, TileSoftmax& tile, at::BFloat16* y,
+                 int64_t seq) {
   const AttentionProblem& p = packed.p;
   const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
   const bool* mask = p.mask + b * p.mask_stride_b + s0 * p.mask_stride_s;
@@ -159,7 +174,8 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
     }
   }
 
-  uint16_t* query = scratch.query.data();
+  query_rows.resize(rows * qdim);
+  uint16_t* query = query_rows.data();
   for (int64_t i = 0; i < positions; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t head = h * group + g, s = s0 + i;
@@ -171,34 +187,26 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
       }
     }
   }
-  float* out = scratch.out.data();
-  float* max = scratch.max.data();
-  float* sum = scratch.sum.data();
-  std::fill(out, out + rows * v_dim, 0.0f);
-  std::fill(max, max + rows, -std::numeric_limits<float>::infinity());
-  std::fill(sum, sum + rows, 0.0f);
+  tile.start(rows, v_dim);
 
   const int64_t bh = b * p.kv_heads + h;
   const auto* keys = reinterpret_cast<const at::BFloat16*>(packed.keys_of(bh));
   const auto* values = reinterpret_cast<const at::BFloat16*>(packed.values_of(bh));
   const auto* q = reinterpret_cast<const at::BFloat16*>(query);
-  const auto* weights = reinterpret_cast<const at::BFloat16*>(scratch.weights.data());
   constexpr int64_t block = kAttentionKeyBlock;
   for (int64_t c0 = lo / block * block; c0 < hi; c0 += block) {
     at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, block, /*add_C=*/false, q, keys + 2 * c0,
-                                scratch.scores.data());
-    epilogue.flash_softmax(scratch.scores.data(), rows, std::min(block, packed.end - c0), block, mask + c0, group,
-                           p.mask_stride_s, p.scale, max, sum, scratch.weights.data(), out, v_dim);
-    at::native::cpublas::brgemm(rows, v_dim, block, block, v_dim, v_dim, /*add_C=*/true, weights, values + c0 * v_dim,
-                                out);
+                                tile.scores.data());
+    tile.add_block(epilogue, rows, std::min(block, packed.end - c0), mask + c0, group, p.mask_stride_s, p.scale,
+                   values + c0 * v_dim, v_dim);
   }
 
   for (int64_t i = 0; i < positions; ++i) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = i * group + g;
-      const float inv = sum[r] > 0.0f ? 1.0f / sum[r] : 0.0f;
+      const float inv = tile.sum[r] > 0.0f ? 1.0f / tile.sum[r] : 0.0f;
       at::BFloat16* dst = y + ((b * p.q_heads + h * group + g) * seq + s0 + i) * v_dim;
-      for (int64_t d = 0; d < v_dim; ++d) dst[d] = static_cast<at::BFloat16>(out[r * v_dim + d] * inv);
+      for (int64_t d = 0; d < v_dim; ++d) dst[d] = static_cast<at::BFloat16>(tile.out[r * v_dim + d] * inv);
     }
   }
 }
@@ -219,25 +227,16 @@ void prefetch_row(const uint16_t* row, int64_t values) {
   for (int64_t at = 0; at < values * 2; at += 64) __builtin_prefetch(bytes + at, 0, 2);
 }
 
-// Per-thread buffers of a decode task; `n` is the task's query rows rounded up to 16.
+// Per-thread buffers of a decode task besides its TileSoftmax; `n` is the task's query rows rounded up to 16.
 struct DecodeScratch {
-  AlignedVector<uint32_t> query;    // [qdim / 2][n] bf16 pairs: B of scores^T = K . Q^T (zero past the rows)
-  AlignedVector<float> scores_t;    // [block][n]
-  AlignedVector<float> scores;      // [rows][block], what the softmax reads
-  AlignedVector<uint16_t> weights;  // [rows][block]
-  AlignedVector<uint16_t> values;   // [block / 2][v_dim][2]
-  AlignedVector<float> out;         // [rows][v_dim]
-  std::vector<float> max, sum;      // [rows]
-  void fit(int64_t rows, int64_t n, int64_t qdim, int64_t v_dim) {
-    constexpr int64_t block = kAttentionKeyBlock;
+  AlignedVector<uint32_t> query;   // [qdim / 2][n] bf16 pairs: B of scores^T = K . Q^T (zero past the rows)
+  AlignedVector<float> scores_t;   // [block][n]
+  AlignedVector<uint16_t> values;  // [block / 2][v_dim][2]
+  TileSoftmax tile;
+  void fit(int64_t n, int64_t qdim, int64_t v_dim) {
     query.resize(qdim / 2 * n);
-    scores_t.resize(block * n);
-    scores.resize(rows * block);
-    weights.resize(rows * block);
-    values.resize(block * v_dim);
-    out.resize(rows * v_dim);
-    max.resize(rows);
-    sum.resize(rows);
+    scores_t.resize(kAttentionKeyBlock * n);
+    values.resize(kAttentionKeyBlock * v_dim);
   }
 };
 
@@ -262,10 +261,8 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
       for (int64_t i = k_pairs; i < pairs; ++i) query[i * n + r] = pair_at(qr, i - k_pairs);
     }
   }
-  float* out = scratch.out.data();
-  std::fill(out, out + rows * v_dim, 0.0f);
-  std::fill(scratch.max.begin(), scratch.max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(scratch.sum.begin(), scratch.sum.end(), 0.0f);
+  TileSoftmax& tile = scratch.tile;
+  tile.start(rows, v_dim);
 
   const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h;
   const uint16_t* kr = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h : nullptr;
@@ -274,7 +271,7 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
   const bool keys_are_values = k == v && p.k_stride_t == p.v_stride_t && p.k_dim >= p.v_dim;  // MLA's latent
   const auto* q_pairs = reinterpret_cast<const at::BFloat16*>(query);
   float* scores_t = scratch.scores_t.data();
-  float* scores = scratch.scores.data();
+  float* scores = tile.scores.data();
   bool visible[block];
   for (int64_t c0 = t0; c0 < t1; c0 += block) {
     const int64_t keys = std::min(block, t1 - c0);
@@ -306,11 +303,8 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = 0; t < keys; ++t) scores[r * block + t] = scores_t[t * n + r];
     }
-    epilogue.flash_softmax(scores, rows, keys, block, mask + c0, group, p.mask_stride_s, p.scale,
-                           scratch.max.data(), scratch.sum.data(), scratch.weights.data(), out, v_dim);
-    at::native::cpublas::brgemm(rows, v_dim, block, block, v_dim, v_dim, /*add_C=*/true,
-                                reinterpret_cast<const at::BFloat16*>(scratch.weights.data()),
-                                reinterpret_cast<const at::BFloat16*>(packed), out);
+    tile.add_block(epilogue, rows, keys, mask + c0, group, p.mask_stride_s, p.scale,
+                   reinterpret_cast<const at::BFloat16*>(packed), v_dim);
   }
 }
 }  // namespace
@@ -350,13 +344,13 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
   // The last positions see the most keys (causal): they go first, so the threads, taking
   // shrinking chunks as they free up, end together.
   parallel_chunks(heads * tiles, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
-    thread_local TaskScratch scratch;
-    scratch.fit(per_task * group, packed.qdim, p.v_dim);
+    thread_local AlignedVector<uint16_t> query_rows;
+    thread_local TileSoftmax tile_softmax;
     for (int64_t u = begin; u < stop; ++u) {
       const int64_t bh = u % heads, tile = tiles - 1 - u / heads;
       const int64_t s0 = tile * per_task;
-      attend_tile(epilogue, packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), scratch,
-                  y.data_ptr<at::BFloat16>(), seq);
+      attend_tile(epilogue, packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), query_rows,
+                  tile_softmax, y.data_ptr<at::BFloat16>(), seq);
     }
     at::native::cpublas::brgemm_release();
   });
@@ -382,16 +376,16 @@ at::Tensor attention_decode_brgemm(LinearUnit unit, const AttentionProblem& p, i
   const int64_t qdim = p.k_dim + p.rope_dim, n = (rows + 15) / 16 * 16;
   parallel_chunks(heads * splits, /*min_chunk=*/1, [&](int64_t begin, int64_t stop) {
     thread_local DecodeScratch scratch;
-    scratch.fit(rows, n, qdim, p.v_dim);
+    scratch.fit(n, qdim, p.v_dim);
     for (int64_t u = begin; u < stop; ++u) {
       const int64_t bh = u / splits, split = u % splits;
       const int64_t t0 = split * split_len, t1 = std::min(end, t0 + split_len);
       decode_task(epilogue, p, bh / p.kv_heads, bh % p.kv_heads, seq, t0, t1, scratch);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t at = parts.at(bh * seq + r / group, split) + r % group;
-        parts.max[at] = scratch.max[r];
-        parts.sum[at] = scratch.sum[r];
-        std::copy(scratch.out.begin() + r * p.v_dim, scratch.out.begin() + (r + 1) * p.v_dim,
+        parts.max[at] = scratch.tile.max[r];
+        parts.sum[at] = scratch.tile.sum[r];
+        std::copy(scratch.tile.out.begin() + r * p.v_dim, scratch.tile.out.begin() + (r + 1) * p.v_dim,
                   parts.out.begin() + at * p.v_dim);
       }
     }
