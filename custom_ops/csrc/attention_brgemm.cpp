@@ -56,12 +56,26 @@ struct Packed {
   int64_t end, padded;  // keys [0, end) are valid; `padded` rounds `end` up to a key block
   int64_t qdim;         // k_dim + rope_dim: a query row and a packed key column
   std::vector<KeyRange> ranges;  // per (b, s)
-  AlignedVector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs
-  AlignedVector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2]
+  UninitializedAlignedVector<uint32_t> keys;    // per (b, kv_head): [qdim / 2][padded] bf16 pairs (all written)
+  UninitializedAlignedVector<uint16_t> values;  // per (b, kv_head): [padded / 2][v_dim][2] (all written)
 
   const uint32_t* keys_of(int64_t bh) const { return keys.data() + bh * (qdim / 2) * padded; }
   const uint16_t* values_of(int64_t bh) const { return values.data() + bh * padded * p.v_dim; }
 };
+
+}  // namespace
+
+void transpose_pairs_plain(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld) {
+  for (int64_t i = 0; i < pairs; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      uint32_t word = 0;
+      if (rows[j]) std::memcpy(&word, rows[j] + 2 * i, sizeof(word));
+      out[i * ld + j] = word;
+    }
+  }
+}
+
+namespace {
 
 uint32_t pair_at(const uint16_t* row, int64_t pair) {
   uint32_t word;
@@ -86,44 +100,40 @@ void visible_keys(const AttentionProblem& p, int64_t b, int64_t seq, int64_t t0,
   }
 }
 
-// Keys [t0, t1) of (b, kv_head) into brgemm's B of Q . K^T: column t of pair row i holds
-// dims (2i, 2i + 1) of key t, the key's rope part after its first part; zero past `end` and
-// where `visible` (from t0) is false.
-void pack_keys(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, int64_t t1, const bool* visible) {
+// Keys [t0, t1) (a multiple of 16 apart) of (b, kv_head) into brgemm's B of Q . K^T: column t of
+// pair row i holds dims (2i, 2i + 1) of key t, the key's rope part after its first part (16 keys at
+// a time through the unit's transpose); zero past `end` and where `visible` (from t0) is false.
+void pack_keys(const UnitEpilogue& epilogue, Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0,
+               int64_t t1, const bool* visible) {
   const AttentionProblem& p = packed.p;
   const int64_t k_pairs = p.k_dim / 2, pairs = packed.qdim / 2, padded = packed.padded;
   uint32_t* dst = packed.keys.data() + bh * pairs * padded;
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t >= packed.end || !visible[t - t0]) {
-      for (int64_t i = 0; i < pairs; ++i) dst[i * padded + t] = 0;
-      continue;
+  const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h;
+  const uint16_t* kr = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h : nullptr;
+  const uint16_t* rows[16];
+  const uint16_t* rope_rows[16];
+  for (int64_t t = t0; t < t1; t += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const bool shown = t + j < packed.end && visible[t + j - t0];
+      rows[j] = shown ? k + (t + j) * p.k_stride_t : nullptr;
+      rope_rows[j] = shown && kr ? kr + (t + j) * p.kr_stride_t : nullptr;
     }
-    const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h + t * p.k_stride_t;
-    for (int64_t i = 0; i < k_pairs; ++i) dst[i * padded + t] = pair_at(k, i);
-    if (p.rope_dim) {
-      const uint16_t* kr = p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h + t * p.kr_stride_t;
-      for (int64_t i = k_pairs; i < pairs; ++i) dst[i * padded + t] = pair_at(kr, i - k_pairs);
-    }
+    epilogue.transpose_pairs(rows, k_pairs, dst + t, padded);
+    if (p.rope_dim) epilogue.transpose_pairs(rope_rows, pairs - k_pairs, dst + k_pairs * padded + t, padded);
   }
 }
 
 // Values [t0, t1) (t0 even) of (b, kv_head) into brgemm's B of weights . V: pair row t / 2 holds
-// values t and t + 1 interleaved per column; zero past `end` and where `visible` is false.
-void pack_values(Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0, int64_t t1, const bool* visible) {
+// values t and t + 1 interleaved per column (the unit's vector interleave); zero past `end` and
+// where `visible` is false.
+void pack_values(const UnitEpilogue& epilogue, Packed& packed, int64_t b, int64_t h, int64_t bh, int64_t t0,
+                 int64_t t1, const bool* visible) {
   const AttentionProblem& p = packed.p;
   const int64_t v_dim = p.v_dim;
   uint16_t* dst = packed.values.data() + bh * packed.padded * v_dim;
-  for (int64_t t = t0; t < t1; t += 2) {
-    uint16_t* out = dst + t * v_dim;
-    for (int64_t j = 0; j < 2; ++j) {
-      if (t + j >= packed.end || !visible[t + j - t0]) {
-        for (int64_t c = 0; c < v_dim; ++c) out[2 * c + j] = 0;
-        continue;
-      }
-      const uint16_t* v = p.v_cache + b * p.v_stride_b + h * p.v_stride_h + (t + j) * p.v_stride_t;
-      for (int64_t c = 0; c < v_dim; ++c) out[2 * c + j] = v[c];
-    }
-  }
+  const uint16_t* v = p.v_cache + b * p.v_stride_b + h * p.v_stride_h;
+  auto row = [&](int64_t t) { return t < packed.end && visible[t - t0] ? v + t * p.v_stride_t : nullptr; };
+  for (int64_t t = t0; t < t1; t += 2) epilogue.interleave_rows(row(t), row(t + 1), v_dim, dst + t * v_dim);
 }
 
 // A tile of query rows through the keys, one block at a time (the online softmax): the block's
@@ -332,8 +342,8 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
       const int64_t bh = u / blocks, t0 = (u % blocks) * block, t1 = std::min(t0 + block, end);
       const int64_t b = bh / p.kv_heads, h = bh % p.kv_heads;
       visible_keys(p, b, seq, t0, t1, visible);
-      pack_keys(packed, b, h, bh, t0, t0 + block, visible);
-      pack_values(packed, b, h, bh, t0, t0 + block, visible);
+      pack_keys(epilogue, packed, b, h, bh, t0, t0 + block, visible);
+      pack_values(epilogue, packed, b, h, bh, t0, t0 + block, visible);
     }
   });
 

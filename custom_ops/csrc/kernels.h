@@ -180,7 +180,13 @@ struct UnitEpilogue {
                         int64_t v_dim);
   // out[2c] = a[c], out[2c + 1] = b[c] for c < n (a multiple of 16); a null row reads as zeros.
   void (*interleave_rows)(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out);
+  // The bf16 pairs of 16 rows as 16 columns: out[i * ld + r] = pair i of rows[r] for i < pairs (a
+  // multiple of 8), r < 16; a null row reads as zeros. (The prefill kernel's keys as brgemm's B.)
+  void (*transpose_pairs)(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld);
 };
+// transpose_pairs one value at a time, for the units where brgemm attention is never fast (AVX2:
+// oneDNN has no compiled brgemm kernel there).
+void transpose_pairs_plain(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld);
 const UnitEpilogue& unit_epilogue_avx2();
 const UnitEpilogue& unit_epilogue_avx512();
 const UnitEpilogue& unit_epilogue_avx512_emulated();

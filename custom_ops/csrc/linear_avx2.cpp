@@ -554,7 +554,8 @@ const UnitEpilogue& unit_epilogue_avx2() {
       store_block,
       store_block_silu_mul,
       flash_block_softmax_avx2,
-      interleave_rows};
+      interleave_rows,
+      transpose_pairs_plain};
   return epilogue;
 }
 

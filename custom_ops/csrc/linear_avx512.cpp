@@ -874,6 +874,51 @@ void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* 
   }
 }
 
+// Index vectors of the transpose's stages: at distance `half` (8, 4, 2, 1), rows i and i + half
+// swap their off-diagonal blocks of `half` values; after the four stages a 16 x 16 tile is transposed.
+struct TransposeStages {
+  int32_t low[4][16], high[4][16];
+};
+constexpr TransposeStages transpose_stages() {
+  TransposeStages t{};
+  for (int stage = 0; stage < 4; ++stage) {
+    const int half = 8 >> stage;
+    for (int j = 0; j < 16; ++j) {
+      t.low[stage][j] = (j & half) ? 16 + j - half : j;   // row i: its block, then row i + half's
+      t.high[stage][j] = (j & half) ? 16 + j : j + half;  // row i + half: row i's block, then its own
+    }
+  }
+  return t;
+}
+alignas(64) constexpr TransposeStages kTransposeStages = transpose_stages();
+
+// UnitEpilogue::transpose_pairs, 16 pairs of 16 rows a step (one 16 x 16 transpose of 32-bit
+// values in registers), 8 pairs at the end where `pairs` is an odd multiple of 8.
+void transpose_pairs(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld) {
+  int64_t i0 = 0;
+  for (; i0 + 16 <= pairs; i0 += 16) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = rows[j] ? _mm512_loadu_si512(rows[j] + 2 * i0) : _mm512_setzero_si512();
+    for (int stage = 0; stage < 4; ++stage) {
+      const int half = 8 >> stage;
+      const __m512i low = _mm512_load_si512(kTransposeStages.low[stage]);
+      const __m512i high = _mm512_load_si512(kTransposeStages.high[stage]);
+      for (int j = 0; j < 16; ++j) {
+        if (j & half) continue;
+        const __m512i a = r[j], b = r[j + half];
+        r[j] = _mm512_permutex2var_epi32(a, low, b);
+        r[j + half] = _mm512_permutex2var_epi32(a, high, b);
+      }
+    }
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (i0 + j) * ld, r[j]);
+  }
+  if (i0 < pairs) {
+    const uint16_t* rest[16];
+    for (int j = 0; j < 16; ++j) rest[j] = rows[j] ? rows[j] + 2 * i0 : nullptr;
+    transpose_pairs_plain(rest, pairs - i0, out + i0 * ld, ld);
+  }
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
@@ -887,7 +932,8 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
       store_block,
       store_block_silu_mul,
       flash_softmax,
-      interleave_rows};
+      interleave_rows,
+      transpose_pairs};
   return epilogue;
 }
 

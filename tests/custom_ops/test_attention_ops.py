@@ -161,6 +161,18 @@ def test_prefill_kernel_from_its_threshold(kernel_path, past, kernel):
         assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("op_name", ["extend_attention_brgemm", "extend_attention_tiles"])
+def test_brgemm_kernels_take_head_dims_past_their_vector_steps(kernel_path, op_name):
+    """Heads of 48 (24 bf16 pairs: the packing's 16-pair transpose, then 8 more; the values' interleave 32 columns,
+    then 16) attend as the oracle does."""
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 4, 2, 3, 150, head_dim=48, left_pad=(0, 7), seed=3)
+    want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    op, context = _op(op_name, kernel_path)
+    with context:
+        got = op(q, k, v, k_cache, v_cache, positions, mask, 0.2)
+    assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
+
+
 def test_prefill_attention_choice_refuses_bad_input():
     if isa.native is None:
         pytest.skip("native library not built")
