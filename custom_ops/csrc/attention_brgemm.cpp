@@ -273,6 +273,7 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
   }
   TileSoftmax& tile = scratch.tile;
   tile.start(rows, v_dim);
+  tile.scores.resize(n * block);  // the transpose writes all n rows
 
   const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h;
   const uint16_t* kr = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h : nullptr;
@@ -310,8 +311,14 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
                                   reinterpret_cast<const at::BFloat16*>(kr + c0 * p.kr_stride_t),
                                   q_pairs + 2 * k_pairs * n, scores_t);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t t = 0; t < keys; ++t) scores[r * block + t] = scores_t[t * n + r];
+    // scores^T [keys][n] -> scores [n][block], 16 keys at a time through the unit's transpose (keys
+    // past the block's read as zeros; the softmax masks them)
+    for (int64_t t = 0; t < keys; t += 16) {
+      const uint16_t* key_rows[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        key_rows[j] = t + j < keys ? reinterpret_cast<const uint16_t*>(scores_t + (t + j) * n) : nullptr;
+      }
+      epilogue.transpose_pairs(key_rows, n, reinterpret_cast<uint32_t*>(scores + t), block);
     }
     tile.add_block(epilogue, rows, keys, mask + c0, group, p.mask_stride_s, p.scale,
                    reinterpret_cast<const at::BFloat16*>(packed), v_dim);

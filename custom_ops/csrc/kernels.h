@@ -180,8 +180,9 @@ struct UnitEpilogue {
                         int64_t v_dim);
   // out[2c] = a[c], out[2c + 1] = b[c] for c < n (a multiple of 16); a null row reads as zeros.
   void (*interleave_rows)(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* out);
-  // The bf16 pairs of 16 rows as 16 columns: out[i * ld + r] = pair i of rows[r] for i < pairs (a
-  // multiple of 8), r < 16; a null row reads as zeros. (The prefill kernel's keys as brgemm's B.)
+  // The bf16 pairs (any 32-bit words) of 16 rows as 16 columns: out[i * ld + r] = word i of rows[r]
+  // for i < pairs (a multiple of 8), r < 16; a null row reads as zeros. (The prefill kernel's keys
+  // as brgemm's B; decode's transposed scores back to rows.)
   void (*transpose_pairs)(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld);
 };
 // transpose_pairs one value at a time, for the units where brgemm attention is never fast (AVX2:
