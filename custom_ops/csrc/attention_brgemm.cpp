@@ -77,12 +77,6 @@ void transpose_pairs_plain(const uint16_t* const* rows, int64_t pairs, uint32_t*
 
 namespace {
 
-uint32_t pair_at(const uint16_t* row, int64_t pair) {
-  uint32_t word;
-  std::memcpy(&word, row + 2 * pair, sizeof(word));
-  return word;
-}
-
 // Which of keys [t0, t1) any query row of batch row b may see: the others (left padding,
 // holes) are packed as zeros, so whatever their cache rows hold never reaches the GEMMs. The
 // last rows see the most (causal), so the rows are read from the last until every key is seen.
@@ -98,6 +92,15 @@ void visible_keys(const AttentionProblem& p, int64_t b, int64_t seq, int64_t t0,
       }
     }
   }
+}
+
+// 16 rows in two parts, [first | rope] (keys, or decode's queries), as 16 columns of bf16 pairs at
+// `dst` (row stride `ld`) through the unit's transpose: the first part's pairs, then the rope part's;
+// a null row is zeros.
+void pairs_as_columns(const UnitEpilogue& epilogue, const uint16_t* const* first, const uint16_t* const* rope,
+                      int64_t first_pairs, int64_t rope_pairs, uint32_t* dst, int64_t ld) {
+  epilogue.transpose_pairs(first, first_pairs, dst, ld);
+  if (rope_pairs) epilogue.transpose_pairs(rope, rope_pairs, dst + first_pairs * ld, ld);
 }
 
 // Keys [t0, t1) (a multiple of 16 apart) of (b, kv_head) into brgemm's B of Q . K^T: column t of
@@ -118,8 +121,7 @@ void pack_keys(const UnitEpilogue& epilogue, Packed& packed, int64_t b, int64_t 
       rows[j] = shown ? k + (t + j) * p.k_stride_t : nullptr;
       rope_rows[j] = shown && kr ? kr + (t + j) * p.kr_stride_t : nullptr;
     }
-    epilogue.transpose_pairs(rows, k_pairs, dst + t, padded);
-    if (p.rope_dim) epilogue.transpose_pairs(rope_rows, pairs - k_pairs, dst + k_pairs * padded + t, padded);
+    pairs_as_columns(epilogue, rows, rope_rows, k_pairs, pairs - k_pairs, dst + t, padded);
   }
 }
 
@@ -228,8 +230,9 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
 // one keeps every thread busy (flash decoding; the splits merge as the unit's do). The scores are
 // computed transposed, scores^T = K . Q^T, so the cache rows are brgemm's A as they lie (M keys,
 // N query rows): nothing is repacked per step but the queries (once per task) and each block's
-// values into VNNI pairs, in L2 right after the score GEMM read them. The unit attends the same
-// rows with fp32 FMAs (AVX2); here the two GEMMs run on AMX tiles or oneDNN's AVX512-BF16 code.
+// values into VNNI pairs (read in row order before the score GEMM walks the same rows). The unit
+// attends the same rows with fp32 FMAs (AVX2); here the two GEMMs run on AMX tiles or oneDNN's
+// AVX512-BF16 code.
 
 // Asks for the `values` bf16 values at `row` to be brought into the caches.
 void prefetch_row(const uint16_t* row, int64_t values) {
@@ -258,18 +261,16 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
   const int64_t group = p.q_heads / p.kv_heads, rows = seq * group, n = (rows + 15) / 16 * 16;
   const int64_t k_pairs = p.k_dim / 2, pairs = (p.k_dim + p.rope_dim) / 2, v_dim = p.v_dim;
   uint32_t* query = scratch.query.data();
-  for (int64_t r = 0; r < n; ++r) {
-    if (r >= rows) {
-      for (int64_t i = 0; i < pairs; ++i) query[i * n + r] = 0;
-      continue;
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {  // the rows past `rows` are zeros
+    const uint16_t* q_rows[16];
+    const uint16_t* rope_rows[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t r = r0 + j, s = r / group, head = h * group + r % group;
+      q_rows[j] = r < rows ? p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s : nullptr;
+      rope_rows[j] =
+          r < rows && p.rope_dim ? p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s : nullptr;
     }
-    const int64_t s = r / group, head = h * group + r % group;
-    const uint16_t* q = p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s;
-    for (int64_t i = 0; i < k_pairs; ++i) query[i * n + r] = pair_at(q, i);
-    if (p.rope_dim) {
-      const uint16_t* qr = p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s;
-      for (int64_t i = k_pairs; i < pairs; ++i) query[i * n + r] = pair_at(qr, i - k_pairs);
-    }
+    pairs_as_columns(epilogue, q_rows, rope_rows, k_pairs, pairs - k_pairs, query + r0, n);
   }
   TileSoftmax& tile = scratch.tile;
   tile.start(rows, v_dim);
