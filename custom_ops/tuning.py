@@ -353,25 +353,31 @@ def forced_decode_attention(family: str, kernel: str):
     return _temporarily(isa.native.get_decode_attention, isa.native.set_decode_attention, (family,), (kernel,))
 
 
-def _decode_call(shape: AttentionShape, context: int):
-    """One new token through ``shape``'s attention op at position ``context - 1``, over a cache of random keys and
-    values (fresh random inputs)."""
-    g = torch.Generator().manual_seed(context)
+def _attention_call(shape: AttentionShape, seq: int, past: int):
+    """``seq`` new tokens at positions [past, past + seq) through ``shape``'s attention op, over a cache of random
+    keys and values (fresh random inputs; the new tokens' rows are written over theirs), causally masked."""
+    g = torch.Generator().manual_seed(past + seq)
 
     def rand(*size):
         return torch.randn(*size, generator=g).to(torch.bfloat16)
 
-    positions = torch.tensor([context - 1])
-    mask = torch.ones(1, 1, 1, context, dtype=torch.bool)
+    end = past + seq
+    positions = torch.arange(past, end)
+    mask = torch.ones(seq, end, dtype=torch.bool).tril(past)[None, None]
     if shape.family == "mla":
-        args = (rand(1, shape.heads, 1, shape.head_dim), rand(1, shape.heads, 1, shape.rope_dim),
-                rand(1, 1, 1, shape.head_dim), rand(1, 1, 1, shape.rope_dim), rand(1, 1, context, shape.head_dim),
-                rand(1, 1, context, shape.rope_dim), positions, mask, (shape.head_dim + shape.rope_dim) ** -0.5)
+        args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.heads, seq, shape.rope_dim),
+                rand(1, 1, seq, shape.head_dim), rand(1, 1, seq, shape.rope_dim), rand(1, 1, end, shape.head_dim),
+                rand(1, 1, end, shape.rope_dim), positions, mask, (shape.head_dim + shape.rope_dim) ** -0.5)
         return lambda: torch.ops.tilefx.mla_attention(*args)
-    args = (rand(1, shape.heads, 1, shape.head_dim), rand(1, shape.kv_heads, 1, shape.head_dim),
-            rand(1, shape.kv_heads, 1, shape.head_dim), rand(1, shape.kv_heads, context, shape.head_dim),
-            rand(1, shape.kv_heads, context, shape.head_dim), positions, mask, shape.head_dim**-0.5)
-    return lambda: torch.ops.tilefx.decode_attention(*args)
+    args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.kv_heads, seq, shape.head_dim),
+            rand(1, shape.kv_heads, seq, shape.head_dim), rand(1, shape.kv_heads, end, shape.head_dim),
+            rand(1, shape.kv_heads, end, shape.head_dim), positions, mask, shape.head_dim**-0.5)
+    return lambda: torch.ops.tilefx.extend_attention(*args)
+
+
+def _decode_call(shape: AttentionShape, context: int):
+    """One new token at position ``context - 1`` over a full cache (_attention_call)."""
+    return _attention_call(shape, 1, context - 1)
 
 
 def _time_kernels(calls, kernels, force) -> dict[str, tuple[float, ...]]:
@@ -399,27 +405,8 @@ def choose_decode_attention(ms: dict) -> str:
 
 
 def _prefill_call(shape: AttentionShape, seq: int):
-    """A prompt of ``seq`` tokens through ``shape``'s attention op, on fresh random inputs and an empty cache."""
-    g = torch.Generator().manual_seed(seq)
-
-    def rand(*size):
-        return torch.randn(*size, generator=g).to(torch.bfloat16)
-
-    positions = torch.arange(seq)
-    mask = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None]
-    if shape.family == "mla":
-        args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.heads, seq, shape.rope_dim),
-                rand(1, 1, seq, shape.head_dim), rand(1, 1, seq, shape.rope_dim),
-                torch.zeros(1, 1, seq, shape.head_dim, dtype=torch.bfloat16),
-                torch.zeros(1, 1, seq, shape.rope_dim, dtype=torch.bfloat16), positions, mask,
-                (shape.head_dim + shape.rope_dim) ** -0.5)
-        return lambda: torch.ops.tilefx.mla_attention(*args)
-    args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.kv_heads, seq, shape.head_dim),
-            rand(1, shape.kv_heads, seq, shape.head_dim),
-            torch.zeros(1, shape.kv_heads, seq, shape.head_dim, dtype=torch.bfloat16),
-            torch.zeros(1, shape.kv_heads, seq, shape.head_dim, dtype=torch.bfloat16), positions, mask,
-            shape.head_dim**-0.5)
-    return lambda: torch.ops.tilefx.extend_attention(*args)
+    """A prompt of ``seq`` tokens from position 0 (_attention_call)."""
+    return _attention_call(shape, seq, 0)
 
 
 def choose_attention(ms: dict) -> tuple[str, int]:
