@@ -1,12 +1,12 @@
 """How the decode walks stream weights on this machine, tuned by measuring (FFTW / ATLAS style).
 
 A decode linear is a GEMV that must read its weight at the memory's speed. How a walk
-gets there depends on the CPU: two concurrent streams per thread and a short software
-prefetch read at the streaming bandwidth on AMD Zen, while the same walk keeps too few
+gets there depends on the CPU: two concurrent streams per thread and a short non-temporal
+software prefetch read at the streaming bandwidth on AMD Zen, while the same walk keeps too few
 misses in flight on an Intel Xeon 6, where one block at a time without prefetch, or a
 different distance, does better (docs/PERFORMANCE.md). So the walk's parameters are not constants:
-``ensure_tuned`` times every candidate (``CANDIDATES``: streams per thread x prefetch
-distance) on a decode-like pass over cold weights, once per CPU, thread count, kernel
+``ensure_tuned`` searches the candidates (``candidates``: streams per thread x prefetch distance x
+prefetch hint) on a decode-like pass over cold weights, once per CPU, thread count, kernel
 sources, linear unit and weight format, keeps the fastest in the native table
 (``csrc/tuning.h``) and caches the result as JSON next to tilefx's graph cache
 (``cache_root()``), so a later process reads it instead of timing again.
@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -40,8 +39,14 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import formats, layouts, memory
 
 STREAMS = (1, 2)
-PREFETCH_BYTES = (0, 256, 512, 1024, 2048, 4096)
-CANDIDATES = tuple(itertools.product(STREAMS, PREFETCH_BYTES))
+PREFETCH_BYTES = (0, 256, 512, 1024, 2048, 4096)  # 0: no prefetch
+PREFETCH_HINTS = ("nta", "t0", "t1")  # csrc/kernels.h PrefetchHint
+# A walk is (streams, prefetch bytes, prefetch hint); without prefetch the hint means nothing and is "nta".
+CANDIDATES = tuple((s, d, h) for s in STREAMS for d in PREFETCH_BYTES for h in PREFETCH_HINTS if d or h == "nta")
+# The search first times every streams x hint at this one distance, and no prefetch (``scouts``: 8 walks), then every
+# distance for the best prefetching streams and hint (``distances``: 5): 13 of the 32 walks, taking the hint's and
+# the distance's effects to be apart.
+SCOUT_BYTES = 1024
 # A tuned choice replaces the default only when a second, independent head-to-head (CONFIRM_ROUNDS rounds of
 # the two alone) finds it this much faster: the fastest of many noisy candidates looks faster than it is.
 MIN_GAIN = 1.03
@@ -61,21 +66,27 @@ class Tuned:
     format: str
     streams: int
     prefetch_bytes: int
+    prefetch_hint: str
     how: str  # "tuned" (timed now), "cached" (timed by an earlier process), "untuned" (tuning off)
     gbps: float = 0.0  # the choice's median GB/s over the timed pass (0: not timed)
     default_gbps: float = 0.0  # the default's, in the same run
     seconds: float = 0.0  # time spent timing
 
+    @property
+    def walk(self) -> tuple[int, int, str]:
+        return self.streams, self.prefetch_bytes, self.prefetch_hint
+
     def line(self) -> str:
-        what = f"{self.unit} {self.format}: {self.streams} stream(s), prefetch {self.prefetch_bytes} B"
+        prefetch = f"prefetch {self.prefetch_bytes} B {self.prefetch_hint}" if self.prefetch_bytes else "no prefetch"
+        what = f"{self.unit} {self.format}: {self.streams} stream(s), {prefetch}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
         gain = f", {self.gbps:.1f} GB/s vs the default's {self.default_gbps:.1f}" if self.gbps else ""
         return f"{what} ({self.how}{gain}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
-def current(unit: str, format: str) -> tuple[int, int]:
-    """(streams, prefetch bytes) the native kernels use now."""
+def current(unit: str, format: str) -> tuple[int, int, str]:
+    """(streams, prefetch bytes, prefetch hint) the native kernels use now."""
     return tuple(isa.native.get_walk_tuning(unit, format))
 
 
@@ -90,13 +101,13 @@ def _temporarily(getter, setter, key: tuple, value: tuple):
         setter(*key, *(previous if isinstance(previous, tuple) else (previous,)))
 
 
-def forced(unit: str, format: str, streams: int, prefetch_bytes: int):
+def forced(unit: str, format: str, streams: int, prefetch_bytes: int, prefetch_hint: str = "nta"):
     """Run a block with the given walk (tests, benchmarks)."""
     return _temporarily(isa.native.get_walk_tuning, isa.native.set_walk_tuning, (unit, format),
-                        (streams, prefetch_bytes))
+                        (streams, prefetch_bytes, prefetch_hint))
 
 
-def candidates(unit: str, format: str) -> tuple[tuple[int, int], ...]:
+def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:
     """The walks that differ on ``unit`` for ``format``: the AVX2 unit streams one quantized block at a time."""
     if unit == "avx2" and format != "bf16":
         return tuple(c for c in CANDIDATES if c[0] == 1)
@@ -188,9 +199,9 @@ def _time_pass(tensors, inputs) -> float:
     return time.perf_counter() - start
 
 
-def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dict[tuple[int, int], float]:
+def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dict[tuple, float]:
     """Median seconds of a pass per walk, the walks interleaved in every round (drift hits them alike)."""
-    times: dict[tuple[int, int], list[float]] = {walk: [] for walk in walks}
+    times: dict[tuple, list[float]] = {walk: [] for walk in walks}
     for _ in range(rounds):
         for walk in walks:
             with forced(unit, format, *walk):
@@ -198,20 +209,35 @@ def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dic
     return {walk: statistics.median(t) for walk, t in times.items()}
 
 
+def scouts(walks) -> tuple:
+    """The search's first stage over ``walks`` (``candidates``'): no prefetch, and every hint at ``SCOUT_BYTES``,
+    for each stream count."""
+    return tuple(w for w in walks if w[1] in (0, SCOUT_BYTES))
+
+
+def distances(walks, streams: int, hint: str) -> tuple:
+    """The second stage: every prefetch distance with the streams and hint of the best prefetching scout."""
+    return tuple(w for w in walks if w[0] == streams and w[1] and w[2] == hint)
+
+
 def tune(unit: str, format: str, path: str) -> Tuned:
-    """Time every candidate walk on ``unit`` (a decode unit of kernel path ``path``) for ``format`` weights,
-    interleaved over ``ROUNDS`` rounds, then the fastest against the default alone; set the fastest where it
-    beats the default by ``MIN_GAIN``."""
+    """Search the walks on ``unit`` (a decode unit of kernel path ``path``) for ``format`` weights in two stages
+    (``scouts``, then ``distances``), each interleaved over ``ROUNDS`` rounds, then the fastest against the default
+    alone; set the fastest where it beats the default by ``MIN_GAIN``."""
     started = time.perf_counter()
     default = current(unit, format)
     tensors = _decode_pass(format)
     inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
     nbytes = _pass_bytes(tensors)
-    walks = tuple(dict.fromkeys((default, *candidates(unit, format))))
+    walks = candidates(unit, format)
     with isa.forced(path), forced_decode_gemm(format, "unit", 0), torch.inference_mode():
         _time_pass(tensors, inputs)  # warm-up: page in every tensor, settle the clocks
-        search = _medians(tensors, inputs, unit, format, walks, ROUNDS)
-        best = min(search, key=search.get)
+        scouted = _medians(tensors, inputs, unit, format, tuple(dict.fromkeys((default, *scouts(walks)))), ROUNDS)
+        best = min(scouted, key=scouted.get)
+        prefetching = min((w for w in scouted if w[1]), key=scouted.get)
+        refined = _medians(tensors, inputs, unit, format,
+                           tuple(dict.fromkeys((best, *distances(walks, prefetching[0], prefetching[2])))), ROUNDS)
+        best = min(refined, key=refined.get)
         final = _medians(tensors, inputs, unit, format, tuple(dict.fromkeys((default, best))), CONFIRM_ROUNDS)
     if final[default] <= final[best] * MIN_GAIN:
         best = default
@@ -255,14 +281,15 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
             # (int4's walk is timed with x in the form decode reads it: isa.int4_activations)
             key = _machine_key(unit, format, *(["x=" + isa.int4_activations()] if format == "int4" else []))
             entry = saved.get(key)
-            if entry is not None:
-                isa.native.set_walk_tuning(unit, format, entry["streams"], entry["prefetch_bytes"])
-                results.append(Tuned(unit, format, entry["streams"], entry["prefetch_bytes"], how="cached",
-                                     gbps=entry.get("gbps", 0.0), default_gbps=entry.get("default_gbps", 0.0)))
+            if entry is not None and "prefetch_hint" in entry:  # (entries from before the hint: timed again)
+                walk = entry["streams"], entry["prefetch_bytes"], entry["prefetch_hint"]
+                isa.native.set_walk_tuning(unit, format, *walk)
+                results.append(Tuned(unit, format, *walk, how="cached", gbps=entry.get("gbps", 0.0),
+                                     default_gbps=entry.get("default_gbps", 0.0)))
                 continue
             tuned = tune(unit, format, path)
-            saved[key] = {"streams": tuned.streams, "prefetch_bytes": tuned.prefetch_bytes, "gbps": tuned.gbps,
-                          "default_gbps": tuned.default_gbps}
+            saved[key] = {"streams": tuned.streams, "prefetch_bytes": tuned.prefetch_bytes,
+                          "prefetch_hint": tuned.prefetch_hint, "gbps": tuned.gbps, "default_gbps": tuned.default_gbps}
             changed = True
             results.append(tuned)
     if changed:

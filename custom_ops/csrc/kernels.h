@@ -93,6 +93,11 @@ inline void quantize_x_groups(const T* x, int64_t rows, int64_t ldx, int8_t* byt
   }
 }
 
+// Where a decode walk's software prefetch brings its lines: _MM_HINT_NTA (near the core, kept out of the
+// outer caches), T0 (every level) or T1 (L2 and out). The CPUs differ in how many misses each keeps in
+// flight, so the hint is tuned per machine with the distance (tuning.h).
+enum class PrefetchHint : int { nta = 0, t0 = 1, t1 = 2 };
+
 struct LinearProblem {
   const void* x;          // activations in form x_form (below)
   const uint16_t* w;      // packed weight (bf16 bits)
@@ -117,9 +122,10 @@ struct LinearProblem {
   const uint16_t* int4_params = nullptr;  // int4: fp16 [blocks][k_groups][2][kBlockN] (scales, zeros)
   // How a decode walk (M <= 2) streams the weight, per machine (tuning.h): for M = 1 a thread
   // reads `streams` blocks at once (2, or 1 where the unit has one quantized stream), and each
-  // stream prefetches `prefetch_bytes` ahead of its loads (0: at its own row, i.e. none).
+  // stream prefetches `prefetch_bytes` ahead of its loads with `prefetch_hint` (0 bytes: no prefetch).
   int64_t streams = 2;
   int64_t prefetch_bytes = 1024;
+  PrefetchHint prefetch_hint = PrefetchHint::nta;
 
   const float* x_fp32() const { return static_cast<const float*>(x); }
   const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }

@@ -31,23 +31,26 @@ constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel
 constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
-// (LinearProblem::prefetch_bytes, tuned per machine). Non-temporal, so the streamed weight does not evict x (fp32, up to
-// 32 KiB) from the caches. Near a block's end it prefetches the next block, which a stream
-// reads next; past the buffer's end it is a no-op (prefetches never fault).
+// (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
+// the streamed weight does not evict x, fp32 up to 32 KiB, from the caches). Near a block's end it
+// prefetches the next block, which a stream reads next; past the buffer's end it is a no-op
+// (prefetches never fault).
+template <Prefetch P>
 static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
   const char* line = reinterpret_cast<const char*>(row) + ahead;
-  _mm_prefetch(line, _MM_HINT_NTA);
-  _mm_prefetch(line + 64, _MM_HINT_NTA);
+  prefetch<P>(line);
+  prefetch<P>(line + 64);
 }
 
 // One row of x against a whole block, every K pair: 2 accumulators per column
 // vector (k even / k odd) so FMA latency never limits the stream.
+template <Prefetch P>
 static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m256 acc_even[kVecs], acc_odd[kVecs];
   for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row, ahead);
+    prefetch_ahead<P>(row, ahead);
     const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
     const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
 #pragma GCC unroll 4
@@ -62,6 +65,7 @@ static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64
 }
 
 // One row of x against two blocks at once (two streams; see the top of the file).
+template <Prefetch P>
 static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
                                 int64_t ahead, float* c_a, float* c_b) {
   __m256 acc_a[kVecs], acc_b[kVecs];
@@ -69,8 +73,8 @@ static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const u
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row_a = block_a + p * kPairStride;
     const uint16_t* row_b = block_b + p * kPairStride;
-    prefetch_ahead(row_a, ahead);
-    prefetch_ahead(row_b, ahead);
+    prefetch_ahead<P>(row_a, ahead);
+    prefetch_ahead<P>(row_b, ahead);
     const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
     const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
 #pragma GCC unroll 4
@@ -89,13 +93,14 @@ static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const u
 }
 
 // Two rows of x against a whole block (batch-2 decode): the weight is still read once.
+template <Prefetch P>
 static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m256 acc[2][kVecs];
   for (int m = 0; m < 2; ++m)
     for (int j = 0; j < kVecs; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row, ahead);
+    prefetch_ahead<P>(row, ahead);
     const __m256 a0 = _mm256_broadcast_ss(x + 2 * p), a1 = _mm256_broadcast_ss(x + 2 * p + 1);
     const __m256 b0 = _mm256_broadcast_ss(x + ldx + 2 * p), b1 = _mm256_broadcast_ss(x + ldx + 2 * p + 1);
 #pragma GCC unroll 4
@@ -230,6 +235,7 @@ static inline __m256 group_scale(const LinearProblem& p, int64_t block, int64_t 
 // One row of x against one fp8 block (8 accumulators of 4 columns x 2: one stream per
 // thread, two would spill), scales applied, into c[0, kBlockN). (int8 decode reads x as
 // int16 words instead: int8_word_gemv.)
+template <Prefetch P>
 static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
   constexpr WeightFormat F = WeightFormat::fp8;
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
@@ -240,7 +246,7 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
     const __m256 scale = group_scale<F>(p, block, g0);
     for (int64_t q = g0; q < g1; ++q) {
       const uint8_t* row = w + q * kQPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+      prefetch<P>(row + p.prefetch_bytes);
       double pair;
       __builtin_memcpy(&pair, x + 2 * q, sizeof pair);
       const __m256 xs = _mm256_mul_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), scale);  // x[2q], x[2q + 1] repeated
@@ -269,7 +275,7 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
 // kWordPairs pairs, each at most 2 * 127 * 32767, stays within int32 before it goes to fp32.
 constexpr int64_t kWordPairs = 128;
 
-template <int Rows>
+template <int Rows, Prefetch P>
 static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
   const int64_t ldw = p.ldx / 2;
@@ -283,7 +289,7 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
       for (auto& a : row) a = _mm256_setzero_si256();
     for (int64_t q = g0; q < g1; ++q) {
       const uint8_t* row = w + q * kQPairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+      prefetch<P>(row + p.prefetch_bytes);
       __m256i words[4];
       for (int j = 0; j < 4; ++j) {
         words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
@@ -328,7 +334,7 @@ static inline void add_int4_group(const LinearProblem& p, int64_t block, int64_t
 // words' four high bytes, and their four low bytes by the nibbles (pairs of products, at most 2 * 255 *
 // 15: no saturation), `vpmaddwd` by ones sums each lane's four. As on the AVX512 unit (int4_gemv_words),
 // a group's sums go to fp32 as 256 * high + low and the zero points come off per group.
-template <int Rows>
+template <int Rows, Prefetch P>
 static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -341,7 +347,7 @@ static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
       for (int j = 0; j < 4; ++j) high[r][j] = lows[r][j] = _mm256_setzero_si256();
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
       const uint8_t* row = w + q * kInt4PairBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+      prefetch<P>(row + p.prefetch_bytes);
       for (int half = 0; half < 2; ++half) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * half));
         const __m256i values[2] = {_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low)};
@@ -378,7 +384,7 @@ static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
 // most 2 * 15 * 127), summed in int16 over the kXGroup's 8 loads (at most 30480: no overflow), then
 // `vpmaddwd` by ones to int32 and to fp32 times the kXGroup's scale: half the multiplies of the words
 // per weight byte. The zero points come off per weight group as over the words.
-template <int Rows>
+template <int Rows, Prefetch P>
 static void int4_gemv_bytes(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -397,7 +403,7 @@ static void int4_gemv_bytes(const LinearProblem& p, int64_t block, float* c) {
         for (auto& a : row) a = _mm256_setzero_si256();
       for (int64_t q = q0, end = std::min(q0 + kXGroupPairs, group_end); q < end; q += 2) {
         const uint8_t* row = w + q * kInt4PairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+        prefetch<P>(row + p.prefetch_bytes);
         __m256i x4[Rows];  // inputs 2q..2q+3 of each row
         for (int r = 0; r < Rows; ++r) {
           int32_t four;
@@ -492,17 +498,20 @@ struct Avx2Unit {
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
-    if constexpr (F == WeightFormat::int8) {
-      int8_word_gemv<Rows>(p, blocks[0], c[0]);
-    } else if constexpr (F == WeightFormat::int4) {
-      if (p.x_form == ActivationForm::int8_groups) {
-        int4_gemv_bytes<Rows>(p, blocks[0], c[0]);
+    with_prefetch(p, [&](auto as) {
+      constexpr Prefetch P = decltype(as)::value;
+      if constexpr (F == WeightFormat::int8) {
+        int8_word_gemv<Rows, P>(p, blocks[0], c[0]);
+      } else if constexpr (F == WeightFormat::int4) {
+        if (p.x_form == ActivationForm::int8_groups) {
+          int4_gemv_bytes<Rows, P>(p, blocks[0], c[0]);
+        } else {
+          int4_gemv_words<Rows, P>(p, blocks[0], c[0]);
+        }
       } else {
-        int4_gemv_words<Rows>(p, blocks[0], c[0]);
+        for (int r = 0; r < Rows; ++r) fp8_gemv_row<P>(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
       }
-    } else {
-      for (int r = 0; r < Rows; ++r) fp8_gemv_row(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
-    }
+    });
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
@@ -513,12 +522,17 @@ struct Avx2Unit {
     }
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+    with_prefetch(p, [&](auto as) {
+      gemv_row_two_blocks<decltype(as)::value>(p.x_fp32(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+    });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes, c);
-    if (p.M == 2) return gemv_two_rows(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes, c);
-    gemm_block(p, block, c);
+    if (p.M > 2) return gemm_block(p, block, c);
+    with_prefetch(p, [&](auto as) {
+      constexpr Prefetch P = decltype(as)::value;
+      if (p.M == 1) return gemv_row<P>(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes, c);
+      gemv_two_rows<P>(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes, c);
+    });
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
   static void store_silu_mul(const LinearProblem& p, int64_t col0, const float* gate, const float* up) {

@@ -54,11 +54,12 @@ static inline __m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_lo
 static inline __m512bh broadcast_pair(uint32_t pair) { return as_pairs(_mm512_set1_epi32(static_cast<int>(pair))); }
 
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
-// (LinearProblem::prefetch_bytes, tuned per machine).
+// (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine).
+template <Prefetch P>
 static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
   const char* line = reinterpret_cast<const char*>(row) + ahead;
-  _mm_prefetch(line, _MM_HINT_NTA);
-  _mm_prefetch(line + 64, _MM_HINT_NTA);
+  prefetch<P>(line);
+  prefetch<P>(line + 64);
 }
 
 static inline __m512 load_bf16x16(const uint16_t* p) {
@@ -109,11 +110,12 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
 }
 
 // One row of x against one block, every K pair.
+template <Prefetch P>
 static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
   __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row, ahead);
+    prefetch_ahead<P>(row, ahead);
     const __m512bh xp = broadcast_pair(x[p]);
     lo = _mm512_dpbf16_ps(lo, load_pairs(row), xp);
     hi = _mm512_dpbf16_ps(hi, load_pairs(row + 32), xp);
@@ -123,6 +125,7 @@ static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, in
 }
 
 // One row of x against two blocks at once (two streams).
+template <Prefetch P>
 static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
                                 int64_t ahead, float* c_a, float* c_b) {
   __m512 a_lo = _mm512_setzero_ps(), a_hi = _mm512_setzero_ps();
@@ -130,8 +133,8 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row_a = block_a + p * kPairStride;
     const uint16_t* row_b = block_b + p * kPairStride;
-    prefetch_ahead(row_a, ahead);
-    prefetch_ahead(row_b, ahead);
+    prefetch_ahead<P>(row_a, ahead);
+    prefetch_ahead<P>(row_b, ahead);
     const __m512bh xp = broadcast_pair(x[p]);
     a_lo = _mm512_dpbf16_ps(a_lo, load_pairs(row_a), xp);
     a_hi = _mm512_dpbf16_ps(a_hi, load_pairs(row_a + 32), xp);
@@ -145,13 +148,14 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
 }
 
 // Two rows of x against one block (batch-2 decode): the weight is still read once.
+template <Prefetch P>
 static void gemv_two_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, int64_t ahead,
                           float* c) {
   __m512 acc[2][2];
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead(row, ahead);
+    prefetch_ahead<P>(row, ahead);
     const __m512bh lo = load_pairs(row), hi = load_pairs(row + 32);
     for (int m = 0; m < 2; ++m) {
       const __m512bh xp = broadcast_pair(x[m * ldp + p]);
@@ -354,7 +358,7 @@ alignas(64) constexpr int32_t kColumnOrder[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19
 // `Rows` rows of x (bf16 pairs) against `Blocks` fp8 blocks, every K pair; c[b] (rows of
 // kBlockN) gets block b's result with its scales applied per 128 inputs to the partial sums at
 // the end of each group. (int8 decode reads x as int16 words instead: int8_word_gemv.)
-template <int Rows, int Blocks>
+template <int Rows, int Blocks, Prefetch P>
 static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   constexpr WeightFormat F = WeightFormat::fp8;
   const Tables tables = load_tables<F>();
@@ -372,7 +376,7 @@ static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const
     auto add_row = [&](int64_t q, __m512 (&into)[Rows * Blocks][2]) {
       for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kQPairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+        prefetch<P>(row + p.prefetch_bytes);
         __m512i lo, hi;
         load_quantized_pairs<F>(row, tables, lo, hi);
         for (int r = 0; r < Rows; ++r) {
@@ -417,7 +421,7 @@ static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const
 // stays within int32 before it goes to fp32; even and odd K pair rows accumulate apart.
 constexpr int64_t kWordPairs = 128;
 
-template <int Rows, int Blocks>
+template <int Rows, int Blocks, Prefetch P>
 static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
@@ -432,7 +436,7 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
     auto add_row = [&](int64_t q, __m512i (&into)[Rows * Blocks][2]) {
       for (int b = 0; b < Blocks; ++b) {
         const uint8_t* row = w[b] + q * kQPairBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(row + p.prefetch_bytes), _MM_HINT_NTA);
+        prefetch<P>(row + p.prefetch_bytes);
         const __m512i lo = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
         const __m512i hi = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32)));
         for (int r = 0; r < Rows; ++r) {
@@ -483,8 +487,9 @@ constexpr int64_t kHighNibble = 0x1020408000000000LL;
 struct Int4Halves {
   __m512i first, second;
 };
+template <Prefetch P>
 static inline Int4Halves load_int4_halves(const uint8_t* row, int64_t prefetch_bytes) {
-  _mm_prefetch(reinterpret_cast<const char*>(row + prefetch_bytes), _MM_HINT_NTA);
+  prefetch<P>(row + prefetch_bytes);
   const __m512i raw = _mm512_loadu_si512(row);
   return {_mm512_and_si512(raw, _mm512_set1_epi8(0x0F)),
           _mm512_gf2p8affine_epi64_epi8(raw, _mm512_set1_epi64(kHighNibble), 0)};  // each byte >> 4
@@ -510,7 +515,7 @@ static inline void add_int4_group(const LinearProblem& p, const int64_t* blocks,
   }
 }
 
-template <int Rows, int Blocks>
+template <int Rows, int Blocks, Prefetch P>
 static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
@@ -532,7 +537,7 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
           x4[r] = _mm512_set1_epi32(four);
         }
         for (int b = 0; b < Blocks; ++b) {
-          const Int4Halves v = load_int4_halves(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
+          const Int4Halves v = load_int4_halves<P>(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
           for (int r = 0; r < Rows; ++r) {
             const int i = r * Blocks + b;
             sums[i][0] = _mm512_dpbusd_epi32(sums[i][0], v.first, x4[r]);
@@ -566,7 +571,7 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
 // A group's sums go to fp32 as 256 * high + low; its sum over x q minus z times the group's sum of x
 // (x_sums) is its sum over x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and
 // accumulator.
-template <int Rows, int Blocks>
+template <int Rows, int Blocks, Prefetch P>
 static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
   for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
@@ -586,7 +591,7 @@ static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float
         x_high[r] = _mm512_set1_epi32(four[1]);
       }
       for (int b = 0; b < Blocks; ++b) {
-        const Int4Halves v = load_int4_halves(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
+        const Int4Halves v = load_int4_halves<P>(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
         for (int r = 0; r < Rows; ++r) {
           const int i = r * Blocks + b;
           high[i][0] = _mm512_dpbusd_epi32(high[i][0], v.first, x_high[r]);
@@ -677,17 +682,20 @@ struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
-    if constexpr (F == WeightFormat::int8) {
-      int8_word_gemv<Rows, Blocks>(p, blocks, c);
-    } else if constexpr (F == WeightFormat::int4) {
-      if (p.x_form == ActivationForm::int8_groups) {
-        int4_gemv_bytes<Rows, Blocks>(p, blocks, c);
+    with_prefetch(p, [&](auto as) {
+      constexpr Prefetch P = decltype(as)::value;
+      if constexpr (F == WeightFormat::int8) {
+        int8_word_gemv<Rows, Blocks, P>(p, blocks, c);
+      } else if constexpr (F == WeightFormat::int4) {
+        if (p.x_form == ActivationForm::int8_groups) {
+          int4_gemv_bytes<Rows, Blocks, P>(p, blocks, c);
+        } else {
+          int4_gemv_words<Rows, Blocks, P>(p, blocks, c);
+        }
       } else {
-        int4_gemv_words<Rows, Blocks>(p, blocks, c);
+        fp8_gemv<Rows, Blocks, P>(p, blocks, c);
       }
-    } else {
-      fp8_gemv<Rows, Blocks>(p, blocks, c);
-    }
+    });
   }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
@@ -698,12 +706,17 @@ struct Avx512Unit {
     }
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
-    gemv_row_two_blocks(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+    with_prefetch(p, [&](auto as) {
+      gemv_row_two_blocks<decltype(as)::value>(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+    });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M == 1) return gemv_row(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes, c);
-    if (p.M == 2) return gemv_two_rows(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes, c);
-    gemm_block(p, block, c);
+    if (p.M > 2) return gemm_block(p, block, c);
+    with_prefetch(p, [&](auto as) {
+      constexpr Prefetch P = decltype(as)::value;
+      if (p.M == 1) return gemv_row<P>(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes, c);
+      gemv_two_rows<P>(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes, c);
+    });
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
   static void store_silu_mul(const LinearProblem& p, int64_t col0, const float* gate, const float* up) {

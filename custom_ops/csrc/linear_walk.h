@@ -8,6 +8,36 @@
 namespace tilefx {
 namespace {
 
+// A decode kernel's software prefetch, fixed for a call: none at distance 0, else one hint
+// (LinearProblem::prefetch_bytes, prefetch_hint). A template argument of the kernels, so their
+// loops carry no branch for it.
+enum class Prefetch { none, nta, t0, t1 };
+
+template <Prefetch P>
+inline void prefetch(const void* address) {
+  const char* line = static_cast<const char*>(address);
+  if constexpr (P == Prefetch::nta) _mm_prefetch(line, _MM_HINT_NTA);
+  if constexpr (P == Prefetch::t0) _mm_prefetch(line, _MM_HINT_T0);
+  if constexpr (P == Prefetch::t1) _mm_prefetch(line, _MM_HINT_T1);
+}
+
+template <Prefetch P>
+struct PrefetchAs {
+  static constexpr Prefetch value = P;
+};
+
+// body(PrefetchAs<P>{}) with P the problem's prefetch: a kernel reads it as decltype(tag)::value.
+template <class Body>
+inline void with_prefetch(const LinearProblem& p, const Body& body) {
+  if (p.prefetch_bytes == 0) return body(PrefetchAs<Prefetch::none>{});
+  switch (p.prefetch_hint) {
+    case PrefetchHint::t0: return body(PrefetchAs<Prefetch::t0>{});
+    case PrefetchHint::t1: return body(PrefetchAs<Prefetch::t1>{});
+    case PrefetchHint::nta: break;
+  }
+  body(PrefetchAs<Prefetch::nta>{});
+}
+
 // The M = 1 gate/up walk with SiLU-and-mul over output blocks [block_begin, block_end):
 // stream a takes the first half of them and stream b the second, and each reads its
 // blocks in memory order, gate j then up j then gate j + 1, so neither stream jumps

@@ -89,6 +89,7 @@ struct ExpertWeights {
     p.k_groups = whole.k_groups;
     p.streams = whole.streams;
     p.prefetch_bytes = whole.prefetch_bytes;
+    p.prefetch_hint = whole.prefetch_hint;
     if (whole.format == WeightFormat::bf16) {
       p.w = whole.w + e * values_per_expert;
     } else if (whole.format == WeightFormat::int4) {

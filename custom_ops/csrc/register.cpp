@@ -65,8 +65,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_int4_activations", &tilefx::get_int4_activations, "int16 or int8");
   m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx");
   m.def("set_walk_tuning", &tilefx::set_walk_tuning,
-        "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes");
-  m.def("get_walk_tuning", &tilefx::get_walk_tuning, "(streams, prefetch bytes) of a linear unit and weight format");
+        "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes, "
+        "prefetch hint (nta, t0, t1)");
+  m.def("get_walk_tuning", &tilefx::get_walk_tuning,
+        "(streams, prefetch bytes, prefetch hint) of a linear unit and weight format");
   m.def("set_prefill_attention", &tilefx::set_prefill_attention,
         "the kernel an attention family (extend, mla) runs from how many new tokens on: unit (every length), "
         "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");

@@ -14,14 +14,17 @@ constexpr int kUnits = 3, kFormats = kWeightFormats;
 // The AVX2 unit streams one quantized block at a time (two would spill its registers); quantized
 // rows are one cache line per K pair where bf16's are two, so their distance is longer in bytes.
 constexpr WalkTuning default_tuning(int unit, int format) {
-  if (format == static_cast<int>(WeightFormat::bf16)) return {2, 1024};
-  if (unit == static_cast<int>(LinearUnit::avx2)) return {1, 1024};
-  return {2, 4096};
+  if (format == static_cast<int>(WeightFormat::bf16)) return {2, 1024, PrefetchHint::nta};
+  if (unit == static_cast<int>(LinearUnit::avx2)) return {1, 1024, PrefetchHint::nta};
+  return {2, 4096, PrefetchHint::nta};
 }
 
 struct Slot {
   std::atomic<int64_t> streams, prefetch_bytes;
+  std::atomic<PrefetchHint> prefetch_hint;
 };
+
+constexpr const char* kHintNames[] = {"nta", "t0", "t1"};  // PrefetchHint's order
 
 Slot* table() {
   static Slot slots[kUnits][kFormats] = {};
@@ -31,6 +34,7 @@ Slot* table() {
         const WalkTuning t = default_tuning(u, f);
         slots[u][f].streams = t.streams;
         slots[u][f].prefetch_bytes = t.prefetch_bytes;
+        slots[u][f].prefetch_hint = t.prefetch_hint;
       }
     }
     return true;
@@ -181,21 +185,27 @@ std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format) {
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
   const Slot& s = slot(unit, format);
-  return {s.streams.load(std::memory_order_relaxed), s.prefetch_bytes.load(std::memory_order_relaxed)};
+  return {s.streams.load(std::memory_order_relaxed), s.prefetch_bytes.load(std::memory_order_relaxed),
+          s.prefetch_hint.load(std::memory_order_relaxed)};
 }
 
-void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes) {
+void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes,
+                     const std::string& prefetch_hint) {
   TORCH_CHECK(streams == 1 || streams == 2, "tilefx tuning: streams must be 1 or 2, got ", streams);
   TORCH_CHECK(prefetch_bytes >= 0 && prefetch_bytes <= 65536 && prefetch_bytes % 64 == 0,
               "tilefx tuning: prefetch_bytes must be a multiple of 64 in [0, 65536], got ", prefetch_bytes);
+  int hint = 0;
+  while (hint < 3 && prefetch_hint != kHintNames[hint]) ++hint;
+  TORCH_CHECK(hint < 3, "tilefx tuning: prefetch_hint must be nta, t0 or t1, got '", prefetch_hint, "'");
   Slot& s = slot(parse_unit(unit), parse_format(format));
   s.streams = streams;
   s.prefetch_bytes = prefetch_bytes;
+  s.prefetch_hint = static_cast<PrefetchHint>(hint);
 }
 
-std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format) {
+std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format) {
   const WalkTuning t = walk_tuning(parse_unit(unit), parse_format(format));
-  return {t.streams, t.prefetch_bytes};
+  return {t.streams, t.prefetch_bytes, kHintNames[static_cast<int>(t.prefetch_hint)]};
 }
 
 }  // namespace tilefx

@@ -1,5 +1,5 @@
-// How the decode walks stream a weight on this machine: streams per thread and software
-// prefetch distance, per (unit, weight format). The same walk streamed near the bandwidth
+// How the decode walks stream a weight on this machine: streams per thread, software prefetch
+// distance and hint, per (unit, weight format). The same walk streamed near the bandwidth
 // on AMD Zen and far below it on an Intel Xeon 6 (docs/PERFORMANCE.md), so these are
 // not constants: custom_ops/tuning.py times the candidates on the machine that runs (once,
 // cached by CPU) and sets the winners here. Every op call reads them once (walk_tuning).
@@ -16,13 +16,16 @@ namespace tilefx {
 struct WalkTuning {
   int64_t streams;         // M = 1: weight blocks a thread reads at once (1 or 2)
   int64_t prefetch_bytes;  // software prefetch distance of each stream (0: none)
+  PrefetchHint prefetch_hint;
 };
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
 // `unit` and `format` by the names isa.kernel_units and weights.FORMATS use; refuses others and
-// values outside what the kernels take (streams 1 or 2; prefetch 0..65536 bytes, a multiple of 64).
-void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes);
-std::tuple<int64_t, int64_t> get_walk_tuning(const std::string& unit, const std::string& format);
+// values outside what the kernels take (streams 1 or 2; prefetch 0..65536 bytes, a multiple of 64;
+// hint "nta", "t0" or "t1").
+void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes,
+                     const std::string& prefetch_hint);
+std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format);
 
 // Prefill attention: from how many new tokens on an attention op runs another kernel than the
 // path's attention unit (one query row at a time): PyTorch's own scaled_dot_product_attention
@@ -84,6 +87,7 @@ std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format);
 inline void apply_tuning(LinearProblem& p, const WalkTuning& walk) {
   p.streams = walk.streams;
   p.prefetch_bytes = walk.prefetch_bytes;
+  p.prefetch_hint = walk.prefetch_hint;
 }
 
 }  // namespace tilefx

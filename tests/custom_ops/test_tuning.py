@@ -27,8 +27,13 @@ def _weight(out_features, in_features, seed):
     return (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
 
 
+# Every kernel a walk compiles (streams x prefetch none / nta / t0 / t1), and nta's distances from short to past a
+# block's end: a prefetch never changes a product, so the other distances run the same code.
+WALKS = [w for w in tuning.CANDIDATES if (w[1] in (0, 256, 4096) and w[2] == "nta") or (w[1] == 1024 and w[2] != "nta")]
+
+
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
-@pytest.mark.parametrize("candidate", tuning.CANDIDATES, ids=[f"s{s}-p{p}" for s, p in tuning.CANDIDATES])
+@pytest.mark.parametrize("candidate", WALKS, ids=[f"s{s}-p{p}-{h}" for s, p, h in WALKS])
 def test_every_candidate_walk_matches_the_reference(kernel_path, format, candidate):
     """Plain and gate/up GEMVs (1 and 2 rows; an odd block count: two streams plus one) under each forced walk."""
     units = tuning.decode_units(kernel_path)
@@ -51,7 +56,7 @@ def test_every_candidate_walk_matches_the_reference(kernel_path, format, candida
         assert _relative_error(gated, want_gated) < 1e-2
 
 
-@pytest.mark.parametrize("candidate", [(1, 0), (2, 4096)], ids=["one-stream", "two-streams"])
+@pytest.mark.parametrize("candidate", [(1, 0, "nta"), (2, 4096, "t0")], ids=["one-stream", "two-streams"])
 def test_fused_moe_reads_its_experts_with_the_tuned_walk(kernel_path, candidate):
     units = tuning.decode_units(kernel_path)
     if not units:
@@ -72,11 +77,12 @@ def test_fused_moe_reads_its_experts_with_the_tuned_walk(kernel_path, candidate)
 
 def test_the_native_table_refuses_what_the_kernels_do_not_take():
     unit = tuning.decode_units(isa.current())[0] if tuning.decode_units(isa.current()) else "avx2"
-    for streams, prefetch in ((3, 1024), (1, 100), (2, -64), (2, 1 << 20)):
+    for streams, prefetch, hint in ((3, 1024, "nta"), (1, 100, "nta"), (2, -64, "nta"), (2, 1 << 20, "nta"),
+                                    (2, 1024, "t2")):
         with pytest.raises(RuntimeError, match="tilefx tuning"):
-            isa.native.set_walk_tuning(unit, "bf16", streams, prefetch)
+            isa.native.set_walk_tuning(unit, "bf16", streams, prefetch, hint)
     with pytest.raises(RuntimeError, match="unknown weight format"):
-        isa.native.set_walk_tuning(unit, "int3", 1, 0)
+        isa.native.set_walk_tuning(unit, "int3", 1, 0, "nta")
 
 
 def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
@@ -93,19 +99,50 @@ def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
     try:
         first = tuning.ensure_tuned(["int8"], path=path, cache=tmp_path)
         assert [t.how for t in first] == ["tuned"] * len(first) and first[0].gbps > 0
-        assert (first[0].streams, first[0].prefetch_bytes) in tuning.candidates(unit, "int8")
-        assert tuning.current(unit, "int8") == (first[0].streams, first[0].prefetch_bytes)
+        assert first[0].walk in tuning.candidates(unit, "int8")
+        assert tuning.current(unit, "int8") == first[0].walk
         saved = json.loads((tmp_path / "tuning.json").read_text())
         assert len(saved) == len(first) and all(unit in key for key in saved)
         isa.native.set_walk_tuning(unit, "int8", *before)
         again = tuning.ensure_tuned(["int8"], path=path, cache=tmp_path)
         assert [t.how for t in again] == ["cached"] * len(again)
-        assert tuning.current(unit, "int8") == (first[0].streams, first[0].prefetch_bytes)
+        assert tuning.current(unit, "int8") == first[0].walk
         assert "cached" in again[0].line()
         off = tuning.ensure_tuned(["int8"], path=path, cache=tmp_path, enabled=False)
         assert [t.how for t in off] == ["untuned"] * len(off)
     finally:
         isa.native.set_walk_tuning(unit, "int8", *before)
+
+
+def test_the_search_scouts_hints_then_distances(tmp_path, monkeypatch):
+    """With a fake clock where one walk off the default's hint and distance is fastest, the two-stage search finds
+    it: the scouts (every streams x hint at SCOUT_BYTES, and no prefetch) lead it to the hint and streams, the
+    distances to the distance; only those walks are timed."""
+    path = isa.current()
+    if not tuning.decode_units(path):
+        pytest.skip("the reference path has no native walk")
+    unit = tuning.decode_units(path)[-1]
+    walks = tuning.candidates(unit, "bf16")
+    target = (2, 512, "t1") if (2, 512, "t1") in walks else (1, 512, "t1")
+    seconds = {w: 2.0 - (w[2] == target[2]) * 0.5 - (w[0] == target[0]) * 0.2 - (w == target) * 0.3 for w in walks}
+    timed = []
+
+    def medians(tensors, inputs, unit_, format, walks_, rounds):
+        timed.extend(walks_)
+        return {w: seconds[w] for w in walks_}
+
+    monkeypatch.setattr(tuning, "MIN_PASS_BYTES", 1 << 20)
+    monkeypatch.setattr(tuning, "MAX_PASS_BYTES", 1 << 20)
+    monkeypatch.setattr(tuning, "_medians", medians)
+    before = tuning.current(unit, "bf16")
+    try:
+        tuned = tuning.tune(unit, "bf16", path)
+        assert tuned.walk == target == tuning.current(unit, "bf16")
+        assert "prefetch 512 B t1" in tuned.line()
+        assert set(timed) <= set(tuning.scouts(walks)) | set(tuning.distances(walks, *target[::2])) | {before}
+        assert len(set(timed)) < len(walks) / 2
+    finally:
+        isa.native.set_walk_tuning(unit, "bf16", *before)
 
 
 @pytest.mark.parametrize("shape", [tuning.AttentionShape("extend", 4, 2, 32), tuning.AttentionShape("mla", 4, 1, 64, 32)],
