@@ -146,9 +146,10 @@ struct TileSoftmax {
   AlignedVector<uint16_t> weights;   // [rows][kAttentionKeyBlock]
   std::vector<float> max, sum;       // [rows]
 
-  // `rows` rows of `v_dim` values, no key seen yet.
-  void start(int64_t rows, int64_t v_dim) {
-    scores.resize(rows * kAttentionKeyBlock);
+  // `rows` rows of `v_dim` values, no key seen yet; scores for `score_rows` (>= rows) rows, where
+  // whatever fills them writes more (decode's transpose writes its 16-row tiles whole).
+  void start(int64_t rows, int64_t v_dim, int64_t score_rows = 0) {
+    scores.resize(std::max(rows, score_rows) * kAttentionKeyBlock);
     weights.resize(rows * kAttentionKeyBlock);
     out.assign(rows * v_dim, 0.0f);
     max.assign(rows, -std::numeric_limits<float>::infinity());
@@ -273,8 +274,7 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
     pairs_as_columns(epilogue, q_rows, rope_rows, k_pairs, pairs - k_pairs, query + r0, n);
   }
   TileSoftmax& tile = scratch.tile;
-  tile.start(rows, v_dim);
-  tile.scores.resize(n * block);  // the transpose writes all n rows
+  tile.start(rows, v_dim, /*score_rows=*/n);
 
   const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h;
   const uint16_t* kr = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h : nullptr;
