@@ -75,21 +75,21 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
 // `attach` points a problem at expert `e`'s part.
 struct ExpertWeights {
   LinearProblem whole{};
+  WalkTuning walk{};  // read once per call, like the path
   int64_t values_per_expert = 0, scales_per_expert = 0;
 
   ExpertWeights(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, LinearUnit unit)
       : values_per_expert(packed[0].numel()),
         scales_per_expert(scales ? scales->numel() / packed.size(0) : 0) {
     attach_weight(whole, packed, scales);
-    apply_tuning(whole, walk_tuning(unit, whole.format));  // read once per call, like the path
+    walk = walk_tuning(unit, whole.format);
+    apply_tuning(whole, walk);
   }
 
   void attach(LinearProblem& p, int64_t e) const {
     p.format = whole.format;
     p.k_groups = whole.k_groups;
-    p.streams = whole.streams;
-    p.prefetch_bytes = whole.prefetch_bytes;
-    p.prefetch_hint = whole.prefetch_hint;
+    apply_tuning(p, walk);
     if (whole.format == WeightFormat::bf16) {
       p.w = whole.w + e * values_per_expert;
     } else if (whole.format == WeightFormat::int4) {
