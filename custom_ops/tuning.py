@@ -402,8 +402,9 @@ def _attention_call(shape: AttentionShape, seq: int, past: int):
     return lambda: torch.ops.tilefx.extend_attention(*args)
 
 
-def _decode_call(shape: AttentionShape, context: int):
-    """One new token at position ``context - 1`` over a full cache (_attention_call)."""
+def decode_call(shape: AttentionShape, context: int):
+    """One new token at position ``context - 1`` over a full cache (_attention_call): what tuning times for decode,
+    and what ``scripts/bench_kernels.py`` times for its MLA rows."""
     return _attention_call(shape, 1, context - 1)
 
 
@@ -431,7 +432,7 @@ def choose_decode_attention(ms: dict) -> str:
     return "brgemm" if all(b * MIN_GAIN < u for b, u in zip(ms["brgemm"], ms["unit"])) else "unit"
 
 
-def _prefill_call(shape: AttentionShape, seq: int):
+def prefill_call(shape: AttentionShape, seq: int):
     """A prompt of ``seq`` tokens from position 0 (_attention_call)."""
     return _attention_call(shape, seq, 0)
 
@@ -457,9 +458,9 @@ def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
     kernels = [k for k in ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
     decode_kernels = [k for k in DECODE_ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
     with isa.forced(path), torch.inference_mode():
-        ms = _time_kernels([_prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], kernels,
+        ms = _time_kernels([prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], kernels,
                            lambda kernel: forced_attention(shape.family, kernel))
-        decode_ms = _time_kernels([_decode_call(shape, n) for n in DECODE_ATTENTION_CONTEXTS], decode_kernels,
+        decode_ms = _time_kernels([decode_call(shape, n) for n in DECODE_ATTENTION_CONTEXTS], decode_kernels,
                                   lambda kernel: forced_decode_attention(shape.family, kernel))
     kernel, from_tokens = choose_attention(ms)
     decode_kernel = choose_decode_attention(decode_ms)

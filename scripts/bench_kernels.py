@@ -272,7 +272,7 @@ def bench_attention(preset: str, contexts, repeats: int, stream_mib: int) -> lis
                          "stream_gbps": gbps})
         mla = tuning.AttentionShape("mla", 16, 1, 512, 64)
         for context in contexts:
-            call = tuning._decode_call(mla, context)
+            call = tuning.decode_call(mla, context)
             t_unit = median_seconds(call, repeats)
             t_brgemm, err = None, 0.0
             if has_brgemm:

@@ -242,8 +242,8 @@ def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(tuning, "_prefill_call", fake_call)
-    monkeypatch.setattr(tuning, "_decode_call", fake_decode_call)
+    monkeypatch.setattr(tuning, "prefill_call", fake_call)
+    monkeypatch.setattr(tuning, "decode_call", fake_decode_call)
     before_decode = isa.native.get_decode_attention("extend")
     try:
         choice = tuning.tune_attention(shape, path)
