@@ -19,6 +19,7 @@ import os
 import pathlib
 
 import torch
+import torch._inductor.config
 
 NODES = pathlib.Path("/sys/devices/system/node")
 _MPOL_BIND = 2
@@ -108,6 +109,11 @@ def bind(local_rank: int, local_world_size: int) -> Placement:
     placement = cpus_for(local_rank, local_world_size, _started_with, numa_nodes(), os.environ.get("TILEFX_CPU_BIND"))
     os.sched_setaffinity(0, placement.cpus)
     torch.set_num_threads(len(placement.cpus))
+    # Inductor compiles C++ in a pool of min(32, CPUs) worker processes, the count taken when its config was
+    # imported: every rank's pool sized to the whole host, all compiling at once. Each rank's pool is sized to its
+    # own CPUs instead (one CPU: compiled in the rank's process, no pool), unless the user set its size.
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        torch._inductor.config.compile_threads = min(32, len(placement.cpus))
     if placement.node is not None:
         _bind_memory(placement.node)
     return placement

@@ -88,6 +88,8 @@ def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
         else:
             assert rank0["two"] is None
     assert rank0["recompiles"] == 0 and rank1["recompiles"] == 0
+    # each rank compiled in a pool of its own CPUs' size (one CPU each here: in its own process), not the host's
+    assert [r["compile_threads"] for r in (rank0, rank1)] == [min(32, r["cpus"]) for r in (rank0, rank1)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import pathlib
 import sys
 import time
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 import tilefx
@@ -54,7 +56,7 @@ def main() -> None:
     batch2 = None
     if checkpoints and checkpoints[0] == "--batch2":
         batch2, checkpoints = set(checkpoints[1].split(",")), checkpoints[2:]
-    world = int(__import__("os").environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     for checkpoint in checkpoints:
         start = time.perf_counter()
         rows = 2 if batch2 is None or pathlib.Path(checkpoint).name in batch2 else 1
@@ -79,6 +81,8 @@ def main() -> None:
             "adapter_lookups": len(lookups),
             "graph_ops": [dict(g.tilefx_ops) for g in model.tilefx.report.graphs],
             "explain": explain,
+            "cpus": len(os.sched_getaffinity(0)),
+            "compile_threads": torch._inductor.config.compile_threads,
             "seconds": time.perf_counter() - start,  # compile and generate: what each checkpoint costs the suite
         }
         (out / f"{pathlib.Path(checkpoint).name}.rank{rank}.json").write_text(json.dumps(result))
