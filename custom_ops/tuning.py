@@ -154,11 +154,22 @@ def _store(cache: pathlib.Path | None) -> pathlib.Path:
     return (cache or cache_root()) / "tuning.json"
 
 
-def _last_level_cache_bytes() -> int:
-    try:
-        return max(int(os.sysconf("SC_LEVEL3_CACHE_SIZE")), 0)
-    except (ValueError, OSError):
-        return 0
+CPU_CACHES = pathlib.Path("/sys/devices/system/cpu/cpu0/cache")
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def last_level_cache_bytes(caches: pathlib.Path | None = None) -> int:
+    """The size of the largest cache CPU 0 has (Linux sysfs: ``index*/size``, such as ``32768K``); 0 where
+    unknown. (Python's ``os.sysconf`` often lacks ``SC_LEVEL3_CACHE_SIZE``: it raised here, and every tuning
+    pass was 256 MiB, inside a Xeon's 300 MiB L3.)"""
+    sizes = []
+    for path in (caches or CPU_CACHES).glob("index*/size"):
+        try:
+            text = path.read_text().strip()
+            sizes.append(int(text[:-1]) * _SIZE_UNITS[text[-1]] if text[-1:] in _SIZE_UNITS else int(text))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=0)
 
 
 def _random_packing(n: int, k: int, format: str):
@@ -180,9 +191,16 @@ def _random_packing_bytes(n: int, k: int, format: str) -> int:
     return math.prod(shape) * formats.FORMATS[format].itemsize
 
 
+def cold_pass_bytes() -> int:
+    """Bytes a pass must cycle through to miss the last-level cache as decode's weight stream does: 4x that
+    cache (a non-LRU L3 keeps part of a pass only somewhat larger than itself), within ``MIN_PASS_BYTES`` and
+    ``MAX_PASS_BYTES``. The tuning passes and ``scripts/bench_kernels.py`` size their cold weights by it."""
+    return min(max(MIN_PASS_BYTES, 4 * last_level_cache_bytes()), MAX_PASS_BYTES)
+
+
 def _decode_pass(format: str):
     """Cold weights of a decode-like pass in ``format`` (each packed tensor with its scales) and the input."""
-    pass_bytes = min(max(MIN_PASS_BYTES, 4 * _last_level_cache_bytes()), MAX_PASS_BYTES)
+    pass_bytes = cold_pass_bytes()
     layer_bytes = sum(_random_packing_bytes(n, k, format) for n, k in LAYER_SHAPES)
     return [_random_packing(n, k, format) for n, k in LAYER_SHAPES * max(1, -(-pass_bytes // layer_bytes))]
 

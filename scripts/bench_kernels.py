@@ -46,16 +46,18 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cold_copies(tensor: torch.Tensor, at_least_bytes: int = 256 * 2**20,
+def cold_copies(tensor: torch.Tensor, at_least_bytes: int | None = None,
                 huge_pages: bool = False) -> list[torch.Tensor]:
-    """Copies to cycle through, ``at_least_bytes`` in all (64 at most), so that an L3 smaller than that
-    misses, as the decode weight stream does.
+    """Copies to cycle through, ``at_least_bytes`` in all (default ``tuning.cold_pass_bytes()``: 4x this CPU's
+    L3, at least 256 MiB, as the tuning pass), so that the L3 misses, as the decode weight stream does. (A fixed
+    256 MiB fitted in a Xeon's 300 MiB L3.)
 
     ``huge_pages``: each copy in transparent huge pages, as the linear pass holds packed
     weights (and as the streaming-read probe's buffer is); PyTorch's own weights live
     in ordinary pages, so its copies stay there.
     """
-    count = max(1, min(64, -(-at_least_bytes // tensor.nbytes)))
+    # (a weight under 2 MiB counts as 2 MiB, a huge page: a tiny preset's weights would take thousands of copies)
+    count = max(1, -(-(at_least_bytes or tuning.cold_pass_bytes()) // max(tensor.nbytes, 2 << 20)))
     if not huge_pages:
         return [tensor.clone() for _ in range(count)]
     return [packed_weights.huge_page_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(count)]

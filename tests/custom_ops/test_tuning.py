@@ -85,6 +85,20 @@ def test_the_native_table_refuses_what_the_kernels_do_not_take():
         isa.native.set_walk_tuning(unit, "int3", 1, 0, "nta")
 
 
+def test_the_pass_misses_the_largest_cache_sysfs_gives(tmp_path, monkeypatch):
+    """The tuning pass (and bench_kernels' cold copies) cycle through 4x the largest cache, read from sysfs as
+    Linux writes it: a Xeon's 300 MiB L3 makes a 1200 MiB pass, not the 256 MiB floor it would sit inside."""
+    for index, size in enumerate(["48K", "2048K", "307200K", "junk"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert tuning.last_level_cache_bytes(tmp_path) == 300 << 20
+    assert tuning.last_level_cache_bytes(tmp_path / "missing") == 0
+    monkeypatch.setattr(tuning, "CPU_CACHES", tmp_path)
+    assert tuning.cold_pass_bytes() == 1200 << 20
+    monkeypatch.setattr(tuning, "CPU_CACHES", tmp_path / "missing")
+    assert tuning.cold_pass_bytes() == tuning.MIN_PASS_BYTES
+
+
 def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
     """A short search (small pass, one round) sets a candidate, saves it, and the next call reads it back."""
     path = isa.current()
