@@ -56,7 +56,7 @@ def cold_copies(tensor: torch.Tensor, at_least_bytes: int | None = None,
     weights (and as the streaming-read probe's buffer is); PyTorch's own weights live
     in ordinary pages, so its copies stay there.
     """
-    # (a weight under 2 MiB counts as 2 MiB, a huge page: a tiny preset's weights would take thousands of copies)
+    # (a weight under 2 MiB counts as 2 MiB: a tiny preset's weights would otherwise take thousands of copies)
     count = max(1, -(-(at_least_bytes or tuning.cold_pass_bytes()) // max(tensor.nbytes, 2 << 20)))
     if not huge_pages:
         return [tensor.clone() for _ in range(count)]

@@ -74,8 +74,8 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
 // One packed [E, ...] expert tensor (and its scales, for int8 / fp8 experts), checked once per call;
 // `attach` points a problem at expert `e`'s part.
 struct ExpertWeights {
-  LinearProblem whole{};
-  WalkTuning walk{};  // read once per call, like the path
+  LinearProblem whole{};  // the experts' weights and format (`attach` takes the walk from `walk`)
+  WalkTuning walk{};      // read once per call, like the path
   int64_t values_per_expert = 0, scales_per_expert = 0;
 
   ExpertWeights(const at::Tensor& packed, const c10::optional<at::Tensor>& scales, LinearUnit unit)
@@ -83,7 +83,6 @@ struct ExpertWeights {
         scales_per_expert(scales ? scales->numel() / packed.size(0) : 0) {
     attach_weight(whole, packed, scales);
     walk = walk_tuning(unit, whole.format);
-    apply_tuning(whole, walk);
   }
 
   void attach(LinearProblem& p, int64_t e) const {
