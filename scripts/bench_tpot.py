@@ -6,6 +6,7 @@
     python scripts/bench_tpot.py --path ./my-checkpoint
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
     python scripts/bench_tpot.py --modes tilefx --weights int8,int4,int4/x8   # int4/x8: TILEFX_INT4_ACTIVATIONS=int8
+    python scripts/bench_tpot.py --modes torch.compile,tilefx --profile   # also: where a decode step's time goes
     torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
@@ -25,6 +26,14 @@ prints the table, the floor is the rank's own bytes over the bandwidth it measur
 while the other ranks measured theirs, and the communication share is the time spent
 inside the collectives (waiting for the other ranks included) over the time of the
 timed generate() calls.
+
+With ``--profile`` each mode also runs one more request under ``torch.profiler`` and prints
+where its decode steps' time goes (from the first new token to the last): each op's own time
+(its self time: a tilefx op's kernel, one row per shape of its inputs; a compiled graph's
+Inductor kernels and Python wrapper under "## Call CompiledFxGraph ##") per step, and what no
+op covers (generate()'s Python between the ops); for a linear, the rate its weight (with its
+scales) was read at. The profiler adds a few microseconds to
+every op, so the step it shows is a little slower than TPOT.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -121,10 +131,8 @@ def packed_decode_bytes(model, context: int, batch: int = 1) -> int:
     return total + batch * kv_cache_bytes(model, context)
 
 
-def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
-    clock = TokenClock()
-    start = time.perf_counter()
-    model.generate(
+def greedy(model, input_ids, new_tokens: int, **kwargs):
+    return model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=new_tokens,
@@ -133,13 +141,76 @@ def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, 
         # step, a cost a plain generate() never pays.)
         eos_token_id=None,
         do_sample=False,
-        streamer=clock,
         **kwargs,
     )
+
+
+def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
+    clock = TokenClock()
+    start = time.perf_counter()
+    greedy(model, input_ids, new_tokens, streamer=clock, **kwargs)
     stamps = clock.stamps[1:]  # [0] is the prompt
     ttft = stamps[0] - start
     tpot = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
     return ttft, tpot
+
+
+class ProfiledTokens(TokenClock):
+    """A generate() streamer that also marks each token in torch.profiler's trace."""
+
+    def put(self, value):
+        with torch.profiler.record_function(TOKEN_MARK):
+            super().put(value)
+
+
+TOKEN_MARK = "bench_tpot: token"
+LINEAR_OPS = ("tilefx::linear", "tilefx::linear_silu_mul", "tilefx::linear_float")
+ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "signed char": 1, "unsigned char": 1,
+                 "c10::Float8_e4m3fn": 1}
+
+
+def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -> dict:
+    """Where one decode step's time goes (``--profile``): one request under torch.profiler, and of the
+    ops that start between its first and its last new token, the self times per step, the largest
+    ``top`` by name (tilefx ops by name and input shapes) and the rest summed, and the time no op covers."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        greedy(model, input_ids, new_tokens, streamer=ProfiledTokens(), **kwargs)
+    events = prof.events()
+    marks = sorted(e.time_range.start for e in events if e.name == TOKEN_MARK)[1:]  # [0] is the prompt
+    begin, end = marks[0], marks[-1]
+    steps = len(marks) - 1
+    totals = {}
+    for event in events:
+        if not begin <= event.time_range.start < end or event.name == TOKEN_MARK:
+            continue
+        key = event.name
+        if key.startswith("tilefx::"):  # one row per shape: qkv, o_proj, down_proj, lm_head apart
+            key += " " + " ".join(str(shape) for shape in event.input_shapes if shape)
+        calls, us, weight_bytes = totals.get(key, (0, 0.0, 0))
+        if event.name in LINEAR_OPS:  # every input after x: the packed weight, its scales, a bias
+            weight_bytes += sum(math.prod(shape) * ELEMENT_BYTES.get(dtype, 0)
+                                for shape, dtype in zip(event.input_shapes[1:], event.input_dtypes[1:]) if shape)
+        totals[key] = (calls + 1, us + event.self_cpu_time_total, weight_bytes)
+    ops = sorted(({"op": key, "calls": calls / steps, "ms": us / steps / 1e3,
+                   "weight_gbps": weight_bytes / (us * 1e3) if weight_bytes and us else None}
+                  for key, (calls, us, weight_bytes) in totals.items()), key=lambda o: -o["ms"])
+    step_ms = (end - begin) / steps / 1e3
+    shown, rest = ops[:top], ops[top:]
+    shown.append({"op": f"{len(rest)} other ops", "calls": sum(o["calls"] for o in rest),
+                  "ms": sum(o["ms"] for o in rest), "weight_gbps": None})
+    shown.append({"op": "outside any op (Python between the ops)", "calls": None,
+                  "ms": step_ms - sum(o["ms"] for o in ops), "weight_gbps": None})
+    return {"step_ms": step_ms, "ops": shown}
+
+
+def print_profile(mode: str, profile: dict) -> None:
+    print(f"\n{mode}: one decode step under the profiler, {profile['step_ms']:.2f} ms\n")
+    print("| op (self time) | calls per step | ms per step | share | weight GB/s |")
+    print("|---|---:|---:|---:|---:|")
+    for op in profile["ops"]:
+        calls = f"{op['calls']:.0f}" if op["calls"] is not None else "-"
+        gbps = f"{op['weight_gbps']:.1f}" if op["weight_gbps"] else "-"
+        print(f"| {op['op'][:100]} | {calls} | {op['ms']:.3f} | {op['ms'] / profile['step_ms'] * 100:.1f}% | {gbps} |")
 
 
 def stock_compile(model, max_seq_len: int):
@@ -178,6 +249,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (run under torchrun; tilefx only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where each mode's decode step goes, op by op (torch.profiler)")
     args = parser.parse_args(argv)
     if args.tp > 1:
         return main_tp(args, parser)
@@ -196,6 +269,8 @@ def main(argv=None) -> int:
 
     if args.batch < 1:
         parser.error("--batch must be at least 1")
+    if args.profile and args.new_tokens < 2:
+        parser.error("--profile needs --new-tokens of at least 2 (it times the steps after the first token)")
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
     print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch {args.batch}, {args.runs} runs, "
           f"{torch.get_num_threads()} threads", flush=True)
@@ -246,6 +321,11 @@ def main(argv=None) -> int:
                 samples[mode].append((ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2))
             if long_context:
                 long_samples.append(timed_generate(models["tilefx"], long_ids, args.new_tokens))
+        profiles = {}
+        if args.profile:  # after the timed runs, so the profiler's cost is in none of them
+            for mode in modes:
+                with x_form(mode):
+                    profiles[mode] = profile_decode(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
 
     gbps = statistics.median(bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
@@ -307,6 +387,10 @@ def main(argv=None) -> int:
               f"| {growth:.3f} |")
         rows.append({"mode": f"tilefx, prompt {args.long_context}", "ttft_ms": long_ttft, "tpot_ms": long_tpot,
                      "tpot_over_floor": long_tpot / long_floor, "tpot_over_short_context": growth})
+    for row in rows:
+        if row["mode"] in profiles:
+            row["profile"] = profiles[row["mode"]]
+            print_profile(row["mode"], row["profile"])
     for mode in (m for m in modes if m.startswith("tilefx")):
         with x_form(mode):
             print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
@@ -347,8 +431,8 @@ def main_tp(args, parser) -> int:
 
     if set(args.modes.split(",")) - {"tilefx", ""}:
         parser.error("--tp runs tilefx only: pass --modes tilefx")
-    if args.long_context or args.plot:
-        parser.error("--tp: --long-context and --plot are not supported")
+    if args.long_context or args.plot or args.profile:
+        parser.error("--tp: --long-context, --plot and --profile are not supported")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -73,8 +73,15 @@ def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
 def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
     out = tmp_path / "tpot.json"
     run_script("bench_tpot.py", ["--preset", "tiny-llama", "--modes", "tilefx", "--weights", "bf16,int8",
-                                 "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out)])
+                                 "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out),
+                                 "--profile"])
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"tilefx", "tilefx int8"}
     assert rows["tilefx int8"]["decode_gb"] < 0.75 * rows["tilefx"]["decode_gb"]  # 1-byte values, fp32 scales
     assert all(r["tpot_ms"] > 0 and r["floor_ms"] > 0 for r in rows.values())
+    # --profile: the decode steps' ops, tilefx's linears one row per shape with the rate their weight was read at
+    for row in rows.values():
+        linears = [op for op in row["profile"]["ops"] if op["op"].startswith("tilefx::linear ")]
+        assert linears and all(op["calls"] >= 1 and op["weight_gbps"] > 0 for op in linears), row["profile"]
+        assert any(op["op"].startswith("tilefx::decode_attention") for op in row["profile"]["ops"])
+        assert row["profile"]["step_ms"] > 0
