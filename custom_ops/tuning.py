@@ -6,8 +6,9 @@ software prefetch read at the streaming bandwidth on AMD Zen, while the same wal
 misses in flight on an Intel Xeon 6, where one block at a time without prefetch, or a
 different distance, does better (docs/PERFORMANCE.md). So the walk's parameters are not constants:
 ``ensure_tuned`` searches the candidates (``candidates``: streams per thread x prefetch distance x
-prefetch hint) on a decode-like pass over cold weights, once per CPU, thread count, kernel
-sources, linear unit and weight format, keeps the fastest in the native table
+prefetch hint; then, where some weight of the pass has too few column blocks for the threads, how
+many tasks a thread a decode splits K into: ``SPLIT_CANDIDATES``) on a decode-like pass over cold
+weights, once per CPU, thread count, kernel sources, linear unit and weight format, keeps the fastest in the native table
 (``csrc/tuning.h``) and caches the result as JSON next to tilefx's graph cache
 (``cache_root()``), so a later process reads it instead of timing again.
 
@@ -56,6 +57,11 @@ CONFIRM_ROUNDS = 7
 LAYER_SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
 MIN_PASS_BYTES, MAX_PASS_BYTES = 256 << 20, 1536 << 20
 ROUNDS = 5
+# Decode split along K (csrc/tuning.h decode_split): tasks a thread below which a decode linear splits its blocks'
+# K into slices, timed with the chosen walk where some shape of the pass would split at this thread count (on
+# many cores; on 2 threads none does). 0: never split, the default.
+SPLIT_CANDIDATES = (4, 8)
+SPLIT_PAIRS = 128  # csrc/tuning.h kSplitPairs: K pairs a slice holds at least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,8 @@ class Tuned:
     gbps: float = 0.0  # the choice's median GB/s over the timed pass (0: not timed)
     default_gbps: float = 0.0  # the default's, in the same run
     seconds: float = 0.0  # time spent timing
+    split: int = 0  # decode split: tasks a thread below which K is split (0: never)
+    split_gbps: dict = dataclasses.field(default_factory=dict)  # tasks a thread (0: unsplit) -> GB/s, where timed
 
     @property
     def walk(self) -> tuple[int, int, str]:
@@ -81,7 +89,12 @@ class Tuned:
         what = f"{self.unit} {self.format}: {self.streams} stream(s), {prefetch}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
+        if self.split:
+            what += f", K split below {self.split} tasks a thread"
         gain = f", {self.gbps:.1f} GB/s vs the default's {self.default_gbps:.1f}" if self.gbps else ""
+        if self.split_gbps:
+            gain += "; K split: " + ", ".join(f"{'none' if n == 0 else f'{n} tasks a thread'} {g:.1f} GB/s"
+                                              for n, g in self.split_gbps.items())
         return f"{what} ({self.how}{gain}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
@@ -105,6 +118,18 @@ def forced(unit: str, format: str, streams: int, prefetch_bytes: int, prefetch_h
     """Run a block with the given walk (tests, benchmarks)."""
     return _temporarily(isa.native.get_walk_tuning, isa.native.set_walk_tuning, (unit, format),
                         (streams, prefetch_bytes, prefetch_hint))
+
+
+def forced_split(format: str, tasks_per_thread: int):
+    """Run a block with the decode split of ``format`` at ``tasks_per_thread`` (0: off; tests, benchmarks)."""
+    return _temporarily(isa.native.get_decode_split, isa.native.set_decode_split, (format,), (tasks_per_thread,))
+
+
+def splits(out_features: int, in_features: int, tasks_per_thread: int, threads: int) -> bool:
+    """Whether a decode linear of this shape splits K at ``tasks_per_thread`` on ``threads`` threads
+    (csrc/linear_ops.cpp split_slice_pairs: fewer block pairs than the tasks wanted, K wide enough for 2 slices)."""
+    pairs = -(-out_features // 64)
+    return 0 < tasks_per_thread and pairs < tasks_per_thread * threads and (in_features // 2) // SPLIT_PAIRS >= 2
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:
@@ -257,11 +282,43 @@ def tune(unit: str, format: str, path: str) -> Tuned:
                            tuple(dict.fromkeys((best, *distances(walks, prefetching[0], prefetching[2])))), ROUNDS)
         best = min(refined, key=refined.get)
         final = _medians(tensors, inputs, unit, format, tuple(dict.fromkeys((default, best))), CONFIRM_ROUNDS)
-    if final[default] <= final[best] * MIN_GAIN:
-        best = default
+        if final[default] <= final[best] * MIN_GAIN:
+            best = default
+        split, split_gbps = _tune_split(tensors, inputs, unit, format, best, nbytes)
     isa.native.set_walk_tuning(unit, format, *best)
+    isa.native.set_decode_split(format, split)
     return Tuned(unit, format, *best, how="tuned", gbps=nbytes / final[best] / 1e9,
-                 default_gbps=nbytes / final[default] / 1e9, seconds=time.perf_counter() - started)
+                 default_gbps=nbytes / final[default] / 1e9, seconds=time.perf_counter() - started,
+                 split=split, split_gbps=split_gbps)
+
+
+def _tune_split(tensors, inputs, unit: str, format: str, walk: tuple, nbytes: int) -> tuple[int, dict]:
+    """The decode split for ``format`` with ``walk`` set: each of SPLIT_CANDIDATES that would split some shape of
+    the pass at this thread count against no split, interleaved over ``ROUNDS``, the fastest confirmed against no
+    split over ``CONFIRM_ROUNDS`` (it must win by ``MIN_GAIN``). (0, {}) where no candidate would split."""
+    if format == "int4":
+        return 0, {}
+    threads = torch.get_num_threads()
+    tried = [n for n in SPLIT_CANDIDATES if any(splits(n_out, k, n, threads) for n_out, k in LAYER_SHAPES)]
+    if not tried:
+        return 0, {}
+
+    def medians(choices, rounds):
+        times = {n: [] for n in choices}
+        with forced(unit, format, *walk):
+            for _ in range(rounds):
+                for n in choices:
+                    with forced_split(format, n):
+                        times[n].append(_time_pass(tensors, inputs))
+        return {n: statistics.median(t) for n, t in times.items()}
+
+    timed = medians((0, *tried), ROUNDS)
+    best = min(timed, key=timed.get)
+    if best:
+        final = medians((0, best), CONFIRM_ROUNDS)
+        if final[0] <= final[best] * MIN_GAIN:
+            best = 0
+    return best, {n: nbytes / t / 1e9 for n, t in timed.items()}
 
 
 def _saved(store: pathlib.Path) -> dict:
@@ -294,20 +351,24 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
     for unit in decode_units(path):
         for format in sorted(set(formats_used)):
             if not enabled:
-                results.append(Tuned(unit, format, *current(unit, format), how="untuned"))
+                results.append(Tuned(unit, format, *current(unit, format), how="untuned",
+                                     split=isa.native.get_decode_split(format)))
                 continue
             # (int4's walk is timed with x in the form decode reads it: isa.int4_activations)
             key = _machine_key(unit, format, *(["x=" + isa.int4_activations()] if format == "int4" else []))
             entry = saved.get(key)
-            if entry is not None and "prefetch_hint" in entry:  # (entries from before the hint: timed again)
+            if entry is not None and "split" in entry:  # (entries from before the split: timed again)
                 walk = entry["streams"], entry["prefetch_bytes"], entry["prefetch_hint"]
                 isa.native.set_walk_tuning(unit, format, *walk)
+                isa.native.set_decode_split(format, entry["split"])
                 results.append(Tuned(unit, format, *walk, how="cached", gbps=entry.get("gbps", 0.0),
-                                     default_gbps=entry.get("default_gbps", 0.0)))
+                                     default_gbps=entry.get("default_gbps", 0.0), split=entry["split"],
+                                     split_gbps={int(n): g for n, g in entry.get("split_gbps", {}).items()}))
                 continue
             tuned = tune(unit, format, path)
             saved[key] = {"streams": tuned.streams, "prefetch_bytes": tuned.prefetch_bytes,
-                          "prefetch_hint": tuned.prefetch_hint, "gbps": tuned.gbps, "default_gbps": tuned.default_gbps}
+                          "prefetch_hint": tuned.prefetch_hint, "gbps": tuned.gbps, "default_gbps": tuned.default_gbps,
+                          "split": tuned.split, "split_gbps": tuned.split_gbps}
             changed = True
             results.append(tuned)
     if changed:
@@ -705,12 +766,13 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
 @contextlib.contextmanager
 def untuned():
     """Run a block with the GEMM and attention choices at their defaults (the path's prefill GEMM, the unit's
-    decode walk, the unit's attention), as the op tests expect whatever an earlier compile_model in the process
+    decode walk unsplit, the unit's attention), as the op tests expect whatever an earlier compile_model in the process
     tuned."""
     with contextlib.ExitStack() as stack:
         for format in formats.FORMATS:
             stack.enter_context(forced_gemm(format, "default"))
             stack.enter_context(forced_decode_gemm(format, "unit", 0))
+            stack.enter_context(forced_split(format, 0))
         for family in ("extend", "mla"):
             stack.enter_context(forced_attention(family, "unit"))
             stack.enter_context(forced_decode_attention(family, "unit"))

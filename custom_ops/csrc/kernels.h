@@ -126,6 +126,10 @@ struct LinearProblem {
   int64_t streams = 2;
   int64_t prefetch_bytes = 1024;
   PrefetchHint prefetch_hint = PrefetchHint::nta;
+  // K pairs from one packed block to the next: 0 for K_pairs. A decode task over a K slice of its weight
+  // (linear_ops.cpp, split_k) reads K_pairs of each block's block_pairs, from w / wq, x (and fp8's scales)
+  // pointed at the slice's first pair.
+  int64_t block_pairs = 0;
 
   const float* x_fp32() const { return static_cast<const float*>(x); }
   const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }
@@ -133,6 +137,9 @@ struct LinearProblem {
   const uint8_t* x_split() const { return static_cast<const uint8_t*>(x); }
   const int8_t* x_bytes() const { return static_cast<const int8_t*>(x); }
 };
+
+// K pairs from one packed block of p's weight to the next (LinearProblem::block_pairs).
+inline int64_t pairs_between_blocks(const LinearProblem& p) { return p.block_pairs ? p.block_pairs : p.K_pairs; }
 
 // The fp8 scale of block `block`'s K pairs from `pair` on (one per kFp8GroupPairs pairs).
 inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {

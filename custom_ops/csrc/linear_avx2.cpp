@@ -238,7 +238,7 @@ static inline __m256 group_scale(const LinearProblem& p, int64_t block, int64_t 
 template <Prefetch P>
 static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
   constexpr WeightFormat F = WeightFormat::fp8;
-  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
@@ -277,7 +277,7 @@ constexpr int64_t kWordPairs = 128;
 
 template <int Rows, Prefetch P>
 static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   const int64_t ldw = p.ldx / 2;
   __m256 total[Rows][4];
   for (auto& row : total)
@@ -336,7 +336,7 @@ static inline void add_int4_group(const LinearProblem& p, int64_t block, int64_t
 // a group's sums go to fp32 as 256 * high + low and the zero points come off per group.
 template <int Rows, Prefetch P>
 static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 total[Rows][4];  // columns 8j..8j+7
   for (auto& row : total)
@@ -386,7 +386,7 @@ static void int4_gemv_words(const LinearProblem& p, int64_t block, float* c) {
 // per weight byte. The zero points come off per weight group as over the words.
 template <int Rows, Prefetch P>
 static void int4_gemv_bytes(const LinearProblem& p, int64_t block, float* c) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const int64_t x_row_groups = x_groups(p.ldx);
   __m256 total[Rows][4];  // columns 8j..8j+7
@@ -445,7 +445,7 @@ static inline __m256i bf16_bits8(__m256 v) {
 // An int4 block as bf16 in the packed order, scaled: q * s - z * s in fp32 is (q - z) * s exactly,
 // rounded to bf16 once (as linear_avx512.cpp's dequantize_int4_block).
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m256i byte = _mm256_set1_epi32(0xFF), low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < p.k_groups; ++g) {
     const uint16_t* params = int4_group_params(p, block, g);
@@ -476,7 +476,7 @@ static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_
 
 template <WeightFormat F>
 static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   for (int64_t q = 0; q < p.K_pairs; ++q) {
     const __m256 scale = group_scale<F>(p, block, q);
     for (int j = 0; j < 4; ++j) {

@@ -363,7 +363,7 @@ static void fp8_gemv(const LinearProblem& p, const int64_t* blocks, float* const
   constexpr WeightFormat F = WeightFormat::fp8;
   const Tables tables = load_tables<F>();
   const uint8_t* w[Blocks];
-  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * pairs_between_blocks(p) * kQPairBytes;
   const int64_t ldp = p.ldx / 2;
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
@@ -424,7 +424,7 @@ constexpr int64_t kWordPairs = 128;
 template <int Rows, int Blocks, Prefetch P>
 static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
-  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kQPairBytes;
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * pairs_between_blocks(p) * kQPairBytes;
   const int64_t ldw = p.ldx / 2;
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
@@ -518,7 +518,7 @@ static inline void add_int4_group(const LinearProblem& p, const int64_t* blocks,
 template <int Rows, int Blocks, Prefetch P>
 static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
-  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * pairs_between_blocks(p) * kInt4PairBytes;
   const int64_t x_row_groups = x_groups(p.ldx);
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
@@ -574,7 +574,7 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
 template <int Rows, int Blocks, Prefetch P>
 static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
-  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * p.K_pairs * kInt4PairBytes;
+  for (int b = 0; b < Blocks; ++b) w[b] = p.wq + blocks[b] * pairs_between_blocks(p) * kInt4PairBytes;
   __m512 total[Rows * Blocks][2];
   for (auto& t : total) t[0] = t[1] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.k_groups; ++g) {
@@ -629,7 +629,7 @@ static inline __m512i bf16_bits16(__m512 v) {
 // (q - z) * s exactly (at most 4 + 11 significant bits), rounded to bf16 once, as a checkpoint's
 // dequantized bf16 weight would be.
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kInt4PairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m512i byte = _mm512_set1_epi32(0xFF), low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < p.k_groups; ++g) {
     const uint16_t* params = int4_group_params(p, block, g);
@@ -662,7 +662,7 @@ static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_
 // (scaled_fp8_tables), rounded to bf16 as a widened and scaled value would be.
 template <WeightFormat F>
 static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* out) {
-  const uint8_t* w = p.wq + block * p.K_pairs * kQPairBytes;
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
   const int64_t group = F == WeightFormat::fp8 ? kFp8GroupPairs : p.K_pairs;  // int8: one group
   for (int64_t g0 = 0; g0 < p.K_pairs; g0 += group) {

@@ -7,8 +7,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "aligned.h"
@@ -93,6 +95,85 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, const c10::opti
   }
 }
 
+// Decode split along K (tuning.h decode_split): K pairs per slice for a problem over `pairs`
+// block pairs, 0 where it does not split. Slices start on fp8's scale groups.
+int64_t split_slice_pairs(const LinearProblem& p, int64_t pairs, bool brgemm) {
+  const int64_t per_thread = decode_split(p.format);
+  if (per_thread == 0 || brgemm || p.M > 2 || p.format == WeightFormat::int4) return 0;
+  const int64_t wanted = per_thread * at::get_num_threads();
+  const int64_t most = p.K_pairs / kSplitPairs;
+  if (pairs >= wanted || most < 2) return 0;
+  const int64_t slices = std::min(most, (wanted + pairs - 1) / pairs);
+  const int64_t len = ((p.K_pairs + slices - 1) / slices + kFp8GroupPairs - 1) / kFp8GroupPairs * kFp8GroupPairs;
+  return len < p.K_pairs ? len : 0;
+}
+
+// `p` over its K pairs [k0, k1) as a plain linear over the packed blocks (every block its kBlockN
+// columns of `width`), writing fp32 sums to `sums` ([p.M, width]): no bias, no SiLU-and-mul.
+LinearProblem k_slice(const LinearProblem& p, int64_t k0, int64_t k1, float* sums, int64_t width) {
+  LinearProblem q = p;
+  q.block_pairs = p.K_pairs;
+  q.K_pairs = k1 - k0;
+  if (p.format == WeightFormat::bf16) {
+    q.w = p.w + k0 * kPairValues;
+  } else {
+    q.wq = p.wq + k0 * kQPairBytes;
+    if (p.format == WeightFormat::fp8) q.scales = p.scales + k0 / kFp8GroupPairs;  // k0 starts a group
+  }
+  switch (p.x_form) {
+    case ActivationForm::fp32: q.x = p.x_fp32() + 2 * k0; break;
+    case ActivationForm::bf16_pairs: q.x = p.x_pairs() + k0; break;
+    case ActivationForm::int16_words: q.x = p.x_words() + k0; break;
+    default: TORCH_CHECK(false, "tilefx linear: a K slice of x in form ", static_cast<int>(p.x_form));
+  }
+  q.bias = nullptr;
+  q.y = nullptr;
+  q.yf = sums;
+  q.ldy = q.N = width;
+  q.silu_mul = false;
+  return q;
+}
+
+// The decode of `p` (1 or 2 rows over `blocks` packed blocks) in tasks of one block pair (blocks 2u,
+// 2u + 1: gate and up of output block u with SiLU-and-mul) and one K slice of `slice_pairs`. Each task
+// writes its slice's fp32 sums; the one that completes a pair adds its slices in slice order, so the
+// result does not depend on which thread ran what, and stores them through the unit's epilogue.
+void linear_split_k(LinearUnit unit, const LinearProblem& p, int64_t blocks, int64_t slice_pairs) {
+  const int64_t slices = (p.K_pairs + slice_pairs - 1) / slice_pairs, pairs = (blocks + 1) / 2;
+  const int64_t width = blocks * kBlockN, rows = p.M;
+  thread_local AlignedVector<float> all_sums;  // [slices][rows][width], the calling thread's
+  if (all_sums.size() < static_cast<size_t>(slices * rows * width)) all_sums.resize(slices * rows * width);
+  float* sums = all_sums.data();
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[pairs]);
+  for (int64_t u = 0; u < pairs; ++u) done[u].store(0, std::memory_order_relaxed);
+  const UnitEpilogue& epilogue = epilogue_of(unit);
+  auto store_pair = [&](int64_t u) {
+    alignas(64) float tile[2][2 * kBlockN];  // per block of the pair, rows of kBlockN
+    const int64_t first = 2 * u, count = std::min<int64_t>(2, blocks - first);
+    for (int64_t i = 0; i < count; ++i) {
+      for (int64_t m = 0; m < rows; ++m) {
+        float* out = tile[i] + m * kBlockN;
+        const float* part = sums + m * width + (first + i) * kBlockN;
+        std::copy(part, part + kBlockN, out);
+        for (int64_t s = 1; s < slices; ++s)
+          for (int64_t j = 0; j < kBlockN; ++j) out[j] += part[s * rows * width + j];
+      }
+    }
+    if (p.silu_mul) return epilogue.store_silu_mul(p, u * kBlockN, tile[0], tile[1]);
+    for (int64_t i = 0; i < count; ++i) epilogue.store(p, (first + i) * kBlockN, tile[i]);
+  };
+  parallel_chunks(pairs * slices, /*min_chunk=*/1, [&](int64_t begin, int64_t end) {
+    alignas(64) float scratch[2 * 2 * kBlockN];  // linear_scratch_floats of a decode (M <= 2)
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t u = t / slices, s = t % slices;
+      const int64_t k0 = s * slice_pairs, k1 = std::min(p.K_pairs, k0 + slice_pairs);
+      const LinearProblem q = k_slice(p, k0, k1, sums + s * rows * width, width);
+      linear_blocks(unit, q, 2 * u, std::min(blocks, 2 * u + 2), scratch);
+      if (done[u].fetch_add(1, std::memory_order_acq_rel) == slices - 1) store_pair(u);
+    }
+  });
+}
+
 // Arguments checked by linear_cpu / linear_silu_mul_cpu. Per-call fixed cost matters
 // here (decode makes about a hundred short calls): no ATen temporaries but the result.
 // Prefill runs the unit's GEMM or oneDNN's brgemm, decode the unit's GEMV walk or brgemm, as
@@ -123,7 +204,12 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   const Activations activations(gemm_reader(unit, brgemm), gemm_x_format(p.format, brgemm), bf16_bits(x2), rows,
                                 in_features, in_features, ldx);
   activations.attach(p, 0);
-  const int64_t units = silu_mul ? packed_blocks(packed) / 2 : packed_blocks(packed);
+  const int64_t blocks = packed_blocks(packed);
+  if (const int64_t slice_pairs = split_slice_pairs(p, (blocks + 1) / 2, brgemm)) {
+    linear_split_k(unit, p, blocks, slice_pairs);
+    return y;
+  }
+  const int64_t units = silu_mul ? blocks / 2 : blocks;
   const size_t scratch_floats = brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local AlignedVector<float> scratch;

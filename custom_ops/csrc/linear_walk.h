@@ -68,7 +68,7 @@ int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t blo
 // Results are fp32 rows of kBlockN in `scratch` (2 * max(M, 2) * kBlockN floats).
 template <class Unit>
 void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  const int64_t block_elems = p.K_pairs * kPairValues;
+  const int64_t block_elems = pairs_between_blocks(p) * kPairValues;
   if (p.silu_mul) {
     // Output block j reads gate block 2j and up block 2j + 1, adjacent in the packed
     // weight. For M = 1, two streams each read their half of the range front to back

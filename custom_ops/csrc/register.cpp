@@ -88,6 +88,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "what the linear ops run at 1 to 4 rows for weights of a format: unit (its GEMV walk) or brgemm from a row "
         "count on");
   m.def("get_decode_gemm", &tilefx::get_decode_gemm, "(choice, from_rows) of a weight format's decode; (unit, 0)");
+  m.def("set_decode_split", &tilefx::set_decode_split,
+        "split K of a decode linear over weights of a format into slices where it has fewer than this many "
+        "tasks a thread (0: never)");
+  m.def("get_decode_split", &tilefx::get_decode_split, "the decode split of a weight format (tasks a thread; 0: off)");
   m.def("kernel_units", &tilefx::kernel_units,
         "the unit each op family runs on a path (empty for reference): the dispatch table's row");
   m.attr("avx512_emulation") = tilefx::kAvx512Emulation;

@@ -69,6 +69,7 @@ std::atomic<int> decode_attention_choice[2] = {0, 0};  // DecodeAttention, per A
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
+std::atomic<int64_t> split_tasks[kFormats] = {};  // decode_split, per WeightFormat (0: never split)
 
 AttentionFamily parse_family(const std::string& name) {
   if (name == "extend") return AttentionFamily::extend;
@@ -182,6 +183,21 @@ std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format) {
   const int64_t from = decode_brgemm_from[static_cast<int>(parse_format(format))].load();
   return {from > 0 ? "brgemm" : "unit", from};
 }
+
+int64_t decode_split(WeightFormat format) {
+  return split_tasks[static_cast<int>(format)].load(std::memory_order_relaxed);
+}
+
+void set_decode_split(const std::string& format, int64_t tasks_per_thread) {
+  const WeightFormat parsed = parse_format(format);
+  TORCH_CHECK(tasks_per_thread >= 0 && tasks_per_thread <= 64,
+              "tilefx tuning: a decode split is 0 (off) to 64 tasks a thread, got ", tasks_per_thread);
+  TORCH_CHECK(parsed != WeightFormat::int4 || tasks_per_thread == 0,
+              "tilefx tuning: int4 decode does not split K (its scale groups and x sums are per whole block)");
+  split_tasks[static_cast<int>(parsed)] = tasks_per_thread;
+}
+
+int64_t get_decode_split(const std::string& format) { return decode_split(parse_format(format)); }
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
   const Slot& s = slot(unit, format);

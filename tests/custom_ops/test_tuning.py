@@ -75,6 +75,80 @@ def test_fused_moe_reads_its_experts_with_the_tuned_walk(kernel_path, candidate)
     assert _relative_error(got, want.float()) < 1e-2
 
 
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
+def test_a_decode_split_along_k_matches_the_reference(kernel_path, format):
+    """A decode split into K slices (forced: 64 tasks a thread, so every shape here splits) computes the same
+    products: plain, gate/up and fp32-out linears at 1 and 2 rows; 5 blocks (an odd pair left) and K of 1000
+    (slices of 192 pairs, on fp8's scale groups, the last one shorter). Its fp32 sums differ in their last bits
+    from the unsplit walk's (another summation order): the split ran."""
+    units = tuning.decode_units(kernel_path)
+    if not units:
+        pytest.skip("the reference path has no native walk")
+    out_features, in_features = 5 * 32, 1000
+    weight, up = _weight(out_features, in_features, 3), _weight(out_features, in_features, 4)
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    packed = weights.pack_linear_weight(weight, format)
+    gate_up = weights.pack_gate_up_weight(weight, up, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
+    w, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, up))
+    for rows in (1, 2):
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        with tuning.forced_split(format, 0):
+            unsplit = linear_ops.linear_float(x, packed, None, out_features, scales)
+        with tuning.forced_split(format, 64):
+            got = linear_ops.linear(x, packed, bias, out_features, scales)
+            got_float = linear_ops.linear_float(x, packed, None, out_features, scales)
+            gated = linear_ops.linear_silu_mul(x, gate_up, out_features, gate_up_scales)
+        assert _relative_error(got, x.float() @ w.T + bias.float()) < 1e-2
+        assert _relative_error(got_float, x.float() @ w.T) < 1e-2
+        assert (got_float != unsplit).any()
+        want_gated = torch.nn.functional.silu(x.float() @ w.T) * (x.float() @ u.T)
+        assert _relative_error(gated, want_gated) < 1e-2
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 1024), (32 * 9, 512), (32 * 40, 4096), (64, 384)])
+@pytest.mark.parametrize("tasks_per_thread", [0, 1, 4, 16])
+def test_tuning_knows_which_shapes_split(out_features, in_features, tasks_per_thread):
+    """tuning.splits (which decides whether the split is worth timing) says what the kernels do: a linear splits
+    exactly where its fp32 sums change with the split on."""
+    if not tuning.decode_units(isa.current()):
+        pytest.skip("the reference path has no native walk")
+    packed = weights.pack_linear_weight(_weight(out_features, in_features, 6), "bf16")
+    x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with tuning.forced_split("bf16", 0):
+        unsplit = linear_ops.linear_float(x, packed, None, out_features, None)
+    with tuning.forced_split("bf16", tasks_per_thread):
+        split = linear_ops.linear_float(x, packed, None, out_features, None)
+    assert tuning.splits(out_features, in_features, tasks_per_thread, torch.get_num_threads()) == bool(
+        (split != unsplit).any())
+
+
+def test_the_split_is_timed_where_it_would_split_and_kept_only_where_it_wins(monkeypatch):
+    """At this machine's thread count the pass's shapes split only with many tasks a thread: the stage times each
+    candidate that splits some shape against no split, and keeps one only where a fake clock makes it faster."""
+    path = isa.current()
+    if not tuning.decode_units(path):
+        pytest.skip("the reference path has no native walk")
+    unit = tuning.decode_units(path)[0]
+    threads = torch.get_num_threads()
+    many = next(n for n in (1, 2, 4, 8, 16, 32, 64)
+                if any(tuning.splits(n_out, k, n, threads) for n_out, k in tuning.LAYER_SHAPES))
+    monkeypatch.setattr(tuning, "SPLIT_CANDIDATES", (many,))
+    tensors = [(weights.pack_linear_weight(_weight(64, 512, 8), "bf16"), None, 64, 512)]
+    inputs = {512: torch.randn(1, 512).to(torch.bfloat16)}
+    for faster, want in ((True, many), (False, 0)):
+        def fake_pass(tensors_, inputs_):
+            split_on = isa.native.get_decode_split("bf16") > 0
+            return 1.0 if split_on == faster else 2.0
+
+        monkeypatch.setattr(tuning, "_time_pass", fake_pass)
+        choice, gbps = tuning._tune_split(tensors, inputs, unit, "bf16", tuning.current(unit, "bf16"), 1 << 20)
+        assert choice == want and set(gbps) == {0, many}
+    monkeypatch.setattr(tuning, "SPLIT_CANDIDATES", ())
+    assert tuning._tune_split(tensors, inputs, unit, "bf16", tuning.current(unit, "bf16"), 1 << 20) == (0, {})
+
+
 def test_the_native_table_refuses_what_the_kernels_do_not_take():
     unit = tuning.decode_units(isa.current())[0] if tuning.decode_units(isa.current()) else "avx2"
     for streams, prefetch, hint in ((3, 1024, "nta"), (1, 100, "nta"), (2, -64, "nta"), (2, 1 << 20, "nta"),
@@ -83,6 +157,9 @@ def test_the_native_table_refuses_what_the_kernels_do_not_take():
             isa.native.set_walk_tuning(unit, "bf16", streams, prefetch, hint)
     with pytest.raises(RuntimeError, match="unknown weight format"):
         isa.native.set_walk_tuning(unit, "int3", 1, 0, "nta")
+    for format, tasks in (("bf16", -1), ("bf16", 65), ("int4", 4)):
+        with pytest.raises(RuntimeError, match="tilefx tuning"):
+            isa.native.set_decode_split(format, tasks)
 
 
 def test_the_pass_misses_the_largest_cache_sysfs_gives(tmp_path, monkeypatch):
@@ -117,6 +194,7 @@ def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
         assert tuning.current(unit, "int8") == first[0].walk
         saved = json.loads((tmp_path / "tuning.json").read_text())
         assert len(saved) == len(first) and all(unit in key for key in saved)
+        assert all(entry["split"] == isa.native.get_decode_split("int8") for entry in saved.values())
         isa.native.set_walk_tuning(unit, "int8", *before)
         again = tuning.ensure_tuned(["int8"], path=path, cache=tmp_path)
         assert [t.how for t in again] == ["cached"] * len(again)
