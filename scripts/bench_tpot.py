@@ -31,8 +31,8 @@ With ``--profile`` each mode also runs one more request under ``torch.profiler``
 where its decode steps' time goes (from the first new token to the last): each op's own time
 (its self time: a tilefx op's kernel, one row per shape of its inputs; a compiled graph's
 Inductor kernels and Python wrapper under "## Call CompiledFxGraph ##") per step, and what no
-op covers (generate()'s Python between the ops); for a linear, the rate its weight (with its
-scales) was read at. The profiler adds a few microseconds to
+op covers (generate()'s Python between the ops); for a linear or fused_moe, the rate its weights
+(with their scales; fused_moe's routed experts) were read at. The profiler adds a few microseconds to
 every op, so the step it shows is a little slower than TPOT.
 """
 
@@ -169,6 +169,20 @@ ELEMENT_BYTES = {"c10::BFloat16": 2, "c10::Half": 2, "float": 4, "signed char": 
                  "c10::Float8_e4m3fn": 1}
 
 
+def op_weight_bytes(name: str, shapes, dtypes) -> int:
+    """The weight bytes one call of a tilefx linear or fused_moe reads, from its inputs' shapes and dtypes: a
+    linear's inputs after x (the packed weight, its scales, a bias); fused_moe's w13, w2 and their scales for
+    each routed (token, expert), an upper bound where tokens share experts."""
+    sizes = [math.prod(shape) * ELEMENT_BYTES.get(dtype, 0) for shape, dtype in zip(shapes, dtypes)]
+    if name in LINEAR_OPS:
+        return sum(sizes[1:])
+    if name == "tilefx::fused_moe" and len(shapes) >= 5 and shapes[1]:
+        experts, routed = shapes[1][0], math.prod(shapes[4])
+        per_expert = sum(size // experts for i, size in enumerate(sizes) if i in (1, 2) or i >= 5)
+        return per_expert * min(routed, experts)
+    return 0
+
+
 def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -> dict:
     """Where one decode step's time goes (``--profile``): one request under torch.profiler, and of the
     ops that start between its first and its last new token, the self times per step, the largest
@@ -187,9 +201,7 @@ def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -
         if key.startswith("tilefx::"):  # one row per shape: qkv, o_proj, down_proj, lm_head apart
             key += " " + " ".join(str(shape) for shape in event.input_shapes if shape)
         calls, us, weight_bytes = totals.get(key, (0, 0.0, 0))
-        if event.name in LINEAR_OPS:  # every input after x: the packed weight, its scales, a bias
-            weight_bytes += sum(math.prod(shape) * ELEMENT_BYTES.get(dtype, 0)
-                                for shape, dtype in zip(event.input_shapes[1:], event.input_dtypes[1:]) if shape)
+        weight_bytes += op_weight_bytes(event.name, event.input_shapes, event.input_dtypes)
         totals[key] = (calls + 1, us + event.self_cpu_time_total, weight_bytes)
     ops = sorted(({"op": key, "calls": calls / steps, "ms": us / steps / 1e3,
                    "weight_gbps": weight_bytes / (us * 1e3) if weight_bytes and us else None}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import runpy
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from helpers import run_script
 
 from tilefx.custom_ops import isa
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 needs_native = pytest.mark.skipif(isa.native is None or not isa.native.cpu_has("avx2"),
                                   reason="the native streaming-read probe needs the built library and AVX2")
@@ -85,3 +88,18 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
         assert linears and all(op["calls"] >= 1 and op["weight_gbps"] > 0 for op in linears), row["profile"]
         assert any(op["op"].startswith("tilefx::decode_attention") for op in row["profile"]["ops"])
         assert row["profile"]["step_ms"] > 0
+
+
+def test_profile_counts_the_weights_each_op_reads():
+    """bench_tpot --profile's weight bytes: a linear's packed weight, scales and bias; fused_moe's routed experts'
+    w13 and w2 with their scales, at most every expert once."""
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench_tpot.py"))
+    bytes_of = bench["op_weight_bytes"]
+    assert bytes_of("tilefx::linear", [[1, 1, 64], [4, 32, 32, 2], [4, 32]],
+                    ["c10::BFloat16", "signed char", "float"]) == 4 * 32 * 32 * 2 + 4 * 32 * 4
+    moe = [[1, 64], [8, 4, 32, 32, 2], [8, 2, 32, 32, 2], [1, 2], [1, 2]]
+    types = ["c10::BFloat16"] * 3 + ["float", "long int"]
+    per_expert = (4 + 2) * 32 * 32 * 2 * 2
+    assert bytes_of("tilefx::fused_moe", moe, types) == 2 * per_expert
+    assert bytes_of("tilefx::fused_moe", moe[:3] + [[16, 2], [16, 2]], types) == 8 * per_expert  # every expert once
+    assert bytes_of("tilefx::decode_attention", moe, types) == 0
