@@ -27,6 +27,18 @@ def _weight(out_features, in_features, seed):
     return (torch.randn(out_features, in_features, generator=g) / in_features**0.5).to(torch.bfloat16)
 
 
+def _linear_and_gate_up(out_features, in_features, format, seed):
+    """A weight packed for linear and, with a second one, for linear_silu_mul in ``format`` (with their scales),
+    and the two as fp32 values the kernels must multiply by (dequantized where quantized)."""
+    weight, up = _weight(out_features, in_features, seed), _weight(out_features, in_features, seed + 1)
+    packed = weights.pack_linear_weight(weight, format)
+    gate_up = weights.pack_gate_up_weight(weight, up, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
+    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
+    w, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, up))
+    return packed, scales, gate_up, gate_up_scales, w, u
+
+
 # Every kernel a walk compiles (streams x prefetch none / nta / t0 / t1), and nta's distances from short to past a
 # block's end: a prefetch never changes a product, so the other distances run the same code.
 WALKS = [w for w in tuning.CANDIDATES if (w[1] in (0, 256, 4096) and w[2] == "nta") or (w[1] == 1024 and w[2] != "nta")]
@@ -40,12 +52,7 @@ def test_every_candidate_walk_matches_the_reference(kernel_path, format, candida
     if not units:
         pytest.skip("the reference path has no native walk")
     out_features, in_features = 7 * 32, 300
-    weight, up = _weight(out_features, in_features, 1), _weight(out_features, in_features, 2)
-    packed = weights.pack_linear_weight(weight, format)
-    gate_up = weights.pack_gate_up_weight(weight, up, format)
-    scales = weights.packed_scales(packed) if format != "bf16" else None
-    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
-    w, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, up))
+    packed, scales, gate_up, gate_up_scales, w, u = _linear_and_gate_up(out_features, in_features, format, seed=1)
     for rows in (1, 2):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with tuning.forced(units[0], format, *candidate):
@@ -85,13 +92,8 @@ def test_a_decode_split_along_k_matches_the_reference(kernel_path, format):
     if not units:
         pytest.skip("the reference path has no native walk")
     out_features, in_features = 5 * 32, 1000
-    weight, up = _weight(out_features, in_features, 3), _weight(out_features, in_features, 4)
+    packed, scales, gate_up, gate_up_scales, w, u = _linear_and_gate_up(out_features, in_features, format, seed=3)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    packed = weights.pack_linear_weight(weight, format)
-    gate_up = weights.pack_gate_up_weight(weight, up, format)
-    scales = weights.packed_scales(packed) if format != "bf16" else None
-    gate_up_scales = weights.packed_scales(gate_up) if format != "bf16" else None
-    w, u = (dequantized(t, format) if format != "bf16" else t.float() for t in (weight, up))
     for rows in (1, 2):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with tuning.forced_split(format, 0):
