@@ -128,8 +128,8 @@ def forced_split(format: str, tasks_per_thread: int):
 def splits(out_features: int, in_features: int, tasks_per_thread: int, threads: int) -> bool:
     """Whether a decode linear of this shape splits K at ``tasks_per_thread`` on ``threads`` threads
     (csrc/linear_ops.cpp split_slice_pairs: fewer block pairs than the tasks wanted, K wide enough for 2 slices)."""
-    pairs = -(-out_features // 64)
-    return 0 < tasks_per_thread and pairs < tasks_per_thread * threads and (in_features // 2) // SPLIT_PAIRS >= 2
+    pairs, k_pairs = -(-out_features // 64), -(-in_features // 2)
+    return 0 < tasks_per_thread and pairs < tasks_per_thread * threads and k_pairs // SPLIT_PAIRS >= 2
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:

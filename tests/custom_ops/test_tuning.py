@@ -109,7 +109,8 @@ def test_a_decode_split_along_k_matches_the_reference(kernel_path, format):
         assert _relative_error(gated, want_gated) < 1e-2
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 1024), (32 * 9, 512), (32 * 40, 4096), (64, 384)])
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(64, 1024), (32 * 9, 512), (32 * 40, 4096), (64, 384), (64, 511), (64, 510)])
 @pytest.mark.parametrize("tasks_per_thread", [0, 1, 4, 16])
 def test_tuning_knows_which_shapes_split(out_features, in_features, tasks_per_thread):
     """tuning.splits (which decides whether the split is worth timing) says what the kernels do: a linear splits
