@@ -61,7 +61,7 @@ ROUNDS = 5
 # K into slices, timed with the chosen walk where some shape of the pass would split at this thread count (on
 # many cores; on 2 threads none does). 0: never split, the default.
 SPLIT_CANDIDATES = (4, 8)
-SPLIT_PAIRS = 128  # csrc/tuning.h kSplitPairs: K pairs a slice holds at least
+SPLIT_BYTES = 32 << 10  # csrc/tuning.h kSplitBytes: bytes of each block a slice holds at least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +125,14 @@ def forced_split(format: str, tasks_per_thread: int):
     return _temporarily(isa.native.get_decode_split, isa.native.set_decode_split, (format,), (tasks_per_thread,))
 
 
-def splits(out_features: int, in_features: int, tasks_per_thread: int, threads: int) -> bool:
-    """Whether a decode linear of this shape splits K at ``tasks_per_thread`` on ``threads`` threads
-    (csrc/linear_ops.cpp split_slice_pairs: fewer block pairs than the tasks wanted, K wide enough for 2 slices)."""
+def splits(out_features: int, in_features: int, format: str, tasks_per_thread: int, threads: int) -> bool:
+    """Whether a decode linear of this shape over ``format`` weights splits K at ``tasks_per_thread`` on ``threads``
+    threads (csrc/linear_ops.cpp split_slice_pairs: fewer block pairs than the tasks wanted, K wide enough for 2
+    slices of SPLIT_BYTES of a block: a K pair of a block is 128 bytes in bf16, 64 in int8 / fp8)."""
     pairs, k_pairs = -(-out_features // 64), -(-in_features // 2)
-    return 0 < tasks_per_thread and pairs < tasks_per_thread * threads and k_pairs // SPLIT_PAIRS >= 2
+    pair_bytes = 128 if format == "bf16" else 64
+    return (0 < tasks_per_thread and format != "int4" and pairs < tasks_per_thread * threads
+            and k_pairs // (SPLIT_BYTES // pair_bytes) >= 2)
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:
@@ -299,7 +302,7 @@ def _tune_split(tensors, inputs, unit: str, format: str, walk: tuple, nbytes: in
     if format == "int4":
         return 0, {}
     threads = torch.get_num_threads()
-    tried = [n for n in SPLIT_CANDIDATES if any(splits(n_out, k, n, threads) for n_out, k in LAYER_SHAPES)]
+    tried = [n for n in SPLIT_CANDIDATES if any(splits(n_out, k, format, n, threads) for n_out, k in LAYER_SHAPES)]
     if not tried:
         return 0, {}
 

@@ -86,12 +86,13 @@ std::tuple<std::string, int64_t> get_decode_gemm(const std::string& format);
 // Decode linears over few column blocks for the threads: a decode linear's tasks are pairs of column
 // blocks, and one with fewer than `tasks_per_thread` of them a thread (Llama-1B's o_proj and down_proj
 // have 32: on 32 threads one each, on 64 half the threads idle) splits each block's K into slices, so
-// that it has that many, at least kSplitPairs K pairs each; the slices' fp32 sums are added in a fixed
-// order (the same result on every thread count) and the last task of a block pair stores them. Whether
-// that beats the threads' wait for the slowest of few long tasks depends on the CPU (each slice is a
-// short stream), so custom_ops/tuning.py times it per weight format where it would split; off (0) by
-// default. bf16, int8 and fp8 at 1 or 2 rows, on the unit's walk (linear_ops.cpp).
-constexpr int64_t kSplitPairs = 128;
+// that it has that many, each at least kSplitBytes of every block (a shorter stream costs: on Zen 4 at
+// 67 GB/s, 16 KiB int8 slices read 7-9% slower, docs/PERFORMANCE.md); the slices' fp32 sums are added
+// in a fixed order (the same result on every thread count) and the last task of a block pair stores
+// them. Whether that beats the threads' wait for the slowest of few long tasks depends on the CPU, so
+// custom_ops/tuning.py times it per weight format where it would split; off (0) by default. bf16, int8
+// and fp8 at 1 or 2 rows, on the unit's walk (linear_ops.cpp).
+constexpr int64_t kSplitBytes = 32 << 10;
 int64_t decode_split(WeightFormat format);
 // `format` bf16 / int8 / fp8 (int4: 0 only); `tasks_per_thread` 0 (never split) to 64.
 void set_decode_split(const std::string& format, int64_t tasks_per_thread);

@@ -85,13 +85,13 @@ def test_fused_moe_reads_its_experts_with_the_tuned_walk(kernel_path, candidate)
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
 def test_a_decode_split_along_k_matches_the_reference(kernel_path, format):
     """A decode split into K slices (forced: 64 tasks a thread, so every shape here splits) computes the same
-    products: plain, gate/up and fp32-out linears at 1 and 2 rows; 5 blocks (an odd pair left) and K of 1000
-    (slices of 192 pairs, on fp8's scale groups, the last one shorter). Its fp32 sums differ in their last bits
+    products: plain, gate/up and fp32-out linears at 1 and 2 rows; 5 blocks (an odd pair left) and K of 2200
+    (bf16: 4 slices of 320 pairs, on fp8's scale groups, the last one shorter; int8 / fp8: 2 of 576 and 524). Its fp32 sums differ in their last bits
     from the unsplit walk's (another summation order): the split ran."""
     units = tuning.decode_units(kernel_path)
     if not units:
         pytest.skip("the reference path has no native walk")
-    out_features, in_features = 5 * 32, 1000
+    out_features, in_features = 5 * 32, 2200
     packed, scales, gate_up, gate_up_scales, w, u = _linear_and_gate_up(out_features, in_features, format, seed=3)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     for rows in (1, 2):
@@ -110,20 +110,23 @@ def test_a_decode_split_along_k_matches_the_reference(kernel_path, format):
 
 
 @pytest.mark.parametrize(("out_features", "in_features"),
-                         [(64, 1024), (32 * 9, 512), (32 * 40, 4096), (64, 384), (64, 511), (64, 510)])
+                         [(64, 2048), (32 * 9, 1024), (32 * 40, 4096), (64, 768), (64, 1023), (64, 1022)])
 @pytest.mark.parametrize("tasks_per_thread", [0, 1, 4, 16])
-def test_tuning_knows_which_shapes_split(out_features, in_features, tasks_per_thread):
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_tuning_knows_which_shapes_split(out_features, in_features, tasks_per_thread, format):
     """tuning.splits (which decides whether the split is worth timing) says what the kernels do: a linear splits
-    exactly where its fp32 sums change with the split on."""
+    exactly where its fp32 sums change with the split on (int8's slices hold twice the K pairs of bf16's)."""
     if not tuning.decode_units(isa.current()):
         pytest.skip("the reference path has no native walk")
-    packed = weights.pack_linear_weight(_weight(out_features, in_features, 6), "bf16")
+    weight = _weight(out_features, in_features, 6)  # (its packing's scales are found through it)
+    packed = weights.pack_linear_weight(weight, format)
+    scales = weights.packed_scales(packed) if format != "bf16" else None
     x = torch.randn(1, in_features, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    with tuning.forced_split("bf16", 0):
-        unsplit = linear_ops.linear_float(x, packed, None, out_features, None)
-    with tuning.forced_split("bf16", tasks_per_thread):
-        split = linear_ops.linear_float(x, packed, None, out_features, None)
-    assert tuning.splits(out_features, in_features, tasks_per_thread, torch.get_num_threads()) == bool(
+    with tuning.forced_split(format, 0):
+        unsplit = linear_ops.linear_float(x, packed, None, out_features, scales)
+    with tuning.forced_split(format, tasks_per_thread):
+        split = linear_ops.linear_float(x, packed, None, out_features, scales)
+    assert tuning.splits(out_features, in_features, format, tasks_per_thread, torch.get_num_threads()) == bool(
         (split != unsplit).any())
 
 
@@ -136,7 +139,7 @@ def test_the_split_is_timed_where_it_would_split_and_kept_only_where_it_wins(mon
     unit = tuning.decode_units(path)[0]
     threads = torch.get_num_threads()
     many = next(n for n in (1, 2, 4, 8, 16, 32, 64)
-                if any(tuning.splits(n_out, k, n, threads) for n_out, k in tuning.LAYER_SHAPES))
+                if any(tuning.splits(n_out, k, "bf16", n, threads) for n_out, k in tuning.LAYER_SHAPES))
     monkeypatch.setattr(tuning, "SPLIT_CANDIDATES", (many,))
     tensors = [(weights.pack_linear_weight(_weight(64, 512, 8), "bf16"), None, 64, 512)]
     inputs = {512: torch.randn(1, 512).to(torch.bfloat16)}
