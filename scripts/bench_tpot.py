@@ -201,7 +201,8 @@ def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -
         if key.startswith("tilefx::"):  # one row per shape: qkv, o_proj, down_proj, lm_head apart
             key += " " + " ".join(str(shape) for shape in event.input_shapes if shape)
         calls, us, weight_bytes = totals.get(key, (0, 0.0, 0))
-        weight_bytes += op_weight_bytes(event.name, event.input_shapes, event.input_dtypes)
+        # (input_dtypes is recent: an older torch's events lack it, and the GB/s column stays empty)
+        weight_bytes += op_weight_bytes(event.name, event.input_shapes, getattr(event, "input_dtypes", None) or [])
         totals[key] = (calls + 1, us + event.self_cpu_time_total, weight_bytes)
     ops = sorted(({"op": key, "calls": calls / steps, "ms": us / steps / 1e3,
                    "weight_gbps": weight_bytes / (us * 1e3) if weight_bytes and us else None}
