@@ -128,10 +128,10 @@ def forced_split(format: str, tasks_per_thread: int):
 def splits(out_features: int, in_features: int, format: str, tasks_per_thread: int, threads: int) -> bool:
     """Whether a decode linear of this shape over ``format`` weights splits K at ``tasks_per_thread`` on ``threads``
     threads (csrc/linear_ops.cpp split_slice_pairs: fewer block pairs than the tasks wanted, K wide enough for 2
-    slices of SPLIT_BYTES of a block: a K pair of a block is 128 bytes in bf16, 64 in int8 / fp8)."""
-    pairs, k_pairs = -(-out_features // 64), -(-in_features // 2)
-    pair_bytes = 128 if format == "bf16" else 64
-    return (0 < tasks_per_thread and format != "int4" and pairs < tasks_per_thread * threads
+    slices of SPLIT_BYTES of a block)."""
+    blocks, k_pairs, columns, values = layouts.packed_shape(out_features, in_features)
+    pair_bytes = columns * values * formats.FORMATS[format].itemsize
+    return (0 < tasks_per_thread and format != "int4" and -(-blocks // 2) < tasks_per_thread * threads
             and k_pairs // (SPLIT_BYTES // pair_bytes) >= 2)
 
 
@@ -245,14 +245,20 @@ def _time_pass(tensors, inputs) -> float:
     return time.perf_counter() - start
 
 
-def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dict[tuple, float]:
-    """Median seconds of a pass per walk, the walks interleaved in every round (drift hits them alike)."""
-    times: dict[tuple, list[float]] = {walk: [] for walk in walks}
+def _interleaved_medians(tensors, inputs, choices, rounds: int, force) -> dict:
+    """Median seconds of a pass per choice, run under ``force(choice)``, the choices interleaved in every round
+    (drift hits them alike)."""
+    times = {choice: [] for choice in choices}
     for _ in range(rounds):
-        for walk in walks:
-            with forced(unit, format, *walk):
-                times[walk].append(_time_pass(tensors, inputs))
-    return {walk: statistics.median(t) for walk, t in times.items()}
+        for choice in choices:
+            with force(choice):
+                times[choice].append(_time_pass(tensors, inputs))
+    return {choice: statistics.median(t) for choice, t in times.items()}
+
+
+def _medians(tensors, inputs, unit: str, format: str, walks, rounds: int) -> dict[tuple, float]:
+    """Median seconds of a pass per walk (``_interleaved_medians``)."""
+    return _interleaved_medians(tensors, inputs, walks, rounds, lambda walk: forced(unit, format, *walk))
 
 
 def scouts(walks) -> tuple:
@@ -307,13 +313,8 @@ def _tune_split(tensors, inputs, unit: str, format: str, walk: tuple, nbytes: in
         return 0, {}
 
     def medians(choices, rounds):
-        times = {n: [] for n in choices}
         with forced(unit, format, *walk):
-            for _ in range(rounds):
-                for n in choices:
-                    with forced_split(format, n):
-                        times[n].append(_time_pass(tensors, inputs))
-        return {n: statistics.median(t) for n, t in times.items()}
+            return _interleaved_medians(tensors, inputs, choices, rounds, lambda n: forced_split(format, n))
 
     timed = medians((0, *tried), ROUNDS)
     best = min(timed, key=timed.get)

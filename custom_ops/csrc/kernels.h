@@ -41,8 +41,11 @@ constexpr int64_t kFp8GroupPairs = 64;
 constexpr int64_t kInt4GroupPairs = 64;
 constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of an int8 / fp8 block: one cache line
 constexpr int64_t kInt4PairBytes = kBlockN;   // bytes per K pair of an int4 block: half a cache line
-// Bytes per K pair of a block of a quantized format.
-inline int64_t pair_bytes(WeightFormat format) { return format == WeightFormat::int4 ? kInt4PairBytes : kQPairBytes; }
+// Bytes per K pair of a block of `format` (bf16: kPairValues 2-byte values).
+inline int64_t pair_bytes(WeightFormat format) {
+  if (format == WeightFormat::bf16) return kPairValues * 2;
+  return format == WeightFormat::int4 ? kInt4PairBytes : kQPairBytes;
+}
 // The AVX2 unit widens e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the value
 // times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;

@@ -101,8 +101,7 @@ int64_t split_slice_pairs(const LinearProblem& p, int64_t pairs, bool brgemm) {
   const int64_t per_thread = decode_split(p.format);
   if (per_thread == 0 || brgemm || p.M > 2 || p.format == WeightFormat::int4) return 0;
   const int64_t wanted = per_thread * at::get_num_threads();
-  const int64_t pair_bytes = p.format == WeightFormat::bf16 ? kPairValues * 2 : kQPairBytes;
-  const int64_t most = p.K_pairs / (kSplitBytes / pair_bytes);
+  const int64_t most = p.K_pairs / (kSplitBytes / pair_bytes(p.format));
   if (pairs >= wanted || most < 2) return 0;
   const int64_t slices = std::min(most, (wanted + pairs - 1) / pairs);
   const int64_t len = ((p.K_pairs + slices - 1) / slices + kFp8GroupPairs - 1) / kFp8GroupPairs * kFp8GroupPairs;
