@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -65,6 +67,7 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
         raise ValueError(f"weights={weights!r}: a checkpoint is written in one of {', '.join(CHECKPOINT_FORMATS)}")
     out = pathlib.Path(out)
     model = build_model(preset, layers=layers, seed=seed)
+    _check_free_space(out, model, quantized=weights != "bf16")
     tokenizer = build_tokenizer(model.config.vocab_size)
     # the tokenizer's special ids are the model's
     for config in (model.config, model.generation_config):
@@ -88,6 +91,18 @@ def write_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int | None
         _quantize_shards(out, weights)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _check_free_space(out: pathlib.Path, model: torch.nn.Module, *, quantized: bool) -> None:
+    """Refuse before writing anything where the disk under ``out`` cannot hold the checkpoint: its bf16 shards, and
+    while a quantized format rewrites them one at a time, one more shard (the 2 GB cap)."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    needed = nbytes + (min(nbytes, 2 * 10**9) if quantized else 0) + 2**26  # 64 MiB: tokenizer, config, slack
+    existing = next(d for d in (out, *out.parents) if d.exists())
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"writing this checkpoint needs about {needed / 1e9:.1f} GB free under "
+                                    f"{existing}; {free / 1e9:.1f} GB are", str(out))
 
 
 def write_repeated_int4_checkpoint(preset: str, out: str | pathlib.Path, *, layers: int, layout: str = "gptq",

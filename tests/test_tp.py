@@ -20,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +63,8 @@ def checkpoints(tmp_path_factory):
     written.update({name: write_checkpoint(name, root / name, layers=1) for name in LARGE})
     written[FP8] = write_checkpoint("qwen3-30b-a3b", root / FP8, layers=1, weights="fp8")
     written[INT4] = write_checkpoint("tiny-qwen3-moe-w256", root / INT4, seed=3, weights="gptq")
-    return written
+    yield written
+    shutil.rmtree(root)  # 2.7 GB: gone before the next module writes its own
 
 
 @pytest.fixture(scope="module")

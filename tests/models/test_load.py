@@ -110,3 +110,26 @@ def test_scripts_make_checkpoint_and_generate(tmp_path, capsys):
                                "--local-files-only"])
     captured = capsys.readouterr()
     assert "Once upon" in captured.out and "5 tokens in" in captured.err
+
+
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_make_checkpoint_refuses_a_disk_too_small_before_writing(tmp_path, monkeypatch, weights):
+    """The suite writes checkpoints of real architectures (up to 2.5 GB): where the disk cannot hold one, the
+    writer says how much it needs instead of failing half-written."""
+    import shutil
+
+    from tilefx.models import checkpoint as checkpoint_module
+
+    real = shutil.disk_usage
+    total_bytes = sum(p.numel() * p.element_size() for p in build_model("tiny-llama").parameters())
+    # room for the bf16 shards, but not for a quantized format's extra shard while it rewrites them
+    free = total_bytes + 2**26 + total_bytes // 2
+    monkeypatch.setattr(checkpoint_module.shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=free))
+    out = tmp_path / "deep" / "ckpt"
+    if weights == "bf16":
+        assert write_checkpoint("tiny-llama", out, weights=weights) == out
+        return
+    with pytest.raises(OSError, match=r"needs about .* GB free under .*; .* GB are"):
+        write_checkpoint("tiny-llama", out, weights=weights)
+    assert not out.exists()
