@@ -52,6 +52,7 @@ class Backend:
         return {
             "pre_grad_custom_pass": self.cache_key,
             "freezing": self.options.freezing,
+            "cpp_wrapper": self.options.cpp_wrapper,
             # The wrapper checks every extern op's output size, stride and alignment in Python
             # before using it: debugging aids that cost microseconds per op on every decode step.
             "size_asserts": False,

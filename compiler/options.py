@@ -24,6 +24,11 @@ class CompileOptions:
     # Inductor freezing (weights become constants of the compiled graphs). Off: packed weights are graph
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.
     freezing: bool = False
+    # Inductor's C++ wrapper: each compiled graph calls its kernels and tilefx's ops from C++ instead of a Python
+    # function, which saves each op's Python call on every decode step (~0.4 ms a token for Llama-3.2-1B's 16
+    # layers on a Zen 4) at ~25% more compile time on a cold cache (docs/PERFORMANCE.md). Off until it is
+    # measured on a many-core CPU, where the step is shorter and the saving weighs more.
+    cpp_wrapper: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, fp8 for an FP8
     # checkpoint, int4 for a GPTQ / AWQ one), "bf16", "int8" (symmetric per output channel), "fp8" (e4m3, 128 x

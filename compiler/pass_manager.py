@@ -116,7 +116,9 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
                     recipes = None
             with gm.graph.inserting_after(last_input):
                 last_input = inputs[key] = gm.graph.placeholder(f"tilefx_packed_{len(packed)}")
-            last_input.meta["example_value"] = last_input.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+            # "example_value" as Dynamo's own inputs carry it, not "val": Inductor's C++ wrapper takes the inputs
+            # of a graph whose placeholders have a "val" from those, and would call Dynamo's with None
+            last_input.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
             last_input._dynamo_source = None  # AOT autograd asks each input of a Dynamo graph where it came from
             packed.append(tensor)
         node.replace_all_uses_with(inputs[key])
@@ -135,7 +137,7 @@ def packings_as_inputs(gm: torch.fx.GraphModule, fake_mode) -> tuple[list[torch.
         as_input(node, weights.scales_of(held[of]), lambda: ["scales", list(inputs.values()).index(of)])
     gm.graph.lint()
     gm.recompile()
-    return packed, [inputs_node.meta["val"] for inputs_node in inputs.values()], recipes
+    return packed, [inputs_node.meta["example_value"] for inputs_node in inputs.values()], recipes
 
 
 class _NoSource(Exception):

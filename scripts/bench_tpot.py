@@ -262,6 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (run under torchrun; tilefx only)")
+    parser.add_argument("--cpp-wrapper", action="store_true",
+                        help="compile tilefx's graphs with Inductor's C++ wrapper (the cpp_wrapper option)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each mode's decode step goes, op by op (torch.profiler)")
     args = parser.parse_args(argv)
@@ -310,7 +312,7 @@ def main(argv=None) -> int:
             source = args.path if args.path else model
             with x_form(mode):  # (the walk tuning times int4 in the form it will read)
                 model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=args.batch,
-                                             weights=format.removesuffix("/x8"))
+                                             weights=format.removesuffix("/x8"), cpp_wrapper=args.cpp_wrapper)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -464,7 +466,8 @@ def main_tp(args, parser) -> int:
     try:
         for format in formats:
             start = time.perf_counter()
-            model = tilefx.compile_model(path[0], tp=args.tp, max_seq_len=max_seq_len, max_batch=1, weights=format)
+            model = tilefx.compile_model(path[0], tp=args.tp, max_seq_len=max_seq_len, max_batch=1, weights=format,
+                                         cpp_wrapper=args.cpp_wrapper)
             say(f"# tilefx {format}, tp={args.tp}: ready in {time.perf_counter() - start:.0f}s, "
                 f"{torch.get_num_threads()} threads per rank", flush=True)
             communicator = collectives.group(collectives.TP_GROUP)

@@ -13,10 +13,12 @@ from tilefx.models.presets import build_model
 from helpers import assert_greedy_matches, padded_batch
 
 MAX_SEQ_LEN = 64
-CASES = {  # a dense model with the dynamic batch, an MoE model in int8 (packed scales as inputs), MLA
-    "tiny-llama": {"max_batch": 4},
-    "tiny-qwen3-moe": {"weights": "int8"},
-    "tiny-deepseek-v3": {},
+CASES = {  # a dense model with the dynamic batch, an MoE model in int8 (packed scales as inputs), MLA; MLA and MoE in
+    # int8 under Inductor's C++ wrapper (every kind of tilefx op called from C++)
+    "tiny-llama": ("tiny-llama", {"max_batch": 4}),
+    "tiny-qwen3-moe": ("tiny-qwen3-moe", {"weights": "int8"}),
+    "tiny-deepseek-v3": ("tiny-deepseek-v3", {}),
+    "tiny-deepseek-v3-cpp-wrapper": ("tiny-deepseek-v3", {"weights": "int8", "cpp_wrapper": True}),
 }
 
 
@@ -29,11 +31,16 @@ def _prompts(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_batch([torch.randint(3, 500, (9 - 2 * row,), generator=generator).tolist() for row in range(batch)])
 
 
-@pytest.mark.parametrize("preset", list(CASES))
-def test_second_compile_loads_every_graph_and_generates_the_same(preset, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", list(CASES))
+def test_second_compile_loads_every_graph_and_generates_the_same(case, tmp_path, monkeypatch):
     monkeypatch.setenv("TILEFX_GRAPH_CACHE_DIR", str(tmp_path))
-    options = CASES[preset]
+    preset, options = CASES[case]
+    wrappers = []  # the graphs Inductor wrote a C++ wrapper for
+    codegen = torch._inductor.graph.GraphLowering.codegen_with_cpp_wrapper
+    monkeypatch.setattr(torch._inductor.graph.GraphLowering, "codegen_with_cpp_wrapper",
+                        lambda self, *a, **k: wrappers.append(self) or codegen(self, *a, **k))
     first = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
+    assert len(wrappers) == (len(first.tilefx.report.graphs) if options.get("cpp_wrapper") else 0)
     cache = first.tilefx.graph_cache
     assert cache.loaded == [] and len(cache.saved) == len(first.tilefx.report.graphs) >= 2, tilefx.explain(first)
     # The process that compiled them calls them the same way from then on (no Dynamo frame per step).
