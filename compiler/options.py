@@ -25,9 +25,10 @@ class CompileOptions:
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.
     freezing: bool = False
     # Inductor's C++ wrapper: each compiled graph calls its kernels and tilefx's ops from C++ instead of a Python
-    # function, which saves each op's Python call on every decode step (~0.4 ms a token for Llama-3.2-1B's 16
-    # layers on a Zen 4) at ~25% more compile time on a cold cache (docs/PERFORMANCE.md). Off until it is
-    # measured on a many-core CPU, where the step is shorter and the saving weighs more.
+    # function, which saves each op's Python call on every decode step (0.4-0.65 ms a token on a Zen 4 for a
+    # Llama of 16 layers cut to hidden 256, where the step is all per-op cost; within the noise on Llama-3.2-1B
+    # itself) at ~25-40% more compile time on a cold cache (docs/PERFORMANCE.md). Off until it is measured on a
+    # many-core CPU, where the step is shorter and the saving weighs more.
     cpp_wrapper: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, fp8 for an FP8

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tilefx
+from tilefx.models import checkpoint as checkpoint_module
 from tilefx.models.adapters import ADAPTERS, adapter_for
 from tilefx.models.checkpoint import write_checkpoint
 from tilefx.models.load import ModelNotFoundError, load_model
@@ -116,10 +118,6 @@ def test_scripts_make_checkpoint_and_generate(tmp_path, capsys):
 def test_make_checkpoint_refuses_a_disk_too_small_before_writing(tmp_path, monkeypatch, weights):
     """The suite writes checkpoints of real architectures (up to 2.5 GB): where the disk cannot hold one, the
     writer says how much it needs instead of failing half-written."""
-    import shutil
-
-    from tilefx.models import checkpoint as checkpoint_module
-
     real = shutil.disk_usage
     total_bytes = sum(p.numel() * p.element_size() for p in build_model("tiny-llama").parameters())
     # room for the bf16 shards, but not for a quantized format's extra shard while it rewrites them
