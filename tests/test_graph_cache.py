@@ -43,6 +43,7 @@ def test_second_compile_loads_every_graph_and_generates_the_same(case, tmp_path,
                         lambda self, *a, **k: wrappers.append(self) or codegen(self, *a, **k))
     first = tilefx.compile_model(build_model(preset, seed=3), max_seq_len=MAX_SEQ_LEN, **options)
     assert len(wrappers) == (len(first.tilefx.report.graphs) if options.get("cpp_wrapper") else 0)
+    assert ("Inductor's C++ wrapper" in tilefx.explain(first)) == bool(options.get("cpp_wrapper"))
     cache = first.tilefx.graph_cache
     assert cache.loaded == [] and len(cache.saved) == len(first.tilefx.report.graphs) >= 2, tilefx.explain(first)
     # The process that compiled them calls them the same way from then on (no Dynamo frame per step).

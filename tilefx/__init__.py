@@ -169,7 +169,8 @@ def explain(model) -> str:
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
-        f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else ""),
+        f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else "")
+        + ("; Inductor's C++ wrapper" if opts.cpp_wrapper else ""),
     ]
     for index, graph in enumerate(report.graphs):
         ops = ", ".join(f"{name} x{count}" for name, count in sorted(graph.tilefx_ops.items())) or "none"
