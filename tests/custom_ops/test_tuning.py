@@ -182,6 +182,27 @@ def test_the_pass_misses_the_largest_cache_sysfs_gives(tmp_path, monkeypatch):
     assert tuning.cold_pass_bytes() == tuning.MIN_PASS_BYTES
 
 
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8", "int4"])
+def test_the_timed_weights_are_random_values_in_range(format, monkeypatch):
+    """The tuning pass's weights (one random block repeated, then the start of the block where the packing is not
+    a whole number of blocks): every byte written, values as the kernels take them (no NaN or infinity, int8
+    within +-127, e4m3 without its NaN codes)."""
+    monkeypatch.setattr(tuning, "_FILL_BLOCK_BYTES", 6000)
+    data, scales, *_ = tuning._random_packing(96, 2048, format)
+    raw = data.view(-1).view(torch.uint8)
+    tail = raw.numel() % 6000
+    assert tail and raw.numel() > 6000
+    assert len(torch.unique(raw)) >= 64  # random, not a constant or a short cycle (fp8: 0x77 leaves 64 codes)
+    assert raw[-tail:].ne(0).float().mean() > 0.9 and raw[:6000].ne(0).float().mean() > 0.9  # written to the end
+    if format == "bf16":
+        assert torch.isfinite(data).all()
+    elif format == "int8":
+        assert (data.view(torch.int8) != -128).all()
+    elif format == "fp8":
+        assert ((raw & 0x7F) != 0x7F).all()
+    assert (scales is None) == (format == "bf16")
+
+
 def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
     """A short search (small pass, one round) sets a candidate, saves it, and the next call reads it back."""
     path = isa.current()
