@@ -3,8 +3,12 @@ import os
 import shutil
 import tempfile
 
-import pytest
-import torch
+# Two pytest-xdist workers (`make test`) and the ranks they start share the cores: OpenMP threads that sleep when
+# idle, rather than spin (libgomp reads this as torch loads it, in every process the suite starts too).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TILEFX_QUIET", "1")
 # tilefx's graph cache starts empty every session (Inductor's stays warm): each run of the suite traces what it
@@ -22,3 +26,17 @@ def pytest_configure(config):
 @pytest.fixture
 def seeded():
     torch.manual_seed(1234)
+
+
+# The modules that compile the most, longest first: `make test` runs the suite on two pytest-xdist workers, one
+# module to a worker at a time in this order, so a long module does not start last and run alone at the end.
+LONGEST_FIRST = ("test_tp.py", "test_fp8_checkpoint.py", "test_memory.py", "test_graph_cache.py", "test_generate.py",
+                 "test_generate_quantized.py", "test_scripts.py", "test_int4_checkpoint.py", "test_generate_moe.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # (stable: each module's tests keep their order)

@@ -52,6 +52,8 @@ def main() -> None:
     got = compiled(x, w)
     if not torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
         failures.append(f"compiled: max error {(got - expected).abs().max().item()}")
+    segments = [path for name in ("shm", "shm-small") for path in collectives._GROUPS[name].paths]
+    print(f"rank {rank} segments:", *segments, flush=True)
     print(f"rank {rank}: {len(failures)} failures", *failures, sep="\n", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
