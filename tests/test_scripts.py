@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import runpy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +106,23 @@ def test_profile_counts_the_weights_each_op_reads():
     assert bytes_of("tilefx::fused_moe", moe, types) == 2 * per_expert
     assert bytes_of("tilefx::fused_moe", moe[:3] + [[16, 2], [16, 2]], types) == 8 * per_expert  # every expert once
     assert bytes_of("tilefx::decode_attention", moe, types) == 0
+
+
+def test_amx_checks_runs_the_steps_asked_and_refuses_unknown_ones(tmp_path):
+    """scripts/amx_checks.sh, the battery an AMX lease runs: a step's log and its status line; an unknown step
+    refused before any step runs; a step past the budget skipped, not started."""
+    def run(*args):
+        return subprocess.run(["bash", "scripts/amx_checks.sh", str(tmp_path), *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+
+    done = run("60", "cpu,exceptions")
+    assert done.returncode == 0, done.stderr
+    assert "## cpu: exit 0" in done.stdout and "## exceptions: exit 0" in done.stdout, done.stdout
+    assert "cache L1 Data" in (tmp_path / "cpu.log").read_text()
+    if isa.native is not None:  # a C++ exception reaches Python here (it killed the process on two AMX machines)
+        assert "tilefx: its C++ exception reached Python" in (tmp_path / "exceptions.log").read_text()
+    refused = run("60", "cpu,nosuch")
+    assert refused.returncode == 2 and "unknown step 'nosuch'" in refused.stderr and "## cpu" not in refused.stdout
+    skipped = run("10", "tpot1024")
+    assert skipped.returncode == 0 and "## tpot1024: skipped" in skipped.stdout
+
