@@ -86,6 +86,8 @@ step_cppwrapper() {
     bench_tpot --modes tilefx --weights bf16 --prompt-len 128 --cpp-wrapper --json "$out/cpp-wrapper.json"
 }
 
+export py out
+export -f bench_tpot $(compgen -A function step_)  # each step runs in its own bash, under timeout
 IFS=, read -ra chosen <<< "$steps"
 for name in "${chosen[@]}"; do
   if ! declare -F "step_$name" > /dev/null; then
@@ -101,8 +103,7 @@ for name in "${chosen[@]}"; do
   fi
   echo "## $name (at most ${left}s)"
   begun=$(date +%s)
-  timeout -k 5 "$left" bash -c "$(declare -f bench_tpot "step_$name"); py=$(printf %q "$py"); \
-    out=$(printf %q "$out"); step_$name" > "$out/$name.log" 2>&1
+  timeout -k 5 "$left" bash -c "step_$name" > "$out/$name.log" 2>&1
   status=$?
   echo "## $name: exit $status after $(( $(date +%s) - begun ))s$( (( status == 124 )) && echo ' (cut: budget)')"
   tail -n 30 "$out/$name.log"
