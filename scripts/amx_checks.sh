@@ -13,7 +13,10 @@
 #   tpot1024    Llama-3.2-1B: stock torch.compile vs tilefx bf16/int8/fp8, 1024-token prompt, with --profile
 #   moe         Qwen3-30B-A3B cut to 4 layers: HF eager vs tilefx bf16/int8, with --profile
 #   tpot128     the same as tpot1024 at a 128-token prompt
+#   batch       Llama-3.2-1B at batches 4 and 2 (64-token prompts): stock torch.compile vs tilefx bf16, per step
 #   kernels     bench_kernels.py on Llama-3.2-1B's shapes, bf16/int8/fp8
+#   optests     the native ops' tests (tests/custom_ops) on every path this CPU has, amx among them, on
+#               pytest-xdist workers where it is installed (a .whl/ wheel, say)
 #   cppwrapper  tilefx bf16 with Inductor's C++ wrapper against the Python one
 # Run from the repository root. Wheels in .whl/ (a newer transformers, say) are installed first, without their
 # dependencies, into the python3 on PATH (PYTHON overrides it). Each step's whole output is OUT_DIR/STEP.log; the
@@ -22,7 +25,7 @@ set -uo pipefail
 
 out=${1:?usage: scripts/amx_checks.sh OUT_DIR [BUDGET_S [STEPS]]}
 budget=${2:-540}
-steps=${3:-cpu,build,exceptions,tpot1024,moe,tpot128,kernels,cppwrapper}
+steps=${3:-cpu,build,exceptions,tpot1024,moe,tpot128,batch,kernels,optests,cppwrapper}
 py=${PYTHON:-python3}
 export TILEFX_QUIET=1  # no progress bars in the logs
 mkdir -p "$out"
@@ -77,8 +80,23 @@ step_tpot128() {
   bench_tpot --modes torch.compile,tilefx --weights bf16,int8,fp8 --prompt-len 128 --json "$out/tpot128.json"
 }
 
+step_batch() {
+  for batch in 4 2; do
+    bench_tpot --modes torch.compile,tilefx --weights bf16 --batch "$batch" --prompt-len 64 \
+      --json "$out/batch$batch.json" || return
+  done
+}
+
 step_kernels() {
   "$py" scripts/bench_kernels.py --presets llama-3.2-1b --weights int8,fp8 --json "$out/kernels.json"
+}
+
+step_optests() {
+  local workers=()
+  if "$py" -c "import xdist" 2> /dev/null; then
+    workers=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")  # each worker's ops run 2 threads
+  fi
+  OMP_NUM_THREADS=2 "$py" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/custom_ops
 }
 
 step_cppwrapper() {
