@@ -13,7 +13,10 @@ streaming-read pass, and the fraction is best over best and median over median.
 Next to it, the same linear on oneDNN's brgemm (decode's other candidate, where brgemm has
 a compiled kernel), torch's bf16 linear and oneDNN's packed one, each on cold copies.
 Linears are measured as decode runs them, siblings fused (q/k/v as one weight,
-gate/up with SiLU-and-mul as one op), and also unfused for comparison.
+gate/up with SiLU-and-mul as one op), and also unfused for comparison. Then what a
+decode GEMV costs per call beyond its bytes, at this thread count and at one (the
+intercept of time against bytes over five sizes): on many threads, where a small
+weight's call is short, the share of a step that no bandwidth buys back.
 """
 
 from __future__ import annotations
@@ -242,6 +245,48 @@ def attention_inputs(batch, q_heads, kv_heads, head_dim, seq, context, max_len):
     return q, k, v, k_cache, v_cache, positions, mask
 
 
+FIXED_COST_N = (512, 1024, 2048, 4096, 8192)  # output features of the GEMVs timed (K: the first preset's hidden size)
+
+
+def bench_gemv_fixed_cost(preset: str, rounds: int, stream_mib: int) -> list[dict]:
+    """What a decode GEMV costs beyond its bytes, at this thread count and at one thread: bf16 GEMVs of the
+    preset's hidden size as K and ``FIXED_COST_N`` outputs, each over its own cold copies (huge pages), sizes
+    interleaved over ``rounds`` rounds; time per call against bytes fitted to a line (least squares over the
+    medians). The intercept is the cost of a call whatever its size (starting the threads, the last chunks'
+    wait, the first misses of each stream), the slope the rate the bytes stream at. On many threads the
+    intercept is a larger share of a small weight's call: the figure that says how much of a step it is."""
+    k = get_preset(preset).build_config(layers=1).hidden_size
+    x = torch.randn(1, k).to(torch.bfloat16)
+    shapes = []
+    for n in FIXED_COST_N:
+        packed = packed_weights.pack_linear_weight((torch.randn(n, k) / k**0.5).to(torch.bfloat16), "bf16")
+        shapes.append((n, packed.nbytes, cold_copies(packed, huge_pages=True)))
+    threads = torch.get_num_threads()
+    results = []
+    for count in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(count)
+        probe = isa.stream_probe(stream_mib)
+        seconds = {n: [] for n, _, _ in shapes}
+        probes = []
+        for round in range(rounds + 1):  # the first round pages the copies in and is dropped
+            for n, nbytes, copies in shapes:
+                start = time.perf_counter()
+                for c in copies:
+                    linear_ops.linear(x, c, None, n)
+                if round:
+                    seconds[n].append((time.perf_counter() - start) / len(copies))
+            if round:
+                probes.append(probe())
+        sizes = [nbytes for _, nbytes, _ in shapes]
+        medians = [statistics.median(seconds[n]) for n, _, _ in shapes]
+        slope, fixed = statistics.linear_regression(sizes, medians)
+        results.append({"threads": count, "K": k, "N": list(FIXED_COST_N), "bytes": sizes,
+                        "us": [m * 1e6 for m in medians], "fixed_us": fixed * 1e6, "slope_gbps": 1 / slope / 1e9,
+                        "stream_gbps": statistics.median(probes)})
+    torch.set_num_threads(threads)
+    return results
+
+
 def bench_attention(preset: str, contexts, repeats: int, stream_mib: int) -> list[dict]:
     """The preset's attention: decode at each context and a 128-token prompt, on the unit (the "tilefx" column),
     on PyTorch's SDPA (the reference path) and, for decode, as flash decoding on brgemm tiles where brgemm has a
@@ -388,6 +433,16 @@ def main(argv=None) -> int:
                   f"| {r['tilefx_us']:.0f} | {bf16_us[(r['preset'], r['linear'])] / r['tilefx_us']:.2f}x "
                   f"| {r['prefill_tilefx_gflops']:.0f} |")
 
+    fixed_cost = bench_gemv_fixed_cost(presets[0], max(3, args.repeats // 3), args.stream_mib)
+    print(f"\n## a decode GEMV's cost beyond its bytes (bf16, K {fixed_cost[0]['K']}, cold copies): time per call "
+          "against bytes, fitted to a line\n")
+    print("| threads | " + " | ".join(f"{b / 2**20:.0f} MiB us" for b in fixed_cost[0]["bytes"])
+          + " | fixed us a call | slope GB/s | stream GB/s |")
+    print("|---:|" + "---:|" * (len(FIXED_COST_N) + 3))
+    for r in fixed_cost:
+        print(f"| {r['threads']} | " + " | ".join(f"{us:.1f}" for us in r["us"])
+              + f" | {r['fixed_us']:.1f} | {r['slope_gbps']:.1f} | {r['stream_gbps']:.1f} |")
+
     attention = bench_attention(presets[0], contexts, args.repeats, args.stream_mib)
     print(f"\n## attention ({presets[0]} heads; MLA: DeepSeek-V2-Lite's), the unit's kernel vs PyTorch SDPA over the "
           "valid prefix and (decode) flash decoding on brgemm tiles\n")
@@ -409,7 +464,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"path": isa.current(), "walks": [dataclasses.asdict(w) for w in walks], "linear": linears, "quantized_linear": quantized, "attention": attention,
-                       "glue": glue}, f, indent=2)
+                       "gemv_fixed_cost": fixed_cost, "glue": glue}, f, indent=2)
     return 0
 
 

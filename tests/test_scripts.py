@@ -38,8 +38,11 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])  # (decode on brgemm's too, where it is timed)
     decode = [r for r in result["attention"] if r["new_tokens"] == 1]
     assert all((r["brgemm_us"] or 0) > 0 for r in decode) == tuning.brgemm_has_kernel()
+    fixed = result["gemv_fixed_cost"]  # at this thread count and at one: a line through five sizes' times
+    assert fixed[-1]["threads"] == 1 and all(len(r["us"]) == 5 and r["slope_gbps"] > 0 for r in fixed)
+    assert all(a < b for r in fixed for a, b in zip(r["bytes"], r["bytes"][1:]))
     out = capsys.readouterr().out
-    assert "slowest M=1 shape" in out and "kernels per step" in out
+    assert "slowest M=1 shape" in out and "kernels per step" in out and "fixed us a call" in out
     assert result["glue"]["kernels_per_step"] > 0 and result["glue"]["inductor_us_per_step"] > 0
 
 
