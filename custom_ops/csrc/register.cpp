@@ -101,6 +101,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
   m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,
         "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
+  m.def("quantize_rows_int8", &tilefx::quantize_rows_int8,
+        "int8 values and per-row scales of a bf16 weight, as formats.quantize_rows gives them, on every thread");
   m.def("shm_open_group", &tilefx::shm_open_group,
         "map every rank's segment file (created and sized by custom_ops/collectives.py); returns a group handle");
   m.def("shm_close_group", &tilefx::shm_close_group, "unmap a group's segments");

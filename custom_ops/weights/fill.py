@@ -18,7 +18,7 @@ CHUNK_BYTES = 64 << 20  # source bytes packed at a time: a file-backed source's 
 def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
     """``out [blocks, pairs, 32, 2] = rows [n, k]`` in ``linear`` order (zero padded): the native copy
     (csrc/memory.cpp, every thread) where it applies, else torch's copy of the permuted view."""
-    if (native and isa.native is not None and rows.element_size() == 2 and rows.stride(-1) == 1
+    if (native and isa.native is not None and rows.element_size() in (1, 2) and rows.stride(-1) == 1
             and out.stride()[1:] == (2 * BLOCK_N, 2, 1)):
         isa.native.pack_vnni_blocks(out, rows)
     else:
@@ -66,7 +66,7 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             out[block : block + blocks].copy_(layouts.int4_interleave(layouts.linear_order(values)))
             formats.write_scales(scales[block : block + blocks], row_scales)
         else:
-            write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native=False)
+            write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native)
             formats.write_scales(scales[block : block + blocks], row_scales)
         memory.drop_file_pages(source, mapped)
 

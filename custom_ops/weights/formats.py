@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from tilefx.custom_ops import isa
 from tilefx.custom_ops.weights import layouts
 from tilefx.custom_ops.weights.layouts import BLOCK_N
 
@@ -105,6 +106,10 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     ``round(-min / scale)``, values ``round(w / scale) + zero`` in [0, 15] (uint8 ``[n, k]``), scales ``[n,
     ceil(k / 128), 2]`` fp16 (the scale and the zero point).
     """
+    if format == "int8" and isa.native is not None and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1:
+        values, scale = torch.empty(weight.shape, dtype=torch.int8), torch.empty(weight.shape[0])
+        isa.native.quantize_rows_int8(weight, values, scale)  # the same, in one pass (csrc/memory.cpp)
+        return values, scale
     w = weight.float()
     n, k = w.shape
     if format == "int8":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tilefx.custom_ops import isa
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
@@ -186,6 +187,23 @@ def test_quantize_rows():
         _, scales = weights.quantize_rows(zero, format)
         scales = scales[..., 0] if format == "int4" else scales
         assert torch.equal(scales, torch.ones_like(scales))  # no division by zero
+
+
+@pytest.mark.skipif(isa.native is None, reason="native library not built")
+def test_native_int8_quantizing_equals_torchs(monkeypatch):
+    """quantize_rows' int8 in one native pass (csrc/memory.cpp) against its torch ops, bit for bit: rows of
+    magnitudes 2^-20 to 2^20, a zero row, ties that round to even (x.5 * scale), an odd K, rows read through a
+    stride (a column slice)."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(67, 301, generator=g) * torch.logspace(-20, 20, 67, base=2)[:, None]
+    wide[5] = 0
+    wide[9, 1:5] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: 0.5, 1.5 and -2.5 are ties
+    weight = wide.to(torch.bfloat16)[:, 1:300]
+    native = weights.quantize_rows(weight, "int8")
+    monkeypatch.setattr(isa, "native", None)
+    ops = weights.quantize_rows(weight, "int8")
+    assert torch.equal(native[0], ops[0]) and torch.equal(native[1], ops[1])
+    assert native[0][9, :4].tolist() == [127, 0, 2, -2] and float(native[1][5]) == 1.0
 
 
 @pytest.mark.parametrize("format", FORMATS)

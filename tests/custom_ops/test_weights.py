@@ -32,15 +32,20 @@ def test_fused_siblings_round_trip_and_each_reads_its_own_slice():
 
 
 @pytest.mark.skipif(isa.native is None, reason="native library not built")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8], ids=["bf16", "bytes"])
 @pytest.mark.parametrize("n, k", [(64, 40), (45, 33), (7, 1), (96, 130)])
-def test_native_block_writer_equals_the_layout(n, k):
-    """csrc pack_vnni_blocks against the layout's definition: ragged rows and an odd last pair zero padded,
-    rows read through a stride (a column slice), blocks written through a stride (gate/up interleave)."""
+def test_native_block_writer_equals_the_layout(n, k, dtype):
+    """csrc pack_vnni_blocks against the layout's definition, for bf16 values and for bytes (a quantized weight's
+    values): ragged rows and an odd last pair zero padded, rows read through a stride (a column slice), blocks
+    written through a stride (gate/up interleave)."""
     wide = _bf16(n, k + 6, seed=n + k)
+    if dtype == torch.uint8:
+        wide = torch.randint(1, 0xAB, wide.shape, generator=torch.Generator().manual_seed(n + k)).to(torch.uint8)
     weight = wide[:, 3 : 3 + k]
     want = weights.layouts.linear_order(weight)
     blocks, pairs = want.shape[:2]
-    out = torch.full((blocks, 2, pairs, 32, 2), float("nan"), dtype=torch.bfloat16).transpose(0, 1)[0]
+    unwritten = float("nan") if dtype == torch.bfloat16 else 0xAB  # neither a value nor padding
+    out = torch.full((blocks, 2, pairs, 32, 2), unwritten, dtype=dtype).transpose(0, 1)[0]
     isa.native.pack_vnni_blocks(out, weight)
     assert torch.equal(out, want)
     with pytest.raises(RuntimeError, match="does not fit"):
