@@ -118,16 +118,32 @@ void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
   }
 }
 
+namespace {
+
+constexpr float kRoundToEven = 12582912.0f;  // 1.5 * 2^23: (q + it) - it rounds |q| < 2^22 to an integer, ties to even
+
+// The largest magnitude of `count` bf16 values, as fp32: a finite bf16's magnitudes order as their bits do.
+inline float largest_magnitude(const uint16_t* values, int64_t count) {
+  uint16_t top = 0;
+  for (int64_t j = 0; j < count; ++j) top = std::max<uint16_t>(top, values[j] & 0x7FFF);
+  return bf16_to_float(top);
+}
+
+void check_quantizing(const at::Tensor& weight, const at::Tensor& values, at::ScalarType dtype, const char* op) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.stride(1) == 1, op,
+              ": weight must be 2-D bf16 with contiguous rows, got ", weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(values.scalar_type() == dtype && values.sizes() == weight.sizes() && values.is_contiguous(), op,
+              ": values must be a contiguous ", dtype, " tensor of the weight's shape");
+}
+
+}  // namespace
+
 // values[r] = round(weight[r] / scales[r]) in [-127, 127], scales[r] = max |weight[r]| / 127 (1 for a zero row):
 // formats.quantize_rows' int8, bit for bit (an fp32 division, then rounding to nearest even), in one pass a row at a
 // time on every thread; torch's ops made five passes over an fp32 copy (0.3 GB/s of bf16: most of a warm start
 // of an int8 model, docs/PERFORMANCE.md). Plain loops the compiler vectorizes on any x86-64.
 void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.stride(1) == 1,
-              "quantize_rows_int8: weight must be 2-D bf16 with contiguous rows, got ", weight.scalar_type(), " ",
-              weight.sizes());
-  TORCH_CHECK(values.scalar_type() == at::kChar && values.sizes() == weight.sizes() && values.is_contiguous(),
-              "quantize_rows_int8: values must be a contiguous int8 tensor of the weight's shape");
+  check_quantizing(weight, values, at::kChar, "quantize_rows_int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == weight.size(0) &&
               scales.is_contiguous(), "quantize_rows_int8: scales must be fp32 [rows]");
   const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
@@ -137,16 +153,84 @@ void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const uint16_t* row = src + r * stride;
-      uint16_t top = 0;  // the largest magnitude's bits: a finite bf16's magnitudes order as their bits do
-      for (int64_t j = 0; j < k; ++j) top = std::max<uint16_t>(top, row[j] & 0x7FFF);
-      float scale = bf16_to_float(top) / 127.0f;
+      float scale = largest_magnitude(row, k) / 127.0f;
       if (!(scale > 0.0f)) scale = 1.0f;
       row_scales[r] = scale;
       int8_t* out = dst + r * k;
       for (int64_t j = 0; j < k; ++j) {
-        constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds |q| < 2^22 to an integer, ties to even
-        const float q = (bf16_to_float(row[j]) / scale + kRound) - kRound;
+        const float q = (bf16_to_float(row[j]) / scale + kRoundToEven) - kRoundToEven;
         out[j] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+      }
+    }
+  });
+}
+
+// formats.quantize_rows' fp8, bit for bit: per 128 x 128 block scale = max |w| / 448 (1 for a zero block),
+// values = clamp(w / scale, +-448) rounded to e4m3 (c10's conversion, the one torch's .to() runs). One pass a
+// 128-row group at a time; torch's ops made several over an fp32 copy.
+void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales) {
+  constexpr int64_t kGroup = 128;
+  check_quantizing(weight, values, at::kFloat8_e4m3fn, "quantize_blocks_fp8");
+  const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const int64_t groups_n = (n + kGroup - 1) / kGroup, groups_k = (k + kGroup - 1) / kGroup;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+              scales.size(0) == groups_n && scales.size(1) == groups_k,
+              "quantize_blocks_fp8: scales must be fp32 [", groups_n, ", ", groups_k, "]");
+  const auto* src = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* dst = values.data_ptr<c10::Float8_e4m3fn>();
+  float* block_scales = scales.data_ptr<float>();
+  at::parallel_for(0, groups_n * groups_k, 1, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t r0 = g / groups_k * kGroup, r1 = std::min(n, r0 + kGroup);
+      const int64_t c0 = g % groups_k * kGroup, c1 = std::min(k, c0 + kGroup);
+      float top = 0.0f;
+      for (int64_t r = r0; r < r1; ++r) top = std::max(top, largest_magnitude(src + r * stride + c0, c1 - c0));
+      float scale = top / 448.0f;
+      if (!(scale > 0.0f)) scale = 1.0f;
+      block_scales[g] = scale;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          dst[r * k + c] = c10::Float8_e4m3fn(std::clamp(bf16_to_float(src[r * stride + c]) / scale, -448.0f, 448.0f));
+        }
+      }
+    }
+  });
+}
+
+// formats.quantize_rows' int4, bit for bit: per row and 128 inputs (zeros past K), low = min(w, 0), high =
+// max(w, 0), scale = (high - low) / 15 rounded to fp16 (1 where that is 0), zero = clamp(round(-low / scale),
+// 0, 15), values = clamp(round(w / scale + zero), 0, 15). params is [rows, groups, 2] fp16: scale, zero.
+void quantize_groups_int4(const at::Tensor& weight, at::Tensor& values, at::Tensor& params) {
+  constexpr int64_t kGroup = 128;
+  check_quantizing(weight, values, at::kByte, "quantize_groups_int4");
+  const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.dim() == 3 &&
+              params.size(0) == n && params.size(1) == groups && params.size(2) == 2,
+              "quantize_groups_int4: params must be fp16 [", n, ", ", groups, ", 2]");
+  const auto* src = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* dst = values.data_ptr<uint8_t>();
+  auto* out_params = params.data_ptr<at::Half>();
+  at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t c0 = g * kGroup, c1 = std::min(k, c0 + kGroup);
+        const uint16_t* row = src + r * stride;
+        float low = 0.0f, high = 0.0f;  // (0 included: padding, and zero stays exact)
+        for (int64_t c = c0; c < c1; ++c) {
+          low = std::min(low, bf16_to_float(row[c]));
+          high = std::max(high, bf16_to_float(row[c]));
+        }
+        at::Half scale_half((high - low) / 15.0f);
+        if (!(static_cast<float>(scale_half) > 0.0f)) scale_half = at::Half(1.0f);
+        const float scale = static_cast<float>(scale_half);
+        const float zero = std::clamp((-low / scale + kRoundToEven) - kRoundToEven, 0.0f, 15.0f);
+        out_params[(r * groups + g) * 2] = scale_half;
+        out_params[(r * groups + g) * 2 + 1] = at::Half(zero);
+        for (int64_t c = c0; c < c1; ++c) {
+          const float q = (bf16_to_float(row[c]) / scale + zero + kRoundToEven) - kRoundToEven;
+          dst[r * k + c] = static_cast<uint8_t>(std::clamp(q, 0.0f, 15.0f));
+        }
       }
     }
   });

@@ -110,6 +110,8 @@ at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, c
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight);
 void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales);
+void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales);
+void quantize_groups_int4(const at::Tensor& weight, at::Tensor& values, at::Tensor& params);
 double stream_read_gbps(const at::Tensor& buffer, int64_t streams);
 
 // collectives.cpp: shared-memory groups of tensor-parallel ranks on one host.

@@ -103,6 +103,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
   m.def("quantize_rows_int8", &tilefx::quantize_rows_int8,
         "int8 values and per-row scales of a bf16 weight, as formats.quantize_rows gives them, on every thread");
+  m.def("quantize_blocks_fp8", &tilefx::quantize_blocks_fp8,
+        "e4m3 values and 128 x 128 block scales of a bf16 weight, as formats.quantize_rows gives them");
+  m.def("quantize_groups_int4", &tilefx::quantize_groups_int4,
+        "int4 values (one a byte) and per-row, per-128-input scales and zero points of a bf16 weight, as "
+        "formats.quantize_rows gives them");
   m.def("shm_open_group", &tilefx::shm_open_group,
         "map every rank's segment file (created and sized by custom_ops/collectives.py); returns a group handle");
   m.def("shm_close_group", &tilefx::shm_close_group, "unmap a group's segments");

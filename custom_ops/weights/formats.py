@@ -106,12 +106,10 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     ``round(-min / scale)``, values ``round(w / scale) + zero`` in [0, 15] (uint8 ``[n, k]``), scales ``[n,
     ceil(k / 128), 2]`` fp16 (the scale and the zero point).
     """
-    if format == "int8" and isa.native is not None and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1:
-        values, scale = torch.empty(weight.shape, dtype=torch.int8), torch.empty(weight.shape[0])
-        isa.native.quantize_rows_int8(weight, values, scale)  # the same, in one pass (csrc/memory.cpp)
-        return values, scale
+    n, k = weight.shape
+    if isa.native is not None and weight.dtype == torch.bfloat16 and weight.stride(-1) == 1:
+        return _quantize_natively(weight, format)  # the same, bit for bit, in one pass (csrc/memory.cpp)
     w = weight.float()
-    n, k = w.shape
     if format == "int8":
         scale = w.abs().amax(dim=1) / 127.0
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -134,6 +132,23 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     values = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values.view(rows * FP8_GROUP, cols * FP8_GROUP)[:n, :k], scale
+
+
+def _quantize_natively(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    values = torch.empty((n, k), dtype=FORMATS[format])
+    if format == "int8":
+        scales = torch.empty(n)
+        isa.native.quantize_rows_int8(weight, values, scales)
+    elif format == "fp8":
+        scales = torch.empty(-(-n // FP8_GROUP), -(-k // FP8_GROUP))
+        isa.native.quantize_blocks_fp8(weight, values, scales)
+    elif format == "int4":
+        scales = torch.empty(n, -(-k // INT4_GROUP), 2, dtype=torch.float16)
+        isa.native.quantize_groups_int4(weight, values, scales)
+    else:
+        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8, int4)")
+    return values, scales
 
 
 def write_scales(out: torch.Tensor, row_scales: torch.Tensor) -> None:

@@ -190,20 +190,23 @@ def test_quantize_rows():
 
 
 @pytest.mark.skipif(isa.native is None, reason="native library not built")
-def test_native_int8_quantizing_equals_torchs(monkeypatch):
-    """quantize_rows' int8 in one native pass (csrc/memory.cpp) against its torch ops, bit for bit: rows of
-    magnitudes 2^-20 to 2^20, a zero row, ties that round to even (x.5 * scale), an odd K, rows read through a
-    stride (a column slice)."""
+@pytest.mark.parametrize("format", FORMATS)
+def test_native_quantizing_equals_torchs(format, monkeypatch):
+    """quantize_rows in one native pass (csrc/memory.cpp) against its torch ops, bit for bit: rows of magnitudes
+    2^-20 to 2^20 (every format's scales over a wide range), a zero row, ties (int8: x.5 times the scale), ragged
+    blocks and groups (n and K not multiples of 128, K odd), rows read through a stride (a column slice)."""
     g = torch.Generator().manual_seed(3)
-    wide = torch.randn(67, 301, generator=g) * torch.logspace(-20, 20, 67, base=2)[:, None]
+    wide = torch.randn(267, 301, generator=g) * torch.logspace(-20, 20, 267, base=2)[:, None]
     wide[5] = 0
-    wide[9, 1:5] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # scale 1: 0.5, 1.5 and -2.5 are ties
+    wide[9, 1:5] = torch.tensor([127.0, 0.5, 1.5, -2.5])  # int8's scale 1: 0.5, 1.5 and -2.5 are ties
     weight = wide.to(torch.bfloat16)[:, 1:300]
-    native = weights.quantize_rows(weight, "int8")
+    native = weights.quantize_rows(weight, format)
     monkeypatch.setattr(isa, "native", None)
-    ops = weights.quantize_rows(weight, "int8")
-    assert torch.equal(native[0], ops[0]) and torch.equal(native[1], ops[1])
-    assert native[0][9, :4].tolist() == [127, 0, 2, -2] and float(native[1][5]) == 1.0
+    ops = weights.quantize_rows(weight, format)
+    as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    assert torch.equal(as_bits(native[0]), as_bits(ops[0].contiguous())) and torch.equal(native[1], ops[1])
+    if format == "int8":
+        assert native[0][9, :4].tolist() == [127, 0, 2, -2] and float(native[1][5]) == 1.0
 
 
 @pytest.mark.parametrize("format", FORMATS)
