@@ -141,7 +141,7 @@ void check_quantizing(const at::Tensor& weight, const at::Tensor& values, at::Sc
 // values[r] = round(weight[r] / scales[r]) in [-127, 127], scales[r] = max |weight[r]| / 127 (1 for a zero row):
 // formats.quantize_rows' int8, bit for bit (an fp32 division, then rounding to nearest even), in one pass a row at a
 // time on every thread; torch's ops made five passes over an fp32 copy (0.3 GB/s of bf16: most of a warm start
-// of an int8 model, docs/PERFORMANCE.md). Plain loops the compiler vectorizes on any x86-64.
+// of an int8 model, docs/PERFORMANCE.md). Plain loops, built for any x86-64.
 void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales) {
   check_quantizing(weight, values, at::kChar, "quantize_rows_int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == weight.size(0) &&
@@ -169,7 +169,7 @@ void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor
 // values = clamp(w / scale, +-448) rounded to e4m3 (c10's conversion, the one torch's .to() runs). One pass a
 // 128-row group at a time; torch's ops made several over an fp32 copy.
 void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales) {
-  constexpr int64_t kGroup = 128;
+  constexpr int64_t kGroup = 2 * kFp8GroupPairs;  // 128 outputs x 128 inputs a scale
   check_quantizing(weight, values, at::kFloat8_e4m3fn, "quantize_blocks_fp8");
   const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
   const int64_t groups_n = (n + kGroup - 1) / kGroup, groups_k = (k + kGroup - 1) / kGroup;
@@ -201,7 +201,7 @@ void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tenso
 // max(w, 0), scale = (high - low) / 15 rounded to fp16 (1 where that is 0), zero = clamp(round(-low / scale),
 // 0, 15), values = clamp(round(w / scale + zero), 0, 15). params is [rows, groups, 2] fp16: scale, zero.
 void quantize_groups_int4(const at::Tensor& weight, at::Tensor& values, at::Tensor& params) {
-  constexpr int64_t kGroup = 128;
+  constexpr int64_t kGroup = 2 * kInt4GroupPairs;  // inputs a scale and zero point
   check_quantizing(weight, values, at::kByte, "quantize_groups_int4");
   const int64_t n = weight.size(0), k = weight.size(1), stride = weight.stride(0);
   const int64_t groups = (k + kGroup - 1) / kGroup;

@@ -135,6 +135,8 @@ def quantize_rows(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torc
 
 
 def _quantize_natively(weight: torch.Tensor, format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if format not in ("int8", "fp8", "int4"):
+        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8, int4)")
     n, k = weight.shape
     values = torch.empty((n, k), dtype=FORMATS[format])
     if format == "int8":
@@ -143,11 +145,9 @@ def _quantize_natively(weight: torch.Tensor, format: str) -> tuple[torch.Tensor,
     elif format == "fp8":
         scales = torch.empty(-(-n // FP8_GROUP), -(-k // FP8_GROUP))
         isa.native.quantize_blocks_fp8(weight, values, scales)
-    elif format == "int4":
+    else:
         scales = torch.empty(n, -(-k // INT4_GROUP), 2, dtype=torch.float16)
         isa.native.quantize_groups_int4(weight, values, scales)
-    else:
-        raise ValueError(f"quantize_rows: format {format!r} is not a quantized format (int8, fp8, int4)")
     return values, scales
 
 
