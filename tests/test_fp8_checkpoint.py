@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -33,18 +34,28 @@ def _hf_load(path):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """Each family's FP8 checkpoint, with one linear stored in bf16 (``BF16_LINEARS``) as hub checkpoints keep some."""
     root = tmp_path_factory.mktemp("fp8")
     paths = {}
     for family in FAMILIES:
-        paths[family] = root / family
-        write_checkpoint(family, paths[family], seed=5, weights="fp8")
+        all_fp8 = write_checkpoint(family, root / f"{family}-all-fp8", seed=5, weights="fp8")
+        module, listed = BF16_LINEARS[family]
+
+        def list_it(quantization, module=module, listed=listed):
+            if listed:
+                quantization["modules_to_not_convert"] = [*(quantization.get("modules_to_not_convert") or []), module]
+
+        paths[family] = _copy_with(all_fp8, root / family, config_edit=list_it, tensor_edit=_stored_in_bf16(module))
+        shutil.rmtree(all_fp8)
     return paths
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def loaded(request, checkpoints):
+    """``(family, path, transformers' load, compiled)``: compiled once per family for the whole module."""
     path = checkpoints[request.param]
-    return path, _hf_load(path), tilefx.compile_model(path, max_seq_len=48, max_batch=2, progress=False)
+    return request.param, path, _hf_load(path), tilefx.compile_model(path, max_seq_len=48, max_batch=2,
+                                                                     progress=False)
 
 
 def test_checkpoint_is_in_the_hub_layout(checkpoints):
@@ -64,13 +75,13 @@ def test_checkpoint_is_in_the_hub_layout(checkpoints):
 
 
 def test_greedy_matches_transformers_own_load(loaded):
-    _, reference, compiled = loaded
+    _, _, reference, compiled = loaded
     assert_generates_like(reference, compiled)
 
 
 def test_linears_keep_the_checkpoints_bytes(loaded):
     """weights="auto" packs an fp8 checkpoint's linears in fp8 from its own values and scales, untouched."""
-    path, _, compiled = loaded
+    _, path, _, compiled = loaded
     formats = compiled.tilefx.report.packing.formats
     assert set(formats) == {"fp8", "bf16"} and "fp8" in tilefx.explain(compiled)
     name = "model.layers.0.self_attn.o_proj.weight"
@@ -185,10 +196,12 @@ def test_weights_no_pass_packs_are_dequantized_in_place(checkpoints):
 
 # -- no silent misreads: each tensor read in the format the files hold it in ------------------------------------
 
-# One linear stored bf16 without scales: DeepSeek's kv_a_proj_with_mqa listed in modules_to_not_convert as the hub
-# lists such layers (beside its fp8 sibling q_a_proj); a Llama o_proj not listed, which transformers alone would load
-# into an e4m3 linear with made-up scales.
+# One linear in each family's checkpoint stored bf16 without scales: DeepSeek's kv_a_proj_with_mqa listed in
+# modules_to_not_convert as the hub lists such layers (beside its fp8 sibling q_a_proj); a Qwen3-MoE k_proj listed
+# (beside its fp8 siblings q_proj and v_proj); a Llama o_proj not listed, which transformers alone would load into an
+# e4m3 linear with made-up scales. (The other layers' linears are all fp8.)
 BF16_LINEARS = {"tiny-deepseek-v3": ("model.layers.0.self_attn.kv_a_proj_with_mqa", True),
+                "tiny-qwen3-moe": ("model.layers.1.self_attn.k_proj", True),
                 "tiny-llama": ("model.layers.1.self_attn.o_proj", False)}
 MISSING_SCALES = "model.layers.1.self_attn.q_proj.weight"
 
@@ -212,24 +225,9 @@ def _rank_model(path, monkeypatch):
     return load_shard(path, config, adapter, tp.plan_for(config, adapter, 1), context, torch.bfloat16)
 
 
-@pytest.fixture(scope="module", params=sorted(BF16_LINEARS))
-def one_linear_bf16(request, checkpoints, tmp_path_factory):
-    """``(path, module, transformers' load, compiled)`` of an FP8 checkpoint with one linear stored in bf16."""
-    family = request.param
-    module, listed = BF16_LINEARS[family]
-
-    def list_it(quantization):
-        if listed:
-            quantization["modules_to_not_convert"] = [*(quantization.get("modules_to_not_convert") or []), module]
-
-    path = _copy_with(checkpoints[family], tmp_path_factory.mktemp("bf16-linear") / family, config_edit=list_it,
-                      tensor_edit=_stored_in_bf16(module))
-    return path, module, _hf_load(path), tilefx.compile_model(path, max_seq_len=48, max_batch=2, progress=False)
-
-
-def test_a_bf16_linear_of_an_fp8_checkpoint_is_bf16(one_linear_bf16):
-    path, module, reference, compiled = one_linear_bf16
-    name = f"{module}.weight"
+def test_a_bf16_linear_of_an_fp8_checkpoint_is_bf16(loaded):
+    family, path, reference, compiled = loaded
+    name = f"{BF16_LINEARS[family][0]}.weight"
     with safe_open(next(path.glob("*.safetensors")), "pt") as f:
         stored = f.get_tensor(name)
     assert stored.dtype == torch.bfloat16
@@ -239,16 +237,17 @@ def test_a_bf16_linear_of_an_fp8_checkpoint_is_bf16(one_linear_bf16):
     assert torch.equal(weights.unpack_linear_weight(packed.data, *stored.shape), stored)
     assert "fp8" in compiled.tilefx.report.packing.formats  # the others keep the checkpoint's e4m3 bytes
     assert re.search(f"bf16 as the quantized checkpoint stores them: .*{re.escape(name)}", tilefx.explain(compiled))
-    assert_generates_like(reference, compiled)
+    # (its tokens: test_greedy_matches_transformers_own_load, on this same model)
 
 
-def test_the_shard_loader_reads_a_bf16_linear_as_bf16(one_linear_bf16, monkeypatch):
-    path, module, reference, _ = one_linear_bf16
+def test_the_shard_loader_reads_a_bf16_linear_as_bf16(loaded, monkeypatch):
+    family, path, reference, _ = loaded
+    module = BF16_LINEARS[family][0]
     model = _rank_model(path, monkeypatch)
     param = model.get_parameter(f"{module}.weight")
     assert param.dtype == torch.bfloat16 and weights.checkpoint_scales(param) is None
     assert torch.equal(param.data, reference.get_parameter(f"{module}.weight").data)
-    quantized = model.get_parameter("model.layers.0.mlp.down_proj.weight")
+    quantized = model.get_parameter("model.layers.0.self_attn.o_proj.weight")
     assert quantized.dtype == torch.float8_e4m3fn and weights.checkpoint_scales(quantized) is not None
 
 

@@ -1,6 +1,8 @@
 """End to end, quantized weights: greedy tokens from the compiled model agree (close-logprobs rule) with HF
-eager over the same dequantized weights, for a dense, an MoE and an MLA family in int8, the dense one in fp8 and
-int4 (FP8 and 4-bit MoE checkpoints run in test_fp8_checkpoint.py and test_int4_checkpoint.py)."""
+eager over the same dequantized weights, for an MoE and an MLA family in int8 (their attention and DeepSeek-V3's
+dense first layer are int8 linears too; a dense Llama in int8 runs from an FP8 checkpoint in
+test_fp8_checkpoint.py), the dense one in fp8 and int4 (FP8 and 4-bit MoE checkpoints run in
+test_fp8_checkpoint.py and test_int4_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ from helpers import (
 )
 from quantized import dequantize_like_packing, rounds_int4_inputs
 
-# int8 on every family; fp8 and int4 on the dense one (fp8 MoE and MLA models run end to end from their FP8
-# checkpoints in test_fp8_checkpoint.py, 4-bit MoE from GPTQ / AWQ in test_int4_checkpoint.py: the same kernels)
-CASES = [(family, "int8") for family in ("tiny-llama", "tiny-qwen3-moe", "tiny-deepseek-v3")] + [
+# int8 on the MoE and MLA families; fp8 and int4 on the dense one (fp8 MoE and MLA models run end to end from their
+# FP8 checkpoints in test_fp8_checkpoint.py, 4-bit MoE from GPTQ / AWQ in test_int4_checkpoint.py: the same kernels)
+CASES = [(family, "int8") for family in ("tiny-qwen3-moe", "tiny-deepseek-v3")] + [
     ("tiny-llama", "fp8"), ("tiny-llama", "int4")]
+EMULATED_ON = {"int8": "qwen3_moe", "fp8": "llama", "int4": "llama"}  # the family each format's emulated run takes
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{w}" for f, w in CASES])
@@ -50,9 +53,9 @@ def test_explain_names_the_formats(quantized_pair):
 
 
 def test_quantized_on_the_avx512_unit_matches_eager(quantized_pair):
-    reference, compiled, _ = quantized_pair
-    if compiled.config.model_type != "llama":
-        pytest.skip("one family is enough for the emulated unit (its code is the same for each)")
+    reference, compiled, format = quantized_pair
+    if compiled.config.model_type != EMULATED_ON[format]:
+        pytest.skip("one family a format is enough for the emulated unit (its code is the same for each)")
     ids, mask = padded_batch([random_prompt(9, 1), random_prompt(4, 2)])
     assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=8) >= 12
 

@@ -13,11 +13,10 @@ from tilefx.models.presets import build_model
 from helpers import assert_greedy_matches, padded_batch
 
 MAX_SEQ_LEN = 64
-CASES = {  # a dense model with the dynamic batch, an MoE model in int8 (packed scales as inputs), MLA; MLA and MoE in
-    # int8 under Inductor's C++ wrapper (every kind of tilefx op called from C++)
+CASES = {  # a dense model with the dynamic batch, an MoE model in int8 (packed scales as inputs); MLA and MoE in int8
+    # under Inductor's C++ wrapper (every kind of tilefx op called from C++)
     "tiny-llama": ("tiny-llama", {"max_batch": 4}),
     "tiny-qwen3-moe": ("tiny-qwen3-moe", {"weights": "int8"}),
-    "tiny-deepseek-v3": ("tiny-deepseek-v3", {}),
     "tiny-deepseek-v3-cpp-wrapper": ("tiny-deepseek-v3", {"weights": "int8", "cpp_wrapper": True}),
 }
 

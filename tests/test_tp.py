@@ -10,8 +10,8 @@ layout, and a tiny GPTQ MoE. Greedy tokens must agree with HF eager's on the ful
 and be the same on both ranks; each rank holds half the weights. (Each model costs the suite about 20 s of
 cold compiles on two cores, so one model stands for each plan: plain Qwen3 is Qwen3-MoE's attention, a bf16
 Qwen3-30B-A3B layer splits its experts as the FP8 one does; and a padded batch of 2, which doubles the graphs,
-runs on an MoE and an MLA family only: the dense plan's split is theirs too, and its batch of 2 runs on one
-process in tests/test_generate.py.)
+runs on DeepSeek-V3 only, whose layers are a dense MLP, routed and shared experts and MLA: the other plans' splits
+are per row too, and their batches of 2 run on one process in tests/test_generate*.py.)
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ LARGE = ("llama-3.2-1b",)
 # reads its e4m3 slices and their scale blocks
 FP8 = "qwen3-30b-a3b-fp8"
 INT4 = "tiny-qwen3-moe-w256-gptq"  # a GPTQ checkpoint: each rank repacks its rows, or its whole groups of inputs
-# The checkpoints that also generate a padded batch of 2 (compiled for max_batch 2, twice the graphs to compile): an
-# MoE (the gloo run's too) and an MLA family; the others a batch of 1.
-BATCH2 = ("tiny-qwen3-moe", "tiny-deepseek-v3")
+# The checkpoint that also generates a padded batch of 2 (compiled for max_batch 2, twice the graphs to compile):
+# MLA, a dense first layer, routed and shared experts; the others a batch of 1.
+BATCH2 = ("tiny-deepseek-v3",)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_tp2_over_gloo_generates_the_same_tokens(checkpoints, tp2, tmp_path):
     """The collectives ranks on several hosts use (TILEFX_TP_COMM=gloo forces them here): the same tokens as
     shared memory (both sum in fp32, every rank gets the same bits). The graphs are the same too: each rank loads
     the ones its first run saved to tilefx's graph cache and runs them without Dynamo."""
-    done = torchrun("tests/tp_worker.py", str(tmp_path), "--batch2", "tiny-qwen3-moe",
+    done = torchrun("tests/tp_worker.py", str(tmp_path), "--batch2", ",".join(BATCH2),
                     str(checkpoints["tiny-qwen3-moe"]), env={"TILEFX_TP_COMM": "gloo"})
     assert done.returncode == 0, done.stderr[-6000:]
     for rank in (0, 1):
