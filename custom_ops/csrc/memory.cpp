@@ -118,6 +118,65 @@ void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
   }
 }
 
+// out[b] = rows 32b .. 32b+31 of int4 values in the int4 packing's order (kernels.h, layouts.int4_interleave): per
+// two K pairs t (inputs 4t .. 4t+3), 16 lanes of 4 bytes, byte j of lane l holding input 4t + j of row l in its
+// low nibble and of row l + 16 in its high one; zero past the rows and K. The values are nibbles one a byte
+// ([n, k], what the quantizer writes) or two a byte ([n, k / 2], even input low: a GPTQ or AWQ checkpoint's as
+// the loader keeps them, formats.pair_nibbles). Every thread; one block's rows are read once.
+void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte) {
+  constexpr int64_t kLanes = kBlockN / 2;
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 4 && out.size(2) == kLanes && out.size(3) == 2 &&
+                  out.size(1) % 2 == 0,
+              "pack_int4_blocks: out must be uint8 [blocks, pairs (even), ", kLanes, ", 2], got ", out.scalar_type(),
+              " ", out.sizes());
+  TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == 2 && out.stride(1) == kBlockN,
+              "pack_int4_blocks: each block of out must be contiguous");
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2 && values.stride(1) == 1,
+              "pack_int4_blocks: values must be uint8 [n, k] with contiguous rows, got ", values.scalar_type(), " ",
+              values.sizes());
+  const int64_t blocks = out.size(0), groups = out.size(1) / 2, n = values.size(0);
+  const int64_t k = two_a_byte ? 2 * values.size(1) : values.size(1), row_stride = values.stride(0);
+  TORCH_CHECK(blocks_of(n) <= blocks && (k + 3) / 4 <= groups, "pack_int4_blocks: values of ", n, " rows x ", k,
+              " inputs do not fit ", out.sizes());
+  const int64_t block_stride = out.stride(0), whole = k / 4;  // groups of 4 inputs with no padding
+  const auto* src = values.data_ptr<uint8_t>();
+  auto* dst = out.data_ptr<uint8_t>();
+  // 4 inputs' nibbles of a row from input 4t, one a byte (zero past K, or where the row is padding)
+  auto four = [&](const uint8_t* row, int64_t t) -> uint32_t {
+    uint32_t q = 0;
+    if (row == nullptr) return 0;
+    if (t < whole && two_a_byte) {
+      uint16_t paired = 0;
+      std::memcpy(&paired, row + 2 * t, 2);
+      return (paired & 0xFu) | ((paired & 0xF0u) << 4) | ((paired & 0xF00u) << 8) | ((paired & 0xF000u) << 12);
+    }
+    if (t < whole) {
+      std::memcpy(&q, row + 4 * t, 4);
+      return q;
+    }
+    for (int64_t j = 0; j < 4 && 4 * t + j < k; ++j) {
+      const int64_t c = 4 * t + j;
+      q |= static_cast<uint32_t>(two_a_byte ? (row[c / 2] >> (4 * (c % 2))) & 0xF : row[c]) << (8 * j);
+    }
+    return q;
+  };
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      uint8_t* block = dst + b * block_stride;
+      const int64_t rows = std::clamp<int64_t>(n - b * kBlockN, 0, kBlockN);
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const uint8_t* low = l < rows ? src + (b * kBlockN + l) * row_stride : nullptr;
+        const uint8_t* high = l + kLanes < rows ? src + (b * kBlockN + l + kLanes) * row_stride : nullptr;
+        for (int64_t t = 0; t < groups; ++t) {
+          const uint32_t bytes = four(low, t) | (four(high, t) << 4);
+          std::memcpy(block + t * 2 * kBlockN + l * 4, &bytes, 4);
+        }
+      }
+    }
+  });
+}
+
+
 namespace {
 
 constexpr float kRoundToEven = 12582912.0f;  // 1.5 * 2^23: (q + it) - it rounds |q| < 2^22 to an integer, ties to even

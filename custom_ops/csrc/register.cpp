@@ -101,6 +101,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "an uninitialized tensor in 2 MiB-aligned memory advised for transparent huge pages");
   m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,
         "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
+  m.def("pack_int4_blocks", &tilefx::pack_int4_blocks,
+        "write int4 values' rows (nibbles one a byte, or two) into the int4 packing's blocks [blocks, pairs, 16, 2] "
+        "(zero padded), on every thread");
   m.def("quantize_rows_int8", &tilefx::quantize_rows_int8,
         "int8 values and per-row scales of a bf16 weight, as formats.quantize_rows gives them, on every thread");
   m.def("quantize_blocks_fp8", &tilefx::quantize_blocks_fp8,

@@ -25,6 +25,17 @@ def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
         out.copy_(layouts.linear_order(rows))
 
 
+def write_int4_blocks(out: torch.Tensor, values: torch.Tensor, native: bool, two_a_byte: bool = False) -> None:
+    """``out [blocks, pairs, 16, 2] = values`` (uint8 nibbles ``[n, k]`` one a byte, or ``[n, k / 2]`` two a byte,
+    ``formats.pair_nibbles``) in the int4 packing's order (zero padded): the native copy (csrc/memory.cpp, every
+    thread) where it applies, else torch's copy of ``layouts.int4_interleave``."""
+    if native and isa.native is not None and values.stride(-1) == 1 and out.stride()[1:] == (BLOCK_N, 2, 1):
+        isa.native.pack_int4_blocks(out, values, two_a_byte)
+    else:
+        ones = formats.split_nibbles(values) if two_a_byte else values
+        out.copy_(layouts.int4_interleave(layouts.linear_order(ones)))
+
+
 def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
                  source_scales=None, nibbles=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
@@ -52,18 +63,18 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             else:
                 values = formats.dequantize_blocks(source, groups)
         elif source_format == "int4":
-            values = formats.split_nibbles(nibbles[row : row + source.shape[0]])
+            values = nibbles[row : row + source.shape[0]]  # two a byte
             params = source_scales[row : row + source.shape[0]]
             if out_format == "int4":
                 row_scales = params
             else:
-                values = formats.dequantize_int4_rows(values, params)
+                values = formats.dequantize_int4_rows(formats.split_nibbles(values), params)
         if scales is not None and row_scales is None:
             values, row_scales = formats.quantize_rows(values, out_format)
         if scales is None:
             write_blocks(out[block : block + blocks], values, native)
-        elif out_format == "int4":  # nibbles one a byte -> two a byte, in the int4 order
-            out[block : block + blocks].copy_(layouts.int4_interleave(layouts.linear_order(values)))
+        elif out_format == "int4":  # nibbles (the checkpoint's two a byte, or the quantizer's one) in the int4 order
+            write_int4_blocks(out[block : block + blocks], values, native, two_a_byte=source_format == "int4")
             formats.write_scales(scales[block : block + blocks], row_scales)
         else:
             write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native)

@@ -52,6 +52,30 @@ def test_native_block_writer_equals_the_layout(n, k, dtype):
         isa.native.pack_vnni_blocks(out[:, : pairs - 1], weight)
 
 
+@pytest.mark.skipif(isa.native is None, reason="native library not built")
+@pytest.mark.parametrize("two_a_byte", [False, True], ids=["one-a-byte", "two-a-byte"])
+@pytest.mark.parametrize("n, k", [(64, 256), (45, 34), (7, 2), (96, 130), (33, 6)])
+def test_native_int4_block_writer_equals_the_layout(n, k, two_a_byte):
+    """csrc pack_int4_blocks against layouts.int4_interleave's definition, from nibbles one a byte (the quantizer's)
+    and two a byte (a GPTQ / AWQ checkpoint's): ragged rows and K (inputs past K and padding rows are zero nibbles),
+    values read through a stride, blocks written through a stride (gate/up interleave)."""
+    g = torch.Generator().manual_seed(n + k)
+    ones = torch.randint(1, 16, (n, k), generator=g).to(torch.uint8)  # never 0: padding shows up
+    # (int4 packings need K % 4 == 0, formats.can_pack; past K the writer gives zeros, as this padding does)
+    padded = torch.nn.functional.pad(ones, (0, -k % 4))
+    want = weights.layouts.int4_interleave(weights.layouts.linear_order(padded))
+    source = weights.formats.pair_nibbles(ones) if two_a_byte else ones
+    wide = torch.zeros(n, source.shape[1] + 5, dtype=torch.uint8)
+    wide[:, 2 : 2 + source.shape[1]] = source
+    values = wide[:, 2 : 2 + source.shape[1]]
+    blocks, pairs = want.shape[:2]
+    out = torch.full((blocks, 2, pairs, 16, 2), 0xAB, dtype=torch.uint8).transpose(0, 1)[0]  # neither
+    isa.native.pack_int4_blocks(out, values, two_a_byte)
+    assert torch.equal(out, want)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        isa.native.pack_int4_blocks(out[:, : pairs - 2], values, two_a_byte)
+
+
 def test_gate_up_round_trip():
     gate, up = _bf16(64, 30, seed=4), _bf16(64, 30, seed=5)
     packed = weights.pack_gate_up_weight(gate, up)
