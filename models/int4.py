@@ -21,6 +21,7 @@ them layer by layer. ``write_gptq`` / ``write_awq`` are the inverse, for checkpo
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -127,12 +128,16 @@ def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Ten
     if scheme.method == "gptq":
         rows, n = qweight.shape
         k = 8 * rows
-        values = _unpack(qweight.T.contiguous()).reshape(n, k)  # [N, K/8, 8] -> [N, K]
+        # a word holds 8 consecutive inputs, input i at bits 4i: on a little-endian CPU its bytes are already two
+        # inputs each, the even one low, which is pair_nibbles' order ([N, K/8] words -> [N, K/2] bytes)
+        words = qweight.T.contiguous()
+        paired = words.view(torch.uint8) if sys.byteorder == "little" else \
+            weights.pair_nibbles(_unpack(words).reshape(n, k))
         zeros = _unpack(qzeros).reshape(qzeros.shape[0], -1)[:, :n]  # [G, N]
     else:
         k, words = qweight.shape
         n = 8 * words
-        values = _unpack(qweight, AWQ_ORDER).reshape(k, n).T.contiguous()
+        paired = weights.pair_nibbles(_unpack(qweight, AWQ_ORDER).reshape(k, n).T)
         zeros = _unpack(qzeros, AWQ_ORDER).reshape(qzeros.shape[0], -1)[:, :n]
     group = k if scheme.group_size == -1 else scheme.group_size
     groups = -(-k // group)
@@ -151,7 +156,7 @@ def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Ten
     per_group = torch.arange(-(-k // weights.INT4_GROUP)) * weights.INT4_GROUP // group  # each 128-group's group
     zero = zeros[per_group].T.to(torch.float16) + scheme.zero_offset
     params = torch.stack([scales[per_group].T, zero], dim=-1).contiguous()
-    return weights.pair_nibbles(values), params
+    return paired, params
 
 
 def write_int4(weight: torch.Tensor, scheme: Int4Scheme, symmetric: bool) -> dict[str, torch.Tensor]:
