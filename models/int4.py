@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from tilefx.custom_ops import weights
+from tilefx.custom_ops import isa, weights
 
 METHODS = ("gptq", "awq")
 SUPPORTED = ("GPTQ (quant_method 'gptq', bits 4, group_size a multiple of 128 or -1, sym or asym, checkpoint_format "
@@ -119,6 +119,16 @@ def _pack(nibbles: torch.Tensor, order=None) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # as int32 bits
 
 
+def awq_paired_nibbles(qweight: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """An AWQ ``qweight`` (int32 ``[K, N / 8]``, 8 outputs a word in ``AWQ_ORDER``) as nibbles two a byte ``[N, K /
+    2]`` (``weights.pair_nibbles``): natively (csrc/memory.cpp, every thread) where the library is built, else
+    torch's ops (the reference, 0.16 GB/s: most of an AWQ checkpoint's load)."""
+    if native and isa.native is not None and qweight.shape[0] % 2 == 0:
+        return isa.native.awq_paired_nibbles(qweight.contiguous(), list(AWQ_ORDER))
+    k, words = qweight.shape
+    return weights.pair_nibbles(_unpack(qweight, AWQ_ORDER).reshape(k, 8 * words).T)
+
+
 def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear ``module``'s 4-bit tensors (``tensor(name)`` reads one of the checkpoint's tensors ``names``) as
     tilefx's int4: its nibbles two a byte ``[N, K / 2]`` (``weights.pair_nibbles``) and fp16 params ``[N, ceil(K /
@@ -137,7 +147,7 @@ def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Ten
     else:
         k, words = qweight.shape
         n = 8 * words
-        paired = weights.pair_nibbles(_unpack(qweight, AWQ_ORDER).reshape(k, n).T)
+        paired = awq_paired_nibbles(qweight)
         zeros = _unpack(qzeros, AWQ_ORDER).reshape(qzeros.shape[0], -1)[:, :n]
     group = k if scheme.group_size == -1 else scheme.group_size
     groups = -(-k // group)

@@ -54,6 +54,17 @@ def test_awq_layout_by_hand():
     assert params[0, 0, 1] == 9 and params[2, 0, 1] == 7 and params[1, 0, 1] == 0
 
 
+@pytest.mark.skipif(__import__("tilefx").custom_ops.isa.native is None, reason="native library not built")
+@pytest.mark.parametrize("k, words", [(128, 37), (6, 1), (256, 16)])
+def test_native_awq_transpose_equals_torchs(k, words):
+    """awq_paired_nibbles natively (csrc/memory.cpp) against its torch ops, on random words (negative ones too),
+    column tiles of 16 words and a ragged last tile."""
+    qweight = torch.randint(-(1 << 31), 1 << 31, (k, words), generator=torch.Generator().manual_seed(k + words),
+                            dtype=torch.int64).to(torch.int32)
+    native = int4.awq_paired_nibbles(qweight)
+    assert native.shape == (8 * words, k // 2) and torch.equal(native, int4.awq_paired_nibbles(qweight, native=False))
+
+
 def _dequantized_reference(directory, layout: str):
     """HF eager over each 4-bit linear dequantized exactly, from the files, by the hub's formula (no tilefx code):
     ``W[n, k] = (q[k, n] - z[k // 128, n]) * s[k // 128, n]``, rounded to bf16 once."""

@@ -176,6 +176,46 @@ void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte
   });
 }
 
+// An AWQ checkpoint's qweight (int32 [K, N / 8]: word c of input k holds outputs 8c .. 8c+7, output order[i] in
+// nibble i) as nibbles two a byte [N, K / 2] (input 2j in byte j's low nibble, 2j + 1 in its high one:
+// formats.pair_nibbles), what the int4 packing copies. The words hold outputs along a row and the packing wants
+// them along a column: a transpose of nibbles, which torch's ops make in several passes (0.16 GB/s). Here each
+// thread takes 16 words of columns (128 outputs) and walks K, reading a cache line of each row.
+at::Tensor awq_paired_nibbles(const at::Tensor& qweight, const std::vector<int64_t>& order) {
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(0) % 2 == 0,
+              "awq_paired_nibbles: qweight must be contiguous int32 [K (even), N / 8], got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  int shift[8] = {-1, -1, -1, -1, -1, -1, -1, -1};  // output 8c + p is in bits shift[p] .. shift[p] + 3
+  TORCH_CHECK(order.size() == 8, "awq_paired_nibbles: order must be a permutation of 0..7");
+  for (int i = 0; i < 8; ++i) {
+    TORCH_CHECK(order[i] >= 0 && order[i] < 8 && shift[order[i]] < 0,
+                "awq_paired_nibbles: order must be a permutation of 0..7");
+    shift[order[i]] = 4 * i;
+  }
+  constexpr int64_t kTileWords = 16;
+  const int64_t k = qweight.size(0), words = qweight.size(1), pairs = k / 2;
+  at::Tensor out = at::empty({8 * words, pairs}, qweight.options().dtype(at::kByte));
+  const auto* src = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
+  auto* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, (words + kTileWords - 1) / kTileWords, 1, [&](int64_t first, int64_t last) {
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t c0 = tile * kTileWords, c1 = std::min(words, c0 + kTileWords);
+      for (int64_t j = 0; j < pairs; ++j) {
+        const uint32_t* low = src + 2 * j * words;  // input 2j's words; input 2j + 1's follow
+        const uint32_t* high = low + words;
+        for (int64_t c = c0; c < c1; ++c) {
+          const uint32_t even = low[c], odd = high[c];
+          for (int p = 0; p < 8; ++p) {
+            dst[(8 * c + p) * pairs + j] =
+                static_cast<uint8_t>(((even >> shift[p]) & 0xFu) | (((odd >> shift[p]) & 0xFu) << 4));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
 
 namespace {
 

@@ -104,6 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4_blocks", &tilefx::pack_int4_blocks,
         "write int4 values' rows (nibbles one a byte, or two) into the int4 packing's blocks [blocks, pairs, 16, 2] "
         "(zero padded), on every thread");
+  m.def("awq_paired_nibbles", &tilefx::awq_paired_nibbles,
+        "an AWQ qweight [K, N / 8] (outputs in `order` within a word) as nibbles two a byte [N, K / 2], on every thread");
   m.def("quantize_rows_int8", &tilefx::quantize_rows_int8,
         "int8 values and per-row scales of a bf16 weight, as formats.quantize_rows gives them, on every thread");
   m.def("quantize_blocks_fp8", &tilefx::quantize_blocks_fp8,
