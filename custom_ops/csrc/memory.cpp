@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,6 +13,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "bf16_scalar.h"
@@ -116,6 +121,51 @@ void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
     pack_pairs(static_cast<uint16_t*>(out.data_ptr()), static_cast<const uint8_t*>(weight.data_ptr()), n, k,
                weight.stride(0), blocks, pairs, out.stride(0) / 2);
   }
+}
+
+// Drop from this process the pages of every file mapping whose path ends with `suffix` (a lazy load's safetensors
+// files), except pages holding a byte of a `keep` range [begin, end): they stay in the page cache, and a later read
+// maps them again. Returns the bytes advised.
+// It runs with the GIL held (a pybind function that never releases it), and that is what makes it safe to call from
+// a background thread: a file mapping is unmapped only when Python drops its last reference (a safetensors handle
+// or a tensor over it), which needs the GIL, so no mapping read from /proc/self/maps here can be unmapped, and its
+// addresses reused by other memory, before it is advised. MADV_DONTNEED on anonymous memory would zero it: a sweep
+// in Python, which releases the GIL while it reads the maps and calls madvise, could zero an allocation that took
+// a just-closed file's addresses (a 30B GPTQ load aborted with "free(): invalid pointer", the mark of malloc's own
+// header zeroed, in two runs of seven; test_weights' stress test saw buffers zeroed a few times a second).
+int64_t drop_file_mapping_pages(const std::string& suffix, std::vector<std::pair<int64_t, int64_t>> keep) {
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  std::sort(keep.begin(), keep.end());
+  std::ifstream maps("/proc/self/maps");
+  TORCH_CHECK(maps, "tilefx: cannot read /proc/self/maps");
+  int64_t dropped = 0;
+  auto advise = [&](int64_t first, int64_t last) {  // whole pages in [first, last)
+    first = (first + page - 1) / page * page;
+    last = last / page * page;
+    if (last > first && madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED) == 0) {
+      dropped += last - first;
+    }
+  };
+  for (std::string line; std::getline(maps, line);) {
+    // "begin-end perms offset dev inode    path": the path is what follows the fifth field
+    std::istringstream fields(line);
+    std::string range, perms, offset, device, inode, path;
+    fields >> range >> perms >> offset >> device >> inode;
+    std::getline(fields >> std::ws, path);
+    if (path.size() < suffix.size() || path.compare(path.size() - suffix.size(), suffix.size(), suffix) != 0) {
+      continue;
+    }
+    const size_t dash = range.find('-');
+    const int64_t lo = std::stoll(range.substr(0, dash), nullptr, 16), hi = std::stoll(range.substr(dash + 1), nullptr, 16);
+    int64_t start = lo;
+    for (const auto& [begin, end] : keep) {  // the pages wholly between kept ranges
+      if (end <= lo || begin >= hi) continue;
+      advise(start, begin);
+      start = std::max(start, end);  // (advise rounds it up: the page holding `end - 1` is kept)
+    }
+    advise(start, hi);
+  }
+  return dropped;
 }
 
 // out[b] = rows 32b .. 32b+31 of int4 values in the int4 packing's order (kernels.h, layouts.int4_interleave): per

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "dispatch.h"
@@ -110,6 +111,7 @@ at::Tensor mla_prefill_cpu(const at::Tensor& q_nope, const at::Tensor& q_rope, c
 at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dtype);
 void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight);
 void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte);
+int64_t drop_file_mapping_pages(const std::string& suffix, std::vector<std::pair<int64_t, int64_t>> keep);
 at::Tensor awq_paired_nibbles(const at::Tensor& qweight, const std::vector<int64_t>& order);
 void quantize_rows_int8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales);
 void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tensor& scales);

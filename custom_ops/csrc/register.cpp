@@ -104,6 +104,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int4_blocks", &tilefx::pack_int4_blocks,
         "write int4 values' rows (nibbles one a byte, or two) into the int4 packing's blocks [blocks, pairs, 16, 2] "
         "(zero padded), on every thread");
+  m.def("drop_file_mapping_pages", &tilefx::drop_file_mapping_pages,
+        "drop this process's pages of file mappings whose path ends with `suffix`, but those of `keep` ranges; with "
+        "the GIL held throughout (safe from a background thread)");
   m.def("awq_paired_nibbles", &tilefx::awq_paired_nibbles,
         "an AWQ qweight [K, N / 8] (outputs in `order` within a word) as nibbles two a byte [N, K / 2], on every thread");
   m.def("quantize_rows_int8", &tilefx::quantize_rows_int8,

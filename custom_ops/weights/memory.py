@@ -67,18 +67,17 @@ def drop_unused_file_pages(live) -> int:
     weights still read from it (norms, embeddings). Pages outside ``live`` serve no tensor,
     so dropping them changes nothing a tensor sees. Returns the bytes of the ranges advised.
     """
-    page = mmap.PAGESIZE
-    keep = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in live if t.numel())
-    dropped = 0
-    for lo, hi in file_mappings():
-        start = lo
-        for begin, end in [r for r in keep if r[1] > lo and r[0] < hi] + [(hi, hi)]:
-            first, last = start, begin // page * page  # pages wholly before this live range
-            if last > first:
-                _madvise_dontneed(first, last - first)
-                dropped += last - first
-            start = max(start, -(-end // page) * page)
-    return dropped
+    keep = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in live if t.numel()]
+    return _drop_mapped_pages(keep)
+
+
+def _drop_mapped_pages(keep) -> int:
+    """``drop_file_mapping_pages`` (csrc/memory.cpp): every safetensors mapping's pages but ``keep``'s, the maps
+    read and advised with the GIL held, so that no mapping is unmapped, and its addresses given to other memory,
+    between the two (MADV_DONTNEED would zero that memory). Without the native library: 0, nothing dropped."""
+    if isa.native is None:
+        return 0
+    return isa.native.drop_file_mapping_pages(".safetensors", keep)
 
 
 @contextlib.contextmanager
@@ -86,13 +85,15 @@ def checkpoint_pages_bounded(every_seconds: float = 0.2):
     """While the block runs (a lazy load), drop this process's pages of safetensors mappings every
     ``every_seconds``: what loading reads and converts (per-expert tensors stacked into fused experts)
     then never sits in memory twice, mapped and converted. The pages stay in the page cache and a
-    later read maps them again; the checkpoint's bytes are never written, so a read sees the file."""
+    later read maps them again; the checkpoint's bytes are never written, so a read sees the file.
+    Each sweep holds the GIL (``_drop_mapped_pages``): the loading thread closes files and allocates
+    memory meanwhile, and a sweep that let it run between reading the maps and advising them could
+    zero memory that took a closed file's addresses."""
     stop = threading.Event()
 
     def drop() -> None:
         while not stop.wait(every_seconds):
-            for lo, hi in file_mappings():
-                _madvise_dontneed(lo, hi - lo)
+            _drop_mapped_pages([])
 
     thread = threading.Thread(target=drop, name="tilefx-page-dropper", daemon=True)
     thread.start()
