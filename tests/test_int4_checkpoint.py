@@ -54,6 +54,26 @@ def test_awq_layout_by_hand():
     assert params[0, 0, 1] == 9 and params[2, 0, 1] == 7 and params[1, 0, 1] == 0
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_read_int4_writes_into_the_rows_it_is_given(method):
+    """The loader stacks experts by reading each part's nibbles straight into its rows (``out``): the same bytes
+    as a read of its own, the rows past the part untouched; rows of another width are refused."""
+    n, k = 48, 256
+    torch.manual_seed(3)
+    scheme = int4.Int4Scheme(method, 128, zero_offset=1 if method == "gptq" else 0)
+    tensors = {f"m.{name}": t for name, t in
+               int4.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, 2) + 0.5,
+                              torch.randint(1, 16, (n, 2)),
+                              scheme).items()}
+    alone, params = int4.read_int4(tensors.__getitem__, tensors, "m", scheme)
+    out = torch.full((n + 5, k // 2), 0xAB, dtype=torch.uint8)
+    written, written_params = int4.read_int4(tensors.__getitem__, tensors, "m", scheme, out=out)
+    assert written.data_ptr() == out.data_ptr() and torch.equal(written, alone) and torch.equal(written_params, params)
+    assert bool((out[n:] == 0xAB).all())
+    with pytest.raises(ValueError, match="out must be"):
+        int4.read_int4(tensors.__getitem__, tensors, "m", scheme, out=torch.empty(n, k, dtype=torch.uint8))
+
+
 @pytest.mark.skipif(__import__("tilefx").custom_ops.isa.native is None, reason="native library not built")
 @pytest.mark.parametrize("k, words", [(128, 37), (6, 1), (256, 16)])
 def test_native_awq_transpose_equals_torchs(k, words):

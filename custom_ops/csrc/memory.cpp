@@ -191,36 +191,54 @@ void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte
   const int64_t block_stride = out.stride(0), whole = k / 4;  // groups of 4 inputs with no padding
   const auto* src = values.data_ptr<uint8_t>();
   auto* dst = out.data_ptr<uint8_t>();
-  // 4 inputs' nibbles of a row from input 4t, one a byte (zero past K, or where the row is padding)
-  auto four = [&](const uint8_t* row, int64_t t) -> uint32_t {
-    uint32_t q = 0;
-    if (row == nullptr) return 0;
-    if (t < whole && two_a_byte) {
-      uint16_t paired = 0;
-      std::memcpy(&paired, row + 2 * t, 2);
+  // lane words of one row pair: word t holds inputs 4t .. 4t+3 of the low row (low nibbles) and the high row (high
+  // nibbles), byte j input 4t + j. The loops over whole groups are branch free, so the compiler vectorizes them.
+  const std::vector<uint8_t> zero_row(values.size(1), 0);
+  auto lane_words = [&](uint32_t* words, const uint8_t* low, const uint8_t* high) {
+    if (low == nullptr) {  // padding rows (high is then padding too)
+      std::fill(words, words + groups, 0u);
+      return;
+    }
+    auto spread = [](uint32_t paired) {  // two a byte -> one a byte: nibble i into byte i
       return (paired & 0xFu) | ((paired & 0xF0u) << 4) | ((paired & 0xF00u) << 8) | ((paired & 0xF000u) << 12);
+    };
+    const uint8_t* top = high != nullptr ? high : zero_row.data();  // a padding high row reads zeros
+    if (two_a_byte) {
+      for (int64_t t = 0; t < whole; ++t) {
+        uint16_t a, b;
+        std::memcpy(&a, low + 2 * t, 2);
+        std::memcpy(&b, top + 2 * t, 2);
+        words[t] = spread(a) | (spread(b) << 4);
+      }
+    } else {
+      for (int64_t t = 0; t < whole; ++t) {
+        uint32_t a, b;
+        std::memcpy(&a, low + 4 * t, 4);
+        std::memcpy(&b, top + 4 * t, 4);
+        words[t] = a | (b << 4);
+      }
     }
-    if (t < whole) {
-      std::memcpy(&q, row + 4 * t, 4);
-      return q;
+    for (int64_t t = whole; t < groups; ++t) {  // the inputs past the last whole four, zero past K
+      uint32_t q = 0;
+      for (int64_t j = 0; j < 4 && 4 * t + j < k; ++j) {
+        const int64_t c = 4 * t + j;
+        auto nibble = [&](const uint8_t* row) { return two_a_byte ? (row[c / 2] >> (4 * (c % 2))) & 0xF : row[c]; };
+        q |= static_cast<uint32_t>(nibble(low) | (high != nullptr ? nibble(high) << 4 : 0)) << (8 * j);
+      }
+      words[t] = q;
     }
-    for (int64_t j = 0; j < 4 && 4 * t + j < k; ++j) {
-      const int64_t c = 4 * t + j;
-      q |= static_cast<uint32_t>(two_a_byte ? (row[c / 2] >> (4 * (c % 2))) & 0xF : row[c]) << (8 * j);
-    }
-    return q;
   };
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<uint32_t> words(kLanes * groups);  // [lane][t]: one block's words before they are interleaved
     for (int64_t b = first; b < last; ++b) {
-      uint8_t* block = dst + b * block_stride;
       const int64_t rows = std::clamp<int64_t>(n - b * kBlockN, 0, kBlockN);
       for (int64_t l = 0; l < kLanes; ++l) {
-        const uint8_t* low = l < rows ? src + (b * kBlockN + l) * row_stride : nullptr;
-        const uint8_t* high = l + kLanes < rows ? src + (b * kBlockN + l + kLanes) * row_stride : nullptr;
-        for (int64_t t = 0; t < groups; ++t) {
-          const uint32_t bytes = four(low, t) | (four(high, t) << 4);
-          std::memcpy(block + t * 2 * kBlockN + l * 4, &bytes, 4);
-        }
+        lane_words(words.data() + l * groups, l < rows ? src + (b * kBlockN + l) * row_stride : nullptr,
+                   l + kLanes < rows ? src + (b * kBlockN + l + kLanes) * row_stride : nullptr);
+      }
+      uint8_t* block = dst + b * block_stride;  // [t][lane] words
+      for (int64_t t = 0; t < groups; ++t) {
+        for (int64_t l = 0; l < kLanes; ++l) std::memcpy(block + (t * kLanes + l) * 4, &words[l * groups + t], 4);
       }
     }
   });
