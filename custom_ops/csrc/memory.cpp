@@ -132,7 +132,7 @@ void pack_vnni_blocks(at::Tensor& out, const at::Tensor& weight) {
 // addresses reused by other memory, before it is advised. MADV_DONTNEED on anonymous memory would zero it: a sweep
 // in Python, which releases the GIL while it reads the maps and calls madvise, could zero an allocation that took
 // a just-closed file's addresses (a 30B GPTQ load aborted with "free(): invalid pointer", the mark of malloc's own
-// header zeroed, in two runs of seven; test_weights' stress test saw buffers zeroed a few times a second).
+// header zeroed; test_weights' stress test saw buffers zeroed a few times a second).
 int64_t drop_file_mapping_pages(const std::string& suffix, std::vector<std::pair<int64_t, int64_t>> keep) {
   const int64_t page = sysconf(_SC_PAGESIZE);
   std::sort(keep.begin(), keep.end());
