@@ -156,7 +156,8 @@ int64_t drop_file_mapping_pages(const std::string& suffix, std::vector<std::pair
       continue;
     }
     const size_t dash = range.find('-');
-    const int64_t lo = std::stoll(range.substr(0, dash), nullptr, 16), hi = std::stoll(range.substr(dash + 1), nullptr, 16);
+    const int64_t lo = std::stoll(range.substr(0, dash), nullptr, 16);
+    const int64_t hi = std::stoll(range.substr(dash + 1), nullptr, 16);
     int64_t start = lo;
     for (const auto& [begin, end] : keep) {  // the pages wholly between kept ranges
       if (end <= lo || begin >= hi) continue;
