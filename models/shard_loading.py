@@ -166,12 +166,13 @@ def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | Non
     if shard is None:
         return int4.read_int4(tensor, files, module, scheme, out)
     nibbles, params = _int4_shard(*int4.read_int4(tensor, files, module, scheme), key, shard)
-    if out is not None:
-        nibbles = out[: nibbles.shape[0]].copy_(nibbles)
-    return nibbles, params
+    # the rank's slices own their bytes (the whole tensors go): copied once, into out where there is one
+    nibbles = nibbles.clone() if out is None else out[: nibbles.shape[0]].copy_(nibbles)
+    return nibbles, params.clone()
 
 
 def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: weights.Shard):
+    """The rank's slices (views) of a whole linear's nibbles and params."""
     n, k = nibbles.shape[0], 2 * nibbles.shape[1]
     size = (n, k)[shard.dim]
     if size % shard.count:
@@ -179,12 +180,12 @@ def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: we
     part = size // shard.count
     begin = shard.index * part
     if shard.dim == 0:
-        return nibbles[begin : begin + part].clone(), params[begin : begin + part].clone()
+        return nibbles[begin : begin + part], params[begin : begin + part]
     if part % weights.INT4_GROUP:
         raise ValueError(f"{key}: tensor parallel splits its {k} inputs (dim 1) {shard.count} ways, {part} each, "
                          f"which cuts its 4-bit groups of {weights.INT4_GROUP}; use a tp that splits them whole")
     groups = slice(begin // weights.INT4_GROUP, (begin + part) // weights.INT4_GROUP)
-    return nibbles[:, begin // 2 : (begin + part) // 2].clone(), params[:, groups].clone()
+    return nibbles[:, begin // 2 : (begin + part) // 2], params[:, groups]
 
 
 def _read_int4(opened, files: dict, key: str, scheme, plan: Plan, ctx: TPContext, expected):

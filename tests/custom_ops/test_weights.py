@@ -199,8 +199,8 @@ def test_the_page_dropper_never_zeroes_memory_that_took_a_closed_files_addresses
     """A stress test of the loader's background page dropper against the loading thread: map a file, read it, unmap
     it, then take an anonymous buffer of its size (the kernel tends to give it the file's addresses) and write it.
     A sweep that let this thread run between reading the maps and advising them zeroed such buffers (the sweep in
-    Python did, a few times a second here; in a 30B GPTQ load it zeroed the allocator's header: free(): invalid
-    pointer). The native sweep holds the GIL throughout, so every buffer keeps what was written."""
+    Python did, a few times a second here; a 30B GPTQ load aborted with free(): invalid pointer, the mark of the
+    allocator's header zeroed). The native sweep holds the GIL throughout, so every buffer keeps what was written."""
     path = tmp_path / "w.safetensors"
     size = 1 << 20
     np.ones(size, dtype=np.uint8).tofile(path)
