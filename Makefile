@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tilefx-installed
 BENCH_ARGS ?=
 # The suite runs on this many pytest-xdist workers, one test module to a worker at a time (compiles are mostly
-# single-threaded Python: one process leaves the second core of a 2-core machine idle ~40% of the time).
+# single-threaded Python: one process leaves the second core of a 2-core machine idle ~40% of the time), in the
+# order tests/conftest.py gives them: --no-loadscope-reorder keeps xdist from sorting modules by test count.
 TEST_WORKERS ?= 2
 
 .PHONY: install bench test clean
@@ -29,7 +30,7 @@ bench: install
 	$(PY) scripts/bench_tpot.py $(BENCH_ARGS)
 
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

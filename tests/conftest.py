@@ -28,10 +28,13 @@ def seeded():
     torch.manual_seed(1234)
 
 
-# The modules that compile the most, longest first: `make test` runs the suite on two pytest-xdist workers, one
-# module to a worker at a time in this order, so a long module does not start last and run alone at the end.
-LONGEST_FIRST = ("test_tp.py", "test_fp8_checkpoint.py", "test_memory.py", "test_graph_cache.py", "test_generate.py",
-                 "test_generate_quantized.py", "test_scripts.py", "test_int4_checkpoint.py", "test_generate_moe.py")
+# The modules that take longest, longest first (a cold suite's timeline: docs/PERFORMANCE.md): `make test` runs
+# the suite on two pytest-xdist workers, one module to a worker at a time in this order (`--no-loadscope-reorder`;
+# by default xdist sorts modules by their number of tests, which puts the native ops' many small tests first), so
+# the short modules fill the end and no long one runs alone there.
+LONGEST_FIRST = ("test_tp.py", "test_fp8_checkpoint.py", "test_generate.py", "test_generate_quantized.py",
+                 "test_scripts.py", "test_graph_cache.py", "test_memory.py", "test_int4_checkpoint.py",
+                 "test_generate_moe.py", "test_quality.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
