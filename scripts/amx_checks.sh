@@ -9,7 +9,7 @@
 #   cpu         lscpu, the caches sysfs gives, AMX flags, NUMA nodes
 #   build       the native kernels (MAX_JOBS = the CPUs)
 #   exceptions  does a C++ exception reach Python (torch's own, then a tilefx op's refusal)? Two earlier AMX
-#               machines killed the process instead
+#               machines killed the process instead; where it does, what the throw ran through (below)
 #   tpot1024    Llama-3.2-1B: stock torch.compile vs tilefx bf16/int8/fp8, 1024-token prompt, with --profile
 #   moe         Qwen3-30B-A3B cut to 4 layers: HF eager vs tilefx bf16/int8, with --profile
 #   tpot128     the same as tpot1024 at a 128-token prompt
@@ -49,7 +49,7 @@ step_build() {
   "$py" -c "from tilefx.custom_ops import isa; print('kernel path', isa.current())"
 }
 
-step_exceptions() {
+exception_check() {
   "$py" - <<'EOF'
 import torch
 try:
@@ -62,6 +62,32 @@ try:
 except RuntimeError as error:
     print("tilefx: its C++ exception reached Python:", str(error).splitlines()[0], flush=True)
 EOF
+}
+
+# Where a throw kills the process, what the unwinding ran through: the interpreter, the compiler, the C++ runtime
+# the extension links, which library the dynamic linker bound the unwinder's entry points to (a second unwinder,
+# LLVM's libunwind say, interposing on libgcc_s's breaks every C++ throw), and whether preloading libgcc_s (the
+# GNU unwinder first) lets the exceptions through.
+step_exceptions() {
+  exception_check && return
+  local status=$?
+  echo "--- the check exited $status; diagnosis:"
+  "$py" -c "import sys; print('python', sys.version.replace(chr(10), ' '), sys.executable)"
+  "${CXX:-g++}" --version 2> /dev/null | head -n 1
+  local library
+  library=$("$py" -c "from tilefx.custom_ops import isa; print(isa.native.__file__)" 2> /dev/null)
+  [[ -n $library ]] && ldd "$library" | grep -E 'stdc\+\+|gcc_s|unwind|c\+\+'
+  LD_DEBUG=bindings LD_DEBUG_OUTPUT="$out/ld_debug" exception_check > /dev/null 2>&1
+  grep -h -E "symbol .(_Unwind_RaiseException|__cxa_throw|__gxx_personality_v0)'" "$out"/ld_debug.* 2> /dev/null \
+    | sed 's/^ *[0-9]*: *//' | sort | uniq -c
+  rm -f "$out"/ld_debug.*
+  local gcc_s
+  gcc_s=$(ldconfig -p 2> /dev/null | awk '/libgcc_s.so.1 .*x86-64/ {print $NF; exit}')
+  if [[ -n $gcc_s ]]; then
+    echo "--- again with LD_PRELOAD=$gcc_s"
+    LD_PRELOAD=$gcc_s exception_check
+  fi
+  return "$status"
 }
 
 bench_tpot() { "$py" scripts/bench_tpot.py --runs 2 --new-tokens 16 "$@"; }
@@ -105,7 +131,7 @@ step_cppwrapper() {
 }
 
 export py out
-export -f bench_tpot $(compgen -A function step_)  # each step runs in its own bash, under timeout
+export -f bench_tpot exception_check $(compgen -A function step_)  # each step runs in its own bash, under timeout
 IFS=, read -ra chosen <<< "$steps"
 for name in "${chosen[@]}"; do
   if ! declare -F "step_$name" > /dev/null; then

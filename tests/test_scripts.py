@@ -129,3 +129,19 @@ def test_amx_checks_runs_the_steps_asked_and_refuses_unknown_ones(tmp_path):
     skipped = run("10", "tpot1024")
     assert skipped.returncode == 0 and "## tpot1024: skipped" in skipped.stdout
 
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ldd, ldconfig and LD_PRELOAD are Linux's")
+def test_amx_checks_diagnoses_a_throw_that_kills_the_process(tmp_path):
+    """Where the exception check dies (as on two AMX machines), the step says what the throw ran through and runs the
+    check again with the GNU unwinder preloaded. A Python that dies on the check unless something is preloaded
+    stands in for such a machine."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/usr/bin/env bash\nif [[ $1 == - && -z ${{LD_PRELOAD:-}} ]]; then kill -SEGV $$; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    done = subprocess.run(["bash", "scripts/amx_checks.sh", str(tmp_path / "out"), "60", "exceptions"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": str(python)})
+    log = (tmp_path / "out" / "exceptions.log").read_text()
+    assert "## exceptions: exit 139" in done.stdout, done.stdout
+    assert "the check exited 139" in log and f"python {sys.version.split()[0]}" in log, log
+    assert "again with LD_PRELOAD=" in log and "torch: its C++ exception reached Python" in log, log
