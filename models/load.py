@@ -111,12 +111,13 @@ def place_rank(source: Source) -> placement.Placement | None:
 
 
 def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16,
-                  placed: placement.Placement | None = None) -> Loaded:
+                  placed: placement.Placement | None = None, progress: bool = True) -> Loaded:
     """Load what ``resolve_source`` resolved: the whole model, or (tensor parallel, on the cores ``place_rank``
     bound) read only the rank's slices of the files and open the group's collectives. Attention runs as HF's
-    sdpa, which the attention pass matches."""
+    sdpa, which the attention pass matches. ``progress``: a bar over the weights read (transformers' own, or the
+    shard loader's); off, neither shows."""
     if source.tp is None:
-        model = _load(source, dtype)
+        model = _load(source, dtype, progress)
         loaded = Loaded(model, model.config)
     else:
         placed = placed or place_rank(source)
@@ -125,7 +126,7 @@ def load_for_rank(source: Source, *, dtype: torch.dtype = torch.bfloat16,
         scheme = fp8.int4_scheme(source.config) if source.checkpoint_format == "int4" else None
         with weights.checkpoint_pages_bounded():  # what the rank reads of the files, it copies: the mapped pages go
             model = shard_loading.load_shard(directory, source.config, source.adapter, source.plan, source.tp, dtype,
-                                             scheme=scheme)
+                                             scheme=scheme, progress=progress)
         loaded = Loaded(model, source.plan.local_config, placed.describe(),
                         tensor_parallel.open_collectives(source.tp))
     if model.config._attn_implementation != "sdpa":
@@ -148,7 +149,7 @@ def load_model(
                                 local_files_only=local_files_only), dtype)
 
 
-def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
+def _load(resolved: Source, dtype: torch.dtype, progress: bool = True) -> PreTrainedModel:
     adapter, source = resolved.adapter, resolved.model_or_name
     if isinstance(source, PreTrainedModel):
         if any(parameter.is_inference() for parameter in source.parameters()):
@@ -169,7 +170,7 @@ def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
                                                     local_files_only=resolved.from_pretrained["local_files_only"])
         with weights.checkpoint_pages_bounded():
             return shard_loading.load_shard(directory, resolved.config, adapter, tensor_parallel.Plan.whole(
-                resolved.config), None, dtype, scheme=fp8.int4_scheme(resolved.config))
+                resolved.config), None, dtype, scheme=fp8.int4_scheme(resolved.config), progress=progress)
     quantized = resolved.checkpoint_format == "fp8"
     loading = contextlib.nullcontext()
     if quantized:  # each weight's format from the files themselves, before transformers reads one
@@ -177,7 +178,8 @@ def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
                                                     local_files_only=resolved.from_pretrained["local_files_only"])
         formats = fp8.weight_formats(shard_loading.checkpoint_files(directory))
         loading = fp8.loading_quantized(fp8.modules_to_not_convert(formats, resolved.config, adapter.lm_head))
-    with weights.checkpoint_pages_bounded(), loading:  # the packing that follows reads the rest once, chunk by chunk
+    # the mapped pages go as they are read; the packing that follows reads the rest once, chunk by chunk
+    with weights.checkpoint_pages_bounded(), loading, _transformers_progress(progress):
         model, info = AutoModelForCausalLM.from_pretrained(
             source, config=resolved.config, dtype=dtype, use_safetensors=True, attn_implementation="sdpa",
             output_loading_info=True, **resolved.from_pretrained
@@ -186,6 +188,22 @@ def _load(resolved: Source, dtype: torch.dtype) -> PreTrainedModel:
         fp8.refuse_made_up_scales(info["missing_keys"], source)
         fp8.adopt_fp8_modules(model, adapter.moe and adapter.moe.experts_class)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _transformers_progress(enabled: bool):
+    """transformers' progress bars (from_pretrained's "Loading weights") off while the block runs, unless
+    ``enabled``; as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    hide = not enabled and hf_logging.is_progress_bar_enabled()
+    if hide:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hide:
+            hf_logging.enable_progress_bar()
 
 
 def load_config(source, *, trust_remote_code: bool = False, revision: str | None = None,

@@ -20,6 +20,7 @@ import json
 import pathlib
 
 import torch
+from tqdm.auto import tqdm
 
 from tilefx.custom_ops import weights
 from tilefx.models import fp8, int4
@@ -56,12 +57,13 @@ def resolve_directory(name: str, *, revision=None, local_files_only=False) -> pa
 
 
 def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Plan, ctx: TPContext | None,
-               dtype: torch.dtype, scheme: int4.Int4Scheme | None = None):
+               dtype: torch.dtype, scheme: int4.Int4Scheme | None = None, *, progress: bool = False):
     """The rank's model: built from ``plan.local_config`` on the meta device, every parameter read from the
     checkpoint as the rank's slice only (``get_slice``), marked with its ``weights.Shard``; ``model.config`` is the
     full model's config again afterwards. ``adapter``: the family's (its names for the checkpoint's tensors).
     ``ctx`` None: the whole model (``Plan.whole``). ``scheme``: a GPTQ / AWQ checkpoint's (models/int4.py): its
-    quantized linears become int4 checkpoint weights."""
+    quantized linears become int4 checkpoint weights. ``progress``: a bar over the parameters read (a 30B 4-bit
+    checkpoint takes a minute or more)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -96,33 +98,35 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
             experts[name] = sources
             continue
         by_file.setdefault(files[name], []).append(name)
-    for name, sources in experts.items():
-        _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape),
-                                         scheme))
-    for path, names in by_file.items():
-        with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
-            for name in names:
-                key = aliases.get(name, name)
-                if formats.get(key) == "int4":
-                    _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
-                    continue
-                tensor_slice = opened(path).get_slice(aliases.get(name, name))
-                shape = tuple(tensor_slice.get_shape())
-                shard = plan.shard_of(name, shape, ctx.rank)
-                value = _read(tensor_slice, shape, shard, name)
-                key = aliases.get(name, name)
-                scales = _read_scales(opened, files, key, shard) if formats.get(key) == "fp8" else None
-                if scales is None:
-                    value = value.to(dtype)
-                expected = tuple(params[name].shape)
-                if name.endswith(".bias") and plan.style_of(name) == "rowwise" and ctx.rank != 0:
-                    value = torch.zeros_like(value)  # added once, by rank 0, before the sum
-                if shard is not None and shard.style in ("vocab", "colwise_gather_output"):
-                    expected = (value.shape[0],) + expected[1:]
-                if tuple(value.shape) != expected:
-                    raise ValueError(f"{name}: rank {ctx.rank}'s slice is {tuple(value.shape)}, the local model "
-                                     f"expects {expected}")
-                _set(model, name, value, shard, scales)
+    with tqdm(total=len(experts) + sum(map(len, by_file.values())), desc="tilefx: loading weights", unit="tensor",
+              disable=not progress, leave=False) as bar:
+        for name, sources in _counted(experts.items(), bar):
+            _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape),
+                                             scheme))
+        for path, names in by_file.items():
+            with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
+                for name in _counted(names, bar):
+                    key = aliases.get(name, name)
+                    if formats.get(key) == "int4":
+                        _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
+                        continue
+                    tensor_slice = opened(path).get_slice(aliases.get(name, name))
+                    shape = tuple(tensor_slice.get_shape())
+                    shard = plan.shard_of(name, shape, ctx.rank)
+                    value = _read(tensor_slice, shape, shard, name)
+                    key = aliases.get(name, name)
+                    scales = _read_scales(opened, files, key, shard) if formats.get(key) == "fp8" else None
+                    if scales is None:
+                        value = value.to(dtype)
+                    expected = tuple(params[name].shape)
+                    if name.endswith(".bias") and plan.style_of(name) == "rowwise" and ctx.rank != 0:
+                        value = torch.zeros_like(value)  # added once, by rank 0, before the sum
+                    if shard is not None and shard.style in ("vocab", "colwise_gather_output"):
+                        expected = (value.shape[0],) + expected[1:]
+                    if tuple(value.shape) != expected:
+                        raise ValueError(f"{name}: rank {ctx.rank}'s slice is {tuple(value.shape)}, the local model "
+                                         f"expects {expected}")
+                    _set(model, name, value, shard, scales)
     # Persistent buffers the checkpoint holds (DeepSeek-V3's e_score_correction_bias): whole on every rank,
     # in the buffer's own dtype. (The others were computed when the model was built.)
     buffers = [name for name, _ in model.named_buffers() if name in model.state_dict() and name in files]
@@ -136,6 +140,13 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
     model.config = config
     model.generation_config = _generation_config(directory, model.generation_config)
     return model.eval()
+
+
+def _counted(items, bar):
+    """``items``, each counted on ``bar`` once the loop's body is done with it."""
+    for item in items:
+        yield item
+        bar.update()
 
 
 def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None,

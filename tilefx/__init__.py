@@ -92,7 +92,7 @@ def compile_model(
         resolved.adapter.prefill_attention(resolved.rank_config, opts.mla), enabled=opts.tune)
     bar.set_postfix_str("load")
     start = time.perf_counter()
-    loaded = load_for_rank(resolved, dtype=dtype, placed=placed)
+    loaded = load_for_rank(resolved, dtype=dtype, placed=placed, progress=not bar.disable)
     model = loaded.model
     report.placement, report.collectives = loaded.placement, loaded.collectives
     report.load_seconds = time.perf_counter() - start

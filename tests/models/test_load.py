@@ -131,3 +131,17 @@ def test_make_checkpoint_refuses_a_disk_too_small_before_writing(tmp_path, monke
     with pytest.raises(OSError, match=r"needs about .* GB free under .*; .* GB are"):
         write_checkpoint("tiny-llama", out, weights=weights)
     assert not out.exists()
+
+
+def test_loading_shows_a_bar_where_progress_is_on_and_none_where_it_is_off(checkpoint, tmp_path, capfd, monkeypatch):
+    """A bar over the weights read: transformers' for a bf16 checkpoint, the shard loader's for a 4-bit one (a 30B
+    one takes a minute or more); with progress=False no bar at all, transformers' included."""
+    monkeypatch.delenv("TILEFX_QUIET", raising=False)
+    gptq = write_checkpoint("tiny-llama-w256", tmp_path / "gptq", seed=1, weights="gptq")
+    for directory, bar in ((checkpoint, "Loading weights"), (gptq, "tilefx: loading weights")):
+        tilefx.compile_model(directory, max_seq_len=32, warmup=False, tune=False)
+        shown = capfd.readouterr().err
+        assert bar in shown and "tilefx: packing weights" in shown, shown
+        tilefx.compile_model(directory, max_seq_len=32, warmup=False, tune=False, progress=False)
+        hidden = capfd.readouterr().err
+        assert "%|" not in hidden, hidden  # no tqdm bar of anyone's
