@@ -98,14 +98,16 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
             experts[name] = sources
             continue
         by_file.setdefault(files[name], []).append(name)
-    with tqdm(total=len(experts) + sum(map(len, by_file.values())), desc="tilefx: loading weights", unit="tensor",
+    # the bar counts weights, not tensors: a layer's experts are most of its bytes, and most of the time
+    size = {name: params[name].numel() for name in [*experts, *(n for names in by_file.values() for n in names)]}
+    with tqdm(total=sum(size.values()), desc="tilefx: loading weights", unit="weight", unit_scale=True,
               disable=not progress, leave=False) as bar:
-        for name, sources in _counted(experts.items(), bar):
+        for name, sources in _counted(experts.items(), bar, lambda item: size[item[0]]):
             _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape),
                                              scheme))
         for path, names in by_file.items():
             with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
-                for name in _counted(names, bar):
+                for name in _counted(names, bar, size.__getitem__):
                     key = aliases.get(name, name)
                     if formats.get(key) == "int4":
                         _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
@@ -142,11 +144,11 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
     return model.eval()
 
 
-def _counted(items, bar):
-    """``items``, each counted on ``bar`` once the loop's body is done with it."""
+def _counted(items, bar, size):
+    """``items``, each counted on ``bar`` (as ``size(item)``) once the loop's body is done with it."""
     for item in items:
         yield item
-        bar.update()
+        bar.update(size(item))
 
 
 def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None,
