@@ -112,11 +112,10 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
                     if formats.get(key) == "int4":
                         _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
                         continue
-                    tensor_slice = opened(path).get_slice(aliases.get(name, name))
+                    tensor_slice = opened(path).get_slice(key)
                     shape = tuple(tensor_slice.get_shape())
                     shard = plan.shard_of(name, shape, ctx.rank)
                     value = _read(tensor_slice, shape, shard, name)
-                    key = aliases.get(name, name)
                     scales = _read_scales(opened, files, key, shard) if formats.get(key) == "fp8" else None
                     if scales is None:
                         value = value.to(dtype)
