@@ -13,7 +13,8 @@ A quantized linear ``X`` (``[N, K]``: N outputs, K inputs, groups of G inputs) i
 
 Both mean ``W[n, k] = (q - z) * s`` with the value's group's zero point and scale: tilefx's int4 (one scale and
 zero point per output and 128 inputs) holds that exactly where G is 128, a multiple of it, or the whole row.
-``read_int4`` unpacks one linear into nibbles two a byte and those params; the loader
+``read_int4`` gives one linear's nibbles (GPTQ's words as the file holds them; AWQ's unpacked two a byte) and
+those params; the loader
 (models/shard_loading.py) marks each parameter with them (``weights.attach_checkpoint_int4``) and packing repacks
 them layer by layer. ``write_gptq`` / ``write_awq`` are the inverse, for checkpoints written here.
 """
@@ -119,21 +120,6 @@ def _pack(nibbles: torch.Tensor, order=None) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # as int32 bits
 
 
-def _rows_of(out: torch.Tensor | None, n: int, k: int) -> torch.Tensor | None:
-    """``read_int4``'s ``out``: its first ``n`` rows, checked to hold ``k`` inputs two a byte."""
-    if out is None:
-        return None
-    if out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n or out.shape[1] != k // 2 \
-            or out.stride(1) != 1 or out.stride(0) != k // 2:
-        raise ValueError(f"read_int4: out must be contiguous uint8 rows [>= {n}, {k // 2}], got {out.dtype} "
-                         f"{tuple(out.shape)} with strides {out.stride()}")
-    return out[:n]
-
-
-def _into(target: torch.Tensor | None, paired: torch.Tensor) -> torch.Tensor:
-    return paired if target is None else target.copy_(paired)
-
-
 def awq_paired_nibbles(qweight: torch.Tensor, native: bool = True) -> torch.Tensor:
     """An AWQ ``qweight`` (int32 ``[K, N / 8]``, 8 outputs a word in ``AWQ_ORDER``) as nibbles two a byte ``[N, K /
     2]`` (``weights.pair_nibbles``): natively (csrc/memory.cpp, every thread) where the library is built, else
@@ -144,30 +130,26 @@ def awq_paired_nibbles(qweight: torch.Tensor, native: bool = True) -> torch.Tens
     return weights.pair_nibbles(_unpack(qweight, AWQ_ORDER).reshape(k, 8 * words).T)
 
 
-def read_int4(tensor, names, module: str, scheme: Int4Scheme, out: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear ``module``'s 4-bit tensors (``tensor(name)`` reads one of the checkpoint's tensors ``names``) as
-    tilefx's int4: its nibbles two a byte ``[N, K / 2]`` (``weights.pair_nibbles``) and fp16 params ``[N, ceil(K /
-    128), 2]`` (scale, zero point). ``out``: uint8 with at least N contiguous rows of K / 2 bytes; the nibbles are
-    written into its first N rows (the view returned), not into a tensor of their own."""
+    tilefx's int4: its nibbles (``weights.attach_checkpoint_int4``'s rows) and fp16 params ``[N, ceil(K / 128), 2]``
+    (scale, zero point). GPTQ's nibbles are its ``qweight``'s words in place (``gptq_words``: a view, so a GPTQ
+    checkpoint read from a file costs no memory until packing reads it); AWQ's (and GPTQ's on a big-endian CPU)
+    are unpacked into a tensor of their own, two a byte ``[N, K / 2]``."""
     qweight, qzeros = tensor(f"{module}.qweight"), tensor(f"{module}.qzeros")
     scales = tensor(f"{module}.scales").to(torch.float16)
     if scheme.method == "gptq":
         rows, n = qweight.shape
         k = 8 * rows
-        target = _rows_of(out, n, k)
-        # a word holds 8 consecutive inputs, input i at bits 4i: on a little-endian CPU its bytes are already two
-        # inputs each, the even one low, which is pair_nibbles' order ([N, K/8] words -> [N, K/2] bytes)
         if sys.byteorder == "little":
-            paired = target if target is not None else torch.empty((n, k // 2), dtype=torch.uint8)
-            paired.view(torch.int32).copy_(qweight.T)  # one pass from the file's words
+            nibbles = gptq_words(qweight)
         else:
-            paired = _into(target, weights.pair_nibbles(_unpack(qweight.T.contiguous()).reshape(n, k)))
+            nibbles = weights.pair_nibbles(_unpack(qweight.T.contiguous()).reshape(n, k))
         zeros = _unpack(qzeros).reshape(qzeros.shape[0], -1)[:, :n]  # [G, N]
     else:
         k, words = qweight.shape
         n = 8 * words
-        paired = _into(_rows_of(out, n, k), awq_paired_nibbles(qweight))
+        nibbles = awq_paired_nibbles(qweight)
         zeros = _unpack(qzeros, AWQ_ORDER).reshape(qzeros.shape[0], -1)[:, :n]
     group = k if scheme.group_size == -1 else scheme.group_size
     groups = -(-k // group)
@@ -186,7 +168,14 @@ def read_int4(tensor, names, module: str, scheme: Int4Scheme, out: torch.Tensor 
     per_group = torch.arange(-(-k // weights.INT4_GROUP)) * weights.INT4_GROUP // group  # each 128-group's group
     zero = zeros[per_group].T.to(torch.float16) + scheme.zero_offset
     params = torch.stack([scales[per_group].T, zero], dim=-1).contiguous()
-    return paired, params
+    return nibbles, params
+
+
+def gptq_words(qweight: torch.Tensor) -> torch.Tensor:
+    """A GPTQ ``qweight`` (int32 ``[K / 8, N]``, little-endian) as output rows of words ``[N, K / 8, 4]``: a view, no
+    byte copied. A word holds 8 consecutive inputs, input i at bits 4i, so its bytes are already two inputs each,
+    the even one low: ``weights.pair_nibbles``' order, each row's words ``N`` words apart."""
+    return qweight.T.unsqueeze(-1).view(torch.uint8)
 
 
 def write_int4(weight: torch.Tensor, scheme: Int4Scheme, symmetric: bool) -> dict[str, torch.Tensor]:

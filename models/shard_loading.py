@@ -166,26 +166,27 @@ def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = No
     setattr(model.get_submodule(module_name), attr, param)
 
 
-def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | None, out: torch.Tensor | None = None):
+def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | None):
     """4-bit linear ``key``'s (``X.weight``) nibbles and params as tilefx's int4 (models/int4.py), the shard's rows
-    (colwise) or whole groups of its inputs (rowwise). ``out``: rows to write the nibbles into (``read_int4``'s);
-    the nibbles returned are then its first rows."""
+    (colwise) or whole groups of its inputs (rowwise)."""
     module = key.removesuffix(".weight")
 
     def tensor(name):
         return opened(files[name]).get_tensor(name)
 
+    nibbles, params = int4.read_int4(tensor, files, module, scheme)
     if shard is None:
-        return int4.read_int4(tensor, files, module, scheme, out)
-    nibbles, params = _int4_shard(*int4.read_int4(tensor, files, module, scheme), key, shard)
-    # the rank's slices own their bytes (the whole tensors go): copied once, into out where there is one
-    nibbles = nibbles.clone() if out is None else out[: nibbles.shape[0]].copy_(nibbles)
-    return nibbles, params.clone()
+        return nibbles, params
+    nibbles, params = _int4_shard(nibbles, params, key, shard)
+    # the rank's slices own their bytes, so that the whole tensors go; GPTQ's words stay the file's, read in place
+    return (nibbles if nibbles.dim() == 3 else nibbles.clone()), params.clone()
 
 
 def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: weights.Shard):
-    """The rank's slices (views) of a whole linear's nibbles and params."""
-    n, k = nibbles.shape[0], 2 * nibbles.shape[1]
+    """The rank's slices (views) of a whole linear's nibbles (two a byte or words, ``weights.attach_checkpoint_int4``)
+    and params."""
+    per_byte = 2 if nibbles.dim() == 2 else 8  # inputs per element of dim 1
+    n, k = nibbles.shape[0], per_byte * nibbles.shape[1]
     size = (n, k)[shard.dim]
     if size % shard.count:
         raise ValueError(f"{key}: dim {shard.dim} ({size}) does not split {shard.count} ways")
@@ -197,7 +198,7 @@ def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: we
         raise ValueError(f"{key}: tensor parallel splits its {k} inputs (dim 1) {shard.count} ways, {part} each, "
                          f"which cuts its 4-bit groups of {weights.INT4_GROUP}; use a tp that splits them whole")
     groups = slice(begin // weights.INT4_GROUP, (begin + part) // weights.INT4_GROUP)
-    return nibbles[:, begin // 2 : (begin + part) // 2], params[:, groups]
+    return nibbles[:, begin // per_byte : (begin + part) // per_byte], params[:, groups]
 
 
 def _read_int4(opened, files: dict, key: str, scheme, plan: Plan, ctx: TPContext, expected):
@@ -206,7 +207,7 @@ def _read_int4(opened, files: dict, key: str, scheme, plan: Plan, ctx: TPContext
     n, k = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
     shard = plan.shard_of(key, (n, k), ctx.rank)
     nibbles, params = _int4_part(opened, files, key, scheme, shard)
-    shape = (nibbles.shape[0], 2 * nibbles.shape[1])
+    shape = (nibbles.shape[0], (2 if nibbles.dim() == 2 else 8) * nibbles.shape[1])
     if shape != tuple(expected):
         raise ValueError(f"{key}: rank {ctx.rank}'s slice is {shape}, the local model expects {tuple(expected)}")
     return weights.untouched_zeros(shape, torch.uint8), shard, params, nibbles
@@ -289,21 +290,20 @@ def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ct
 
 
 def _read_int4_experts(name: str, names, files: dict, scheme, plan: Plan, ctx: TPContext, expected):
-    """``_read_experts`` for 4-bit experts: each expert's parts' nibbles and params, stacked (gate rows, then up)."""
-    nibbles = torch.empty((*expected[:-1], expected[-1] // 2), dtype=torch.uint8)
-    params = None
+    """``_read_experts`` for 4-bit experts: each expert's parts' nibbles as they are read (GPTQ's: the file's words,
+    in place), listed per expert (gate, then up), and their params, stacked."""
+    nibbles, params = [], None
     with _open_files() as opened:
         for e, row in enumerate(names):
-            parts, written = [], 0
-            for key in row:  # each part's nibbles straight into the expert's rows
+            parts = []
+            for key in row:
                 shape = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
-                parts.append(_int4_part(opened, files, key, scheme, plan.shard_of(name, shape, ctx.rank),
-                                        out=nibbles[e, written:]))
-                written += parts[-1][0].shape[0]
-            if written != nibbles.shape[1]:
-                raise ValueError(f"{name}: expert {e}'s parts hold {written} rows, the local model expects "
-                                 f"{nibbles.shape[1]}")
-            expert_params = torch.cat([p[1] for p in parts])
+                parts.append(_int4_part(opened, files, key, scheme, plan.shard_of(name, shape, ctx.rank)))
+            rows = sum(part[0].shape[0] for part in parts)
+            if rows != expected[1]:
+                raise ValueError(f"{name}: expert {e}'s parts hold {rows} rows, the local model expects {expected[1]}")
+            nibbles.append(tuple(part[0] for part in parts))
+            expert_params = torch.cat([part[1] for part in parts])
             if params is None:
                 params = torch.empty((len(names), *expert_params.shape), dtype=torch.float16)
             params[e] = expert_params

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import tilefx
+from tilefx.custom_ops import weights
 from tilefx.models import int4
 from tilefx.models.checkpoint import write_checkpoint
 
@@ -35,7 +36,7 @@ def test_gptq_layout_by_hand():
 
     nibbles, params = int4.read_int4(tensors.__getitem__, tensors, "m", int4.Int4Scheme("gptq", 128, zero_offset=1))
     assert params.shape == (n, 1, 2) and params[:, 0, 1].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    values = torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).flatten(-2)  # [N, K]
+    values = weights.split_nibbles(weights.formats.int4_rows(nibbles))  # [N, K]
     assert values[0, 1] == 5 and values[0, 7] == 15 and values[3, 8] == 9 and values[1].sum() == 0
 
 
@@ -55,23 +56,22 @@ def test_awq_layout_by_hand():
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_read_int4_writes_into_the_rows_it_is_given(method):
-    """The loader stacks experts by reading each part's nibbles straight into its rows (``out``): the same bytes
-    as a read of its own, the rows past the part untouched; rows of another width are refused."""
+def test_gptq_nibbles_are_the_files_words_in_place(method):
+    """A GPTQ linear's nibbles are its qweight's words read in place (a view of the file's tensor: loading copies
+    none of its bytes; packing reads them), the same values as the ones written; AWQ's are unpacked into a tensor of
+    their own (its words hold outputs, not inputs)."""
     n, k = 48, 256
     torch.manual_seed(3)
     scheme = int4.Int4Scheme(method, 128, zero_offset=1 if method == "gptq" else 0)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     tensors = {f"m.{name}": t for name, t in
-               int4.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, 2) + 0.5,
-                              torch.randint(1, 16, (n, 2)),
-                              scheme).items()}
-    alone, params = int4.read_int4(tensors.__getitem__, tensors, "m", scheme)
-    out = torch.full((n + 5, k // 2), 0xAB, dtype=torch.uint8)
-    written, written_params = int4.read_int4(tensors.__getitem__, tensors, "m", scheme, out=out)
-    assert written.data_ptr() == out.data_ptr() and torch.equal(written, alone) and torch.equal(written_params, params)
-    assert bool((out[n:] == 0xAB).all())
-    with pytest.raises(ValueError, match="out must be"):
-        int4.read_int4(tensors.__getitem__, tensors, "m", scheme, out=torch.empty(n, k, dtype=torch.uint8))
+               int4.pack_int4(q, torch.rand(n, 2) + 0.5, torch.randint(1, 16, (n, 2)), scheme).items()}
+    nibbles, _ = int4.read_int4(tensors.__getitem__, tensors, "m", scheme)
+    assert torch.equal(weights.split_nibbles(weights.formats.int4_rows(nibbles)), q)
+    qweight = tensors["m.qweight"]
+    in_place = qweight.data_ptr() <= nibbles.data_ptr() < qweight.data_ptr() + qweight.nbytes
+    assert in_place == (method == "gptq")
+    assert nibbles.shape == ((n, k // 8, 4) if method == "gptq" else (n, k // 2))
 
 
 @pytest.mark.skipif(__import__("tilefx").custom_ops.isa.native is None, reason="native library not built")
@@ -155,6 +155,25 @@ def test_greedy_matches_the_dequantized_oracle(int4_checkpoint):
     assert_generates_like(_dequantized_reference(directory, layout), compiled)
 
 
+def test_a_gptq_load_stages_no_nibbles(tmp_path):
+    """Loading a GPTQ checkpoint copies none of its 4-bit values: every quantized weight's nibbles (a dense linear's,
+    and each expert's gate, up and down parts) are its file's words, in the file's mapping, until packing reads
+    them from there."""
+    from tilefx.models.load import load_for_rank, resolve_source
+
+    directory = write_checkpoint("tiny-qwen3-moe-w256", tmp_path / "ckpt", seed=1, weights="gptq")
+    model = load_for_rank(resolve_source(directory), progress=False).model
+    mapped = weights.memory.file_mappings()
+    quantized = {name: weights.checkpoint_nibbles(p) for name, p in model.named_parameters()
+                 if weights.checkpoint_nibbles(p) is not None}
+    assert any("q_proj" in name for name in quantized) and any("experts.gate_up_proj" in name for name in quantized)
+    for name, nibbles in quantized.items():
+        parts = weights.formats.int4_parts(nibbles)
+        assert parts and all(weights.memory.in_file_mapping(part, mapped) for part in parts), name
+        if "experts.gate_up_proj" in name:
+            assert all(len(expert) == 2 for expert in nibbles), name  # gate's words, up's words
+
+
 def test_refuses_what_it_cannot_run(tmp_path):
     directory = write_checkpoint("tiny-llama-w256", tmp_path / "ckpt", seed=1, weights="gptq")
     config_path = directory / "config.json"
@@ -192,10 +211,12 @@ def test_tensor_parallel_splits_whole_groups_only(tmp_path):
     scheme = int4.scheme_of(json.loads((directory / "config.json").read_text())["quantization_config"])
     key = next(n for n in files if n.endswith("mlp.down_proj.qweight")).replace(".qweight", ".weight")
     with shard_loading._open_files() as opened:
-        whole_nibbles, whole_params = shard_loading._int4_part(opened, files, key, scheme, None)  # [256, 512 / 2]
+        whole_nibbles, whole_params = shard_loading._int4_part(opened, files, key, scheme, None)  # words [256, 64, 4]
+        whole = weights.formats.int4_rows(whole_nibbles)  # [256, 512 / 2]
         nibbles, params = shard_loading._int4_part(opened, files, key, scheme, Shard(1, 1, 2, "rowwise", 512))
-        assert torch.equal(nibbles, whole_nibbles[:, 128:]) and torch.equal(params, whole_params[:, 2:])
+        assert torch.equal(weights.formats.int4_rows(nibbles), whole[:, 128:])
+        assert torch.equal(params, whole_params[:, 2:])
         rows, row_params = shard_loading._int4_part(opened, files, key, scheme, Shard(0, 1, 2, "colwise", 256))
-        assert torch.equal(rows, whole_nibbles[128:]) and torch.equal(row_params, whole_params[128:])
+        assert torch.equal(weights.formats.int4_rows(rows), whole[128:]) and torch.equal(row_params, whole_params[128:])
         with pytest.raises(ValueError, match="dim 1.*4-bit groups"):
             shard_loading._int4_part(opened, files, key, scheme, Shard(1, 0, 8, "rowwise", 512))

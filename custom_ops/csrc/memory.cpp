@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -172,8 +173,9 @@ int64_t drop_file_mapping_pages(const std::string& suffix, std::vector<std::pair
 // out[b] = rows 32b .. 32b+31 of int4 values in the int4 packing's order (kernels.h, layouts.int4_interleave): per
 // two K pairs t (inputs 4t .. 4t+3), 16 lanes of 4 bytes, byte j of lane l holding input 4t + j of row l in its
 // low nibble and of row l + 16 in its high one; zero past the rows and K. The values are nibbles one a byte
-// ([n, k], what the quantizer writes) or two a byte ([n, k / 2], even input low: a GPTQ or AWQ checkpoint's as
-// the loader keeps them, formats.pair_nibbles). Every thread; one block's rows are read once.
+// ([n, k], what the quantizer writes), two a byte ([n, k / 2], even input low: formats.pair_nibbles), or two a byte
+// as 32-bit words of 8 inputs ([n, k / 8, 4], any row and word strides: a GPTQ checkpoint's qweight [K / 8, N] read
+// in place from its file, models/int4.py). Every thread; one block's rows are read once.
 void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte) {
   constexpr int64_t kLanes = kBlockN / 2;
   TORCH_CHECK(out.scalar_type() == at::kByte && out.dim() == 4 && out.size(2) == kLanes && out.size(3) == 2 &&
@@ -182,35 +184,45 @@ void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte
               " ", out.sizes());
   TORCH_CHECK(out.stride(3) == 1 && out.stride(2) == 2 && out.stride(1) == kBlockN,
               "pack_int4_blocks: each block of out must be contiguous");
-  TORCH_CHECK(values.scalar_type() == at::kByte && values.dim() == 2 && values.stride(1) == 1,
-              "pack_int4_blocks: values must be uint8 [n, k] with contiguous rows, got ", values.scalar_type(), " ",
-              values.sizes());
+  const bool words_given = values.dim() == 3;
+  TORCH_CHECK(values.scalar_type() == at::kByte && values.stride(-1) == 1 &&
+                  (values.dim() == 2 || (words_given && two_a_byte && values.size(2) == 4)),
+              "pack_int4_blocks: values must be uint8 [n, k] (two a byte: [n, k / 2] or words [n, k / 8, 4]) with "
+              "contiguous bytes, got ", values.scalar_type(), " ", values.sizes());
   const int64_t blocks = out.size(0), groups = out.size(1) / 2, n = values.size(0);
-  const int64_t k = two_a_byte ? 2 * values.size(1) : values.size(1), row_stride = values.stride(0);
+  const int64_t k = words_given ? 8 * values.size(1) : two_a_byte ? 2 * values.size(1) : values.size(1);
+  const int64_t row_stride = values.stride(0);
+  const int64_t word_stride = words_given ? values.stride(1) : 4;  // bytes from one 8 (two a byte) inputs to the next
   TORCH_CHECK(blocks_of(n) <= blocks && (k + 3) / 4 <= groups, "pack_int4_blocks: values of ", n, " rows x ", k,
               " inputs do not fit ", out.sizes());
   const int64_t block_stride = out.stride(0), whole = k / 4;  // groups of 4 inputs with no padding
   const auto* src = values.data_ptr<uint8_t>();
   auto* dst = out.data_ptr<uint8_t>();
   // lane words of one row pair: word t holds inputs 4t .. 4t+3 of the low row (low nibbles) and the high row (high
-  // nibbles), byte j input 4t + j. The loops over whole groups are branch free, so the compiler vectorizes them.
-  const std::vector<uint8_t> zero_row(values.size(1), 0);
+  // nibbles), byte j input 4t + j. The loops over whole groups are branch free, so the compiler vectorizes them
+  // (rows of contiguous bytes: the stride a constant).
+  auto spread = [](uint32_t paired) {  // two a byte -> one a byte: nibble i into byte i
+    return (paired & 0xFu) | ((paired & 0xF0u) << 4) | ((paired & 0xF00u) << 8) | ((paired & 0xF000u) << 12);
+  };
+  auto paired_words = [&](uint32_t* words, const uint8_t* low, const uint8_t* top, auto stride) {
+    for (int64_t t = 0; t < whole; ++t) {  // 4 inputs: half a word of 8
+      const int64_t at = (t >> 1) * stride + (t & 1) * 2;
+      uint16_t a, b;
+      std::memcpy(&a, low + at, 2);
+      std::memcpy(&b, top + at, 2);
+      words[t] = spread(a) | (spread(b) << 4);
+    }
+  };
   auto lane_words = [&](uint32_t* words, const uint8_t* low, const uint8_t* high) {
     if (low == nullptr) {  // padding rows (high is then padding too)
       std::fill(words, words + groups, 0u);
       return;
     }
-    auto spread = [](uint32_t paired) {  // two a byte -> one a byte: nibble i into byte i
-      return (paired & 0xFu) | ((paired & 0xF0u) << 4) | ((paired & 0xF00u) << 8) | ((paired & 0xF000u) << 12);
-    };
-    const uint8_t* top = high != nullptr ? high : zero_row.data();  // a padding high row reads zeros
-    if (two_a_byte) {
-      for (int64_t t = 0; t < whole; ++t) {
-        uint16_t a, b;
-        std::memcpy(&a, low + 2 * t, 2);
-        std::memcpy(&b, top + 2 * t, 2);
-        words[t] = spread(a) | (spread(b) << 4);
-      }
+    const uint8_t* top = high != nullptr ? high : low;  // a padding high row: read as the low one, masked below
+    if (two_a_byte && word_stride == 4) {
+      paired_words(words, low, top, std::integral_constant<int64_t, 4>());
+    } else if (two_a_byte) {
+      paired_words(words, low, top, word_stride);
     } else {
       for (int64_t t = 0; t < whole; ++t) {
         uint32_t a, b;
@@ -219,20 +231,47 @@ void pack_int4_blocks(at::Tensor& out, const at::Tensor& values, bool two_a_byte
         words[t] = a | (b << 4);
       }
     }
+    if (high == nullptr) {
+      for (int64_t t = 0; t < whole; ++t) words[t] &= 0x0F0F0F0Fu;  // the high row is padding: zero nibbles
+    }
     for (int64_t t = whole; t < groups; ++t) {  // the inputs past the last whole four, zero past K
       uint32_t q = 0;
       for (int64_t j = 0; j < 4 && 4 * t + j < k; ++j) {
         const int64_t c = 4 * t + j;
-        auto nibble = [&](const uint8_t* row) { return two_a_byte ? (row[c / 2] >> (4 * (c % 2))) & 0xF : row[c]; };
+        auto nibble = [&](const uint8_t* row) {
+          if (!two_a_byte) return static_cast<int>(row[c]);
+          const int64_t byte = c / 2;
+          return (row[(byte / 4) * word_stride + byte % 4] >> (4 * (c % 2))) & 0xF;
+        };
         q |= static_cast<uint32_t>(nibble(low) | (high != nullptr ? nibble(high) << 4 : 0)) << (8 * j);
       }
       words[t] = q;
     }
   };
+  // A whole block of a GPTQ file's words: its 32 rows' words of 8 inputs lie side by side (row stride 4 bytes), so
+  // the lanes of inputs 8w .. 8w+3 (even t) and 8w+4 .. 8w+7 (odd t) are one vector op over them each.
+  auto block_from_words = [&](uint8_t* block, const uint8_t* rows) {
+    for (int64_t w = 0; w < k / 8; ++w) {
+      uint32_t low[kLanes], high[kLanes], even[kLanes], odd[kLanes];
+      std::memcpy(low, rows + w * word_stride, sizeof low);
+      std::memcpy(high, rows + w * word_stride + sizeof low, sizeof high);
+      for (int64_t l = 0; l < kLanes; ++l) {
+        even[l] = spread(low[l] & 0xFFFFu) | (spread(high[l] & 0xFFFFu) << 4);
+        odd[l] = spread(low[l] >> 16) | (spread(high[l] >> 16) << 4);
+      }
+      std::memcpy(block + 2 * w * sizeof even, even, sizeof even);
+      std::memcpy(block + (2 * w + 1) * sizeof even, odd, sizeof odd);
+    }
+    std::fill(block + k / 4 * sizeof(uint32_t) * kLanes, block + groups * sizeof(uint32_t) * kLanes, 0);  // past K
+  };
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     std::vector<uint32_t> words(kLanes * groups);  // [lane][t]: one block's words before they are interleaved
     for (int64_t b = first; b < last; ++b) {
       const int64_t rows = std::clamp<int64_t>(n - b * kBlockN, 0, kBlockN);
+      if (words_given && row_stride == 4 && rows == kBlockN) {
+        block_from_words(dst + b * block_stride, src + b * kBlockN * row_stride);
+        continue;
+      }
       for (int64_t l = 0; l < kLanes; ++l) {
         lane_words(words.data() + l * groups, l < rows ? src + (b * kBlockN + l) * row_stride : nullptr,
                    l + kLanes < rows ? src + (b * kBlockN + l + kLanes) * row_stride : nullptr);

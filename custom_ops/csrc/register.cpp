@@ -102,8 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_vnni_blocks", &tilefx::pack_vnni_blocks,
         "write a weight's rows into packed blocks [blocks, pairs, 32, 2] (zero padded), on every thread");
   m.def("pack_int4_blocks", &tilefx::pack_int4_blocks,
-        "write int4 values' rows (nibbles one a byte, or two) into the int4 packing's blocks [blocks, pairs, 16, 2] "
-        "(zero padded), on every thread");
+        "write int4 values' rows (nibbles one a byte, two a byte, or two a byte as words [n, k / 8, 4]) into the int4 "
+        "packing's blocks [blocks, pairs, 16, 2] (zero padded), on every thread");
   m.def("drop_file_mapping_pages", &tilefx::drop_file_mapping_pages,
         "drop this process's pages of file mappings whose path ends with `suffix`, but those of `keep` ranges; with "
         "the GIL held throughout (safe from a background thread)");

@@ -26,13 +26,13 @@ def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
 
 
 def write_int4_blocks(out: torch.Tensor, values: torch.Tensor, native: bool, two_a_byte: bool = False) -> None:
-    """``out [blocks, pairs, 16, 2] = values`` (uint8 nibbles ``[n, k]`` one a byte, or ``[n, k / 2]`` two a byte,
-    ``formats.pair_nibbles``) in the int4 packing's order (zero padded): the native copy (csrc/memory.cpp, every
+    """``out [blocks, pairs, 16, 2] = values`` (uint8 nibbles ``[n, k]`` one a byte, or two a byte: ``[n, k / 2]``
+    or words ``[n, k / 8, 4]``, ``formats.int4_rows``) in the int4 packing's order (zero padded): the native copy (csrc/memory.cpp, every
     thread) where it applies, else torch's copy of ``layouts.int4_interleave``."""
     if native and isa.native is not None and values.stride(-1) == 1 and out.stride()[1:] == (BLOCK_N, 2, 1):
         isa.native.pack_int4_blocks(out, values, two_a_byte)
     else:
-        ones = formats.split_nibbles(values) if two_a_byte else values
+        ones = formats.split_nibbles(formats.int4_rows(values)) if two_a_byte else values
         out.copy_(layouts.int4_interleave(layouts.linear_order(ones)))
 
 
@@ -68,7 +68,7 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             if out_format == "int4":
                 row_scales = params
             else:
-                values = formats.dequantize_int4_rows(formats.split_nibbles(values), params)
+                values = formats.dequantize_int4_rows(formats.split_nibbles(formats.int4_rows(values)), params)
         if scales is not None and row_scales is None:
             values, row_scales = formats.quantize_rows(values, out_format)
         if scales is None:
@@ -80,6 +80,8 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             write_blocks(out[block : block + blocks].view(torch.uint8), values.view(torch.uint8), native)
             formats.write_scales(scales[block : block + blocks], row_scales)
         memory.drop_file_pages(source, mapped)
+    if nibbles is not None:  # a GPTQ file's words read in place: their pages are packed (rows chunks interleave them)
+        memory.drop_file_pages(nibbles, mapped)
 
 
 def _per_expert_scales(weight: torch.Tensor) -> list:
@@ -88,12 +90,27 @@ def _per_expert_scales(weight: torch.Tensor) -> list:
 
 
 def _per_expert_nibbles(weight: torch.Tensor) -> list:
+    """Each expert's nibbles (a tuple of rows tensors, ``formats.checkpoint_nibbles``), or Nones."""
     nibbles = formats.checkpoint_nibbles(weight)
-    return [None] * weight.shape[0] if nibbles is None else list(nibbles)
+    return [None] * weight.shape[0] if nibbles is None else nibbles
 
 
 def _halves(groups):
     return (None, None) if groups is None else groups.chunk(2)
+
+
+def _nibble_halves(parts):
+    """An expert's gate and up nibbles: its two parts as the loader read them, or its one part's halves."""
+    if parts is None:
+        return None, None
+    return parts if len(parts) == 2 else _one_part(parts).chunk(2)
+
+
+def _one_part(parts):
+    """An expert's nibbles as one rows tensor (parts joined, a copy, where there are several)."""
+    if parts is None or len(parts) == 1:
+        return None if parts is None else parts[0]
+    return torch.cat([formats.int4_rows(part) for part in parts])
 
 
 def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True, scales=None) -> torch.Tensor:
@@ -121,14 +138,14 @@ def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = Tr
         for expert, source, groups, expert_scales, nibbles in zip(halves, weights[0], source_scales, scale_halves,
                                                                   _per_expert_nibbles(weights[0])):
             for i, (half, half_groups, half_nibbles) in enumerate(zip(source.chunk(2), _halves(groups),
-                                                                      _halves(nibbles))):
+                                                                      _nibble_halves(nibbles))):
                 _fill_linear(expert[:, i], half, mapped, native, None if expert_scales is None else expert_scales[:, i],
                              half_groups, half_nibbles)
     elif layout == "expert_down":
         expert_scales = [None] * out.shape[0] if scales is None else scales
         for expert, source, groups, part, nibbles in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales,
                                                          _per_expert_nibbles(weights[0])):
-            _fill_linear(expert, source, mapped, native, part, groups, nibbles)
+            _fill_linear(expert, source, mapped, native, part, groups, _one_part(nibbles))
     elif layout in ("mla_key", "mla_value"):
         out.copy_(layouts.linear_order(layouts.mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -152,10 +169,13 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
     flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
-    if values.dtype == torch.uint8:  # int4: the params are per row, the nibbles two a byte beside the weight
-        nibbles = formats.checkpoint_nibbles(weight).reshape(-1, *scales.shape[-3:-2], values.shape[-1] // 2)
-        for n, s, o in zip(nibbles, scales.reshape(-1, *scales.shape[-3:]), flat_out):
-            o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(n), s, dtype))
+    if values.dtype == torch.uint8:  # int4: the params are per row, the nibbles beside the weight
+        nibbles = formats.checkpoint_nibbles(weight)
+        experts = [nibbles] if values.dim() == 2 else [_one_part(parts) for parts in nibbles]
+        mapped = memory.file_mappings()
+        for rows, s, o in zip(experts, scales.reshape(-1, *scales.shape[-3:]), flat_out):
+            o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(formats.int4_rows(rows)), s, dtype))
+            memory.drop_file_pages(rows, mapped)
     else:
         halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
         for v, s, o in zip(flat_values, flat_scales, flat_out):

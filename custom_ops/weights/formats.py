@@ -201,27 +201,65 @@ def split_nibbles(paired: torch.Tensor) -> torch.Tensor:
     return torch.stack([paired & 0xF, paired >> 4], dim=-1).flatten(-2)
 
 
-def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: torch.Tensor) -> None:
-    """Mark ``weight`` (a uint8 ``[..., N, K]``, normally ``memory.untouched_zeros``: it stands for the weight in the
-    graphs that trace it) as an int4 checkpoint's: its unsigned nibbles two a byte ``[..., N, K / 2]``
-    (``pair_nibbles``) and fp16 ``params [..., N, ceil(K / 128), 2]``, per row and 128 inputs the scale and the zero
-    point (``W = (q - z) * s``). Held here, at the checkpoint's own size, until packing reads them (as they are
-    into an int4 packing, else dequantized a chunk at a time)."""
-    if weight.dtype != torch.uint8 or weight.shape[-1] % 2 or nibbles.dtype != torch.uint8 or \
-            tuple(nibbles.shape) != (*weight.shape[:-1], weight.shape[-1] // 2):
-        raise ValueError(f"int4 checkpoint weight {weight.dtype} {tuple(weight.shape)}: a uint8 [..., N, K] with its "
-                         f"nibbles two a byte, uint8 [..., N, K / 2], got {nibbles.dtype} {tuple(nibbles.shape)}")
+def attach_checkpoint_int4(weight: torch.Tensor, nibbles, params: torch.Tensor) -> None:
+    """Mark ``weight`` (a uint8 ``[N, K]`` or experts' ``[E, N, K]``, normally ``memory.untouched_zeros``: it stands
+    for the weight in the graphs that trace it) as an int4 checkpoint's, with fp16 ``params [..., N, ceil(K / 128),
+    2]``, per row and 128 inputs the scale and the zero point (``W = (q - z) * s``), and its unsigned ``nibbles``:
+    a 2-D weight's as one rows tensor (``int4_rows``: two a byte, or a GPTQ file's words read in place); experts'
+    as a tensor ``[E, N, K / 2]`` or, per expert, a sequence of rows tensors whose rows make its N (gate's, then
+    up's: each straight from its own tensor in the file). Held here, at the checkpoint's own size (none where they
+    are the file's words), until packing reads them (as they are into an int4 packing, else dequantized a chunk at
+    a time)."""
+    if weight.dtype != torch.uint8 or weight.dim() not in (2, 3) or weight.shape[-1] % 2:
+        raise ValueError(f"int4 checkpoint weight {weight.dtype} {tuple(weight.shape)}: a uint8 [N, K] or experts' "
+                         f"[E, N, K] (K even)")
+    n, k = weight.shape[-2:]
+    if weight.dim() == 3 and isinstance(nibbles, torch.Tensor):
+        nibbles = [(expert,) for expert in nibbles] if nibbles.dim() == 3 else None
+    experts = [(nibbles,)] if weight.dim() == 2 else nibbles
+    if experts is None or len(experts) != (weight.shape[0] if weight.dim() == 3 else 1) or not all(
+            all(_is_int4_rows(part, k) for part in parts) and sum(part.shape[0] for part in parts) == n
+            for parts in experts):
+        raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its nibbles must be uint8 rows, two a byte "
+                         f"[rows, {k // 2}] or words [rows, {k // 8}, 4], {n} rows per matrix (experts: a tensor "
+                         f"[E, N, K / 2] or per expert a sequence of parts), got {_describe_nibbles(nibbles)}")
     if params.dtype != torch.float16 or tuple(params.shape) != (
             *weight.shape[:-1], -(-weight.shape[-1] // INT4_GROUP), 2):
         raise ValueError(f"int4 checkpoint values {tuple(weight.shape)} need fp16 scales and zero points "
                          f"[..., N, ceil(K / {INT4_GROUP}), 2], got {params.dtype} {tuple(params.shape)}")
     _checkpoint_scales[weight] = params
-    _checkpoint_nibbles[weight] = nibbles
+    _checkpoint_nibbles[weight] = nibbles if weight.dim() == 2 else [tuple(parts) for parts in experts]
 
 
-def checkpoint_nibbles(weight: torch.Tensor) -> torch.Tensor | None:
-    """The nibbles ``attach_checkpoint_int4`` gave ``weight`` (two a byte), or None (no int4 checkpoint's)."""
+def _is_int4_rows(part, k: int) -> bool:
+    return isinstance(part, torch.Tensor) and part.dtype == torch.uint8 and part.stride(-1) == 1 and (
+        (part.dim() == 2 and part.shape[1] == k // 2) or (part.dim() == 3 and tuple(part.shape[1:]) == (k // 8, 4)))
+
+
+def _describe_nibbles(nibbles) -> str:
+    if isinstance(nibbles, torch.Tensor):
+        return f"{nibbles.dtype} {tuple(nibbles.shape)}"
+    return f"{type(nibbles).__name__} of {len(nibbles)}" if hasattr(nibbles, "__len__") else repr(nibbles)
+
+
+def checkpoint_nibbles(weight: torch.Tensor):
+    """The nibbles ``attach_checkpoint_int4`` gave ``weight``: a 2-D weight's rows tensor, experts' a list of each
+    expert's parts (tuples of rows tensors); None where it holds no int4 checkpoint's."""
     return _checkpoint_nibbles.get(weight)
+
+
+def int4_rows(part: torch.Tensor) -> torch.Tensor:
+    """An int4 checkpoint's rows of nibbles as two a byte ``[n, K / 2]`` (``pair_nibbles``). They are held either
+    so, or as the bytes of 32-bit words of 8 inputs ``[n, K / 8, 4]``: a GPTQ qweight read in place from its file
+    (models/int4.py), whose words lie K / 8 apart. Those are joined here, a copy: one chunk at a time only."""
+    return part if part.dim() == 2 else part.reshape(part.shape[0], -1)
+
+
+def int4_parts(nibbles) -> list[torch.Tensor]:
+    """Every rows tensor of ``checkpoint_nibbles``' value (one, or each expert's parts)."""
+    if isinstance(nibbles, torch.Tensor):
+        return [nibbles]
+    return [part for parts in nibbles for part in parts]
 
 
 def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:

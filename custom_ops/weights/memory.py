@@ -110,15 +110,27 @@ def _madvise_dontneed(address: int, length: int) -> None:
     _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_DONTNEED)
 
 
+def _extent(tensor: torch.Tensor) -> tuple[int, int]:
+    """The addresses from ``tensor``'s first byte to past its last (its strides' span, gaps included)."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + span * tensor.element_size()
+
+
+def in_file_mapping(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
+    """Whether ``tensor``'s bytes lie in one of the ``mapped`` file ranges (``file_mappings``): pages of the page
+    cache, not memory of this process's own."""
+    if not tensor.numel():
+        return False
+    start, end = _extent(tensor)
+    return any(lo <= start and end <= hi for lo, hi in mapped)
+
+
 def drop_file_pages(tensor: torch.Tensor, mapped: list[tuple[int, int]]) -> None:
     """Drop the pages of ``tensor``'s bytes from this process where they lie in one of the ``mapped`` file ranges:
     they stay in the page cache, but no longer count as this process's memory (a later read maps them again)."""
-    if not tensor.numel():
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    if not any(lo <= start and end <= hi for lo, hi in mapped):
+    if not in_file_mapping(tensor, mapped):
         return  # anonymous memory: freed when its last reference goes
+    start, end = _extent(tensor)
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page  # whole pages inside the tensor only
     if last > first:

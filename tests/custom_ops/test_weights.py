@@ -78,6 +78,33 @@ def test_native_int4_block_writer_equals_the_layout(n, k, two_a_byte):
         isa.native.pack_int4_blocks(out[:, : pairs - 2], values, two_a_byte)
 
 
+@pytest.mark.skipif(isa.native is None, reason="native library not built")
+@pytest.mark.parametrize("n, k", [(64, 256), (45, 136), (7, 8), (33, 24)])
+def test_native_int4_block_writer_reads_checkpoint_words_in_place(n, k):
+    """csrc pack_int4_blocks from nibbles two a byte as 32-bit words [n, k / 8, 4] read through the strides of a
+    GPTQ qweight [K / 8, N] (models/int4.py reads it in place): the same blocks as from the rows, ragged rows
+    (the last block's padding high rows zero), a row slice (a chunk) as well, zeros past K."""
+    g = torch.Generator().manual_seed(n * k)
+    ones = torch.randint(1, 16, (n, k), generator=g).to(torch.uint8)
+    paired = weights.formats.pair_nibbles(ones)  # [n, k / 2]
+    qweight = paired.view(torch.int32).T.contiguous()  # [K / 8, N], as a GPTQ checkpoint stores it
+    words = qweight.view(torch.uint8).as_strided((n, k // 8, 4), (4, 4 * n, 1))
+    want = weights.layouts.int4_interleave(weights.layouts.linear_order(ones))
+    out = torch.full(want.shape, 0xAB, dtype=torch.uint8)
+    isa.native.pack_int4_blocks(out, words, True)
+    assert torch.equal(out, want)
+    if n > 32:  # the rows after the first block, as fill's chunks read them
+        tail = weights.layouts.int4_interleave(weights.layouts.linear_order(ones[32:]))
+        out = torch.full(tail.shape, 0xAB, dtype=torch.uint8)
+        isa.native.pack_int4_blocks(out, words[32:], True)
+        assert torch.equal(out, tail)
+    wider = torch.full((want.shape[0], want.shape[1] + 4, *want.shape[2:]), 0xAB, dtype=torch.uint8)
+    isa.native.pack_int4_blocks(wider, words, True)  # a packing with more inputs than K: zeros past it
+    assert torch.equal(wider[:, : want.shape[1]], want) and not wider[:, want.shape[1] :].any()
+    with pytest.raises(RuntimeError, match="values must be"):
+        isa.native.pack_int4_blocks(out, words, False)  # words hold nibbles two a byte
+
+
 def test_gate_up_round_trip():
     gate, up = _bf16(64, 30, seed=4), _bf16(64, 30, seed=5)
     packed = weights.pack_gate_up_weight(gate, up)
