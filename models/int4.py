@@ -14,9 +14,8 @@ A quantized linear ``X`` (``[N, K]``: N outputs, K inputs, groups of G inputs) i
 Both mean ``W[n, k] = (q - z) * s`` with the value's group's zero point and scale: tilefx's int4 (one scale and
 zero point per output and 128 inputs) holds that exactly where G is 128, a multiple of it, or the whole row.
 ``read_int4`` gives one linear's nibbles (GPTQ's words as the file holds them; AWQ's unpacked two a byte) and
-those params; the loader
-(models/shard_loading.py) marks each parameter with them (``weights.attach_checkpoint_int4``) and packing repacks
-them layer by layer. ``write_gptq`` / ``write_awq`` are the inverse, for checkpoints written here.
+those params; the loader (models/shard_loading.py) marks each parameter with its parts (``weights.attach_int4_parts``),
+which packing reads and repacks layer by layer. ``write_int4`` is the inverse, for checkpoints written here.
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ def awq_paired_nibbles(qweight: torch.Tensor, native: bool = True) -> torch.Tens
 
 def read_int4(tensor, names, module: str, scheme: Int4Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear ``module``'s 4-bit tensors (``tensor(name)`` reads one of the checkpoint's tensors ``names``) as
-    tilefx's int4: its nibbles (``weights.attach_checkpoint_int4``'s rows) and fp16 params ``[N, ceil(K / 128), 2]``
+    tilefx's int4: its nibbles (``weights.Int4Rows``' forms) and fp16 params ``[N, ceil(K / 128), 2]``
     (scale, zero point). GPTQ's nibbles are its ``qweight``'s words in place (``gptq_words``: a view, so a GPTQ
     checkpoint read from a file costs no memory until packing reads it); AWQ's (and GPTQ's on a big-endian CPU)
     are unpacked into a tensor of their own, two a byte ``[N, K / 2]``."""

@@ -159,9 +159,9 @@ def _load(resolved: Source, dtype: torch.dtype, progress: bool = True) -> PreTra
                 "inference_mode, or pass its hub id or directory (compile_model itself may be called inside it)."
             )
         fp8.adopt_fp8_modules(source, adapter.moe and adapter.moe.experts_class)
-        if any(weights.checkpoint_scales(p) is not None for p in source.parameters()):
+        if any(weights.is_checkpoint_quantized(p) for p in source.parameters()):
             for tensor in [*source.parameters(), *source.buffers()]:  # .to(dtype) would cast the e4m3 values too
-                if tensor.is_floating_point() and weights.checkpoint_scales(tensor) is None:
+                if tensor.is_floating_point() and not weights.is_checkpoint_quantized(tensor):
                     tensor.data = tensor.data.to(dtype)
             return source.eval()
         return source.to(dtype).eval()

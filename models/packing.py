@@ -207,7 +207,7 @@ def pack_model(model: torch.nn.Module, adapter: FamilyAdapter, options, *, progr
         # A quantized checkpoint's weights no packing took (MLA's kv_b_proj, absorbed per head when the graph
         # compiles; every linear with linear=False) run as bf16 in the graphs.
         for name, param in model.named_parameters():
-            if weights.checkpoint_scales(param) is not None:
+            if weights.is_checkpoint_quantized(param):
                 try:
                     weights.dequantize_checkpoint_weight(param)
                 except ValueError as error:

@@ -14,6 +14,7 @@ those marks to insert the collectives.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -62,8 +63,8 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
     checkpoint as the rank's slice only (``get_slice``), marked with its ``weights.Shard``; ``model.config`` is the
     full model's config again afterwards. ``adapter``: the family's (its names for the checkpoint's tensors).
     ``ctx`` None: the whole model (``Plan.whole``). ``scheme``: a GPTQ / AWQ checkpoint's (models/int4.py): its
-    quantized linears become int4 checkpoint weights. ``progress``: a bar over the parameters read (a 30B 4-bit
-    checkpoint takes a minute or more)."""
+    quantized linears become int4 checkpoint weights, read when packing reads them. ``progress``: a bar over the
+    parameters read."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -98,19 +99,21 @@ def load_shard(directory: pathlib.Path, config, adapter: FamilyAdapter, plan: Pl
             experts[name] = sources
             continue
         by_file.setdefault(files[name], []).append(name)
+    reader = _DeferredFiles()  # 4-bit parts are read when packing reads them
     # the bar counts weights, not tensors: a layer's experts are most of its bytes, and most of the time
     size = {name: params[name].numel() for name in [*experts, *(n for names in by_file.values() for n in names)]}
     with tqdm(total=sum(size.values()), desc="tilefx: loading weights", unit="weight", unit_scale=True,
               disable=not progress, leave=False) as bar:
         for name, sources in _counted(experts.items(), bar, lambda item: size[item[0]]):
             _set(model, name, *_read_experts(name, sources, files, formats, plan, ctx, dtype, tuple(params[name].shape),
-                                             scheme))
+                                             scheme, reader))
         for path, names in by_file.items():
             with _open_files() as opened:  # one file's tensors (and scales, which the hub may keep in another file)
                 for name in _counted(names, bar, size.__getitem__):
                     key = aliases.get(name, name)
                     if formats.get(key) == "int4":
-                        _set(model, name, *_read_int4(opened, files, key, scheme, plan, ctx, tuple(params[name].shape)))
+                        _set(model, name, *_read_int4(opened, reader, files, key, scheme, plan, ctx,
+                                                      tuple(params[name].shape)))
                         continue
                     tensor_slice = opened(path).get_slice(key)
                     shape = tuple(tensor_slice.get_shape())
@@ -151,66 +154,101 @@ def _counted(items, bar, size):
 
 
 def _set(model, name: str, value: torch.Tensor, shard: weights.Shard | None = None, scales=None,
-         nibbles=None) -> None:
+         int4_parts=None) -> None:
     """Parameter ``name`` of ``model`` becomes ``value`` (marked with ``shard``, and with its FP8 block ``scales``
-    where it holds an FP8 checkpoint's e4m3 values: packing reads it as models/fp8.py's loads; with ``nibbles``, an
-    int4 checkpoint's: ``value`` untouched zeros, ``scales`` its params)."""
+    where it holds an FP8 checkpoint's e4m3 values: packing reads it as models/fp8.py's loads; with ``int4_parts``,
+    an int4 checkpoint's: ``value`` untouched zeros, its rows read by packing)."""
     module_name, attr = name.rsplit(".", 1)
     param = torch.nn.Parameter(value, requires_grad=False)
     if shard is not None:
         weights.attach_shard(param, shard)
-    if nibbles is not None:
-        weights.attach_checkpoint_int4(param, nibbles, scales)
+    if int4_parts is not None:
+        weights.attach_int4_parts(param, int4_parts)
     elif scales is not None:
         weights.attach_checkpoint_scales(param, scales)
     setattr(model.get_submodule(module_name), attr, param)
 
 
-def _int4_part(opened, files: dict, key: str, scheme, shard: weights.Shard | None):
-    """4-bit linear ``key``'s (``X.weight``) nibbles and params as tilefx's int4 (models/int4.py), the shard's rows
-    (colwise) or whole groups of its inputs (rowwise)."""
+def _int4_part(reader, files: dict, key: str, scheme, shard: weights.Shard | None, shape) -> weights.Int4Rows:
+    """4-bit linear ``key``'s (``X.weight``, logical ``shape`` ``[N, K]``) rows as tilefx's int4 (models/int4.py),
+    the shard's rows (colwise) or whole groups of its inputs (rowwise): read when packing reads them (``reader``:
+    ``_DeferredFiles``), so that loading touches none of its bytes, and packing reads each part's once."""
     module = key.removesuffix(".weight")
+    rows = _int4_split(shape, key, shard)[0]
 
-    def tensor(name):
-        return opened(files[name]).get_tensor(name)
+    def read():
+        def tensor(name):
+            return reader(files[name]).get_tensor(name)
 
-    nibbles, params = int4.read_int4(tensor, files, module, scheme)
+        nibbles, params = int4.read_int4(tensor, files, module, scheme)
+        if shard is None:
+            return nibbles, params
+        nibbles, params = _int4_shard(nibbles, params, key, shard)
+        # the rank's slices own their bytes, so that the whole tensors go; GPTQ's words stay the file's, read in place
+        return (nibbles if nibbles.dim() == 3 else nibbles.clone()), params.clone()
+
+    return weights.Int4Rows(rows, read)
+
+
+def _int4_split(shape, key: str, shard: weights.Shard | None) -> tuple[int, int]:
+    """The shard's ``[rows, inputs]`` of a 4-bit linear of ``shape``; refused where the split cuts a group of
+    inputs or does not divide the dim."""
+    n, k = shape
     if shard is None:
-        return nibbles, params
-    nibbles, params = _int4_shard(nibbles, params, key, shard)
-    # the rank's slices own their bytes, so that the whole tensors go; GPTQ's words stay the file's, read in place
-    return (nibbles if nibbles.dim() == 3 else nibbles.clone()), params.clone()
-
-
-def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: weights.Shard):
-    """The rank's slices (views) of a whole linear's nibbles (two a byte or words, ``weights.attach_checkpoint_int4``)
-    and params."""
-    per_byte = 2 if nibbles.dim() == 2 else 8  # inputs per element of dim 1
-    n, k = nibbles.shape[0], per_byte * nibbles.shape[1]
+        return n, k
     size = (n, k)[shard.dim]
     if size % shard.count:
         raise ValueError(f"{key}: dim {shard.dim} ({size}) does not split {shard.count} ways")
     part = size // shard.count
+    if shard.dim == 1 and part % weights.INT4_GROUP:
+        raise ValueError(f"{key}: tensor parallel splits its {k} inputs (dim 1) {shard.count} ways, {part} each, "
+                         f"which cuts its 4-bit groups of {weights.INT4_GROUP}; use a tp that splits them whole")
+    return (part, k) if shard.dim == 0 else (n, part)
+
+
+class _DeferredFiles:
+    """The checkpoint's files, opened when packing reads a deferred 4-bit part (``_int4_part``), a few at a time:
+    packing goes layer by layer, and a layer's parts lie in one file or two."""
+
+    def __init__(self, keep: int = 4):
+        self._open: collections.OrderedDict = collections.OrderedDict()
+        self._keep = keep
+
+    def __call__(self, path):
+        from safetensors import safe_open
+
+        if path in self._open:
+            self._open.move_to_end(path)
+            return self._open[path]
+        if len(self._open) >= self._keep:
+            self._open.popitem(last=False)[1].__exit__(None, None, None)  # (tensors read from it stay valid)
+        self._open[path] = safe_open(path, "pt").__enter__()
+        return self._open[path]
+
+
+def _int4_shard(nibbles: torch.Tensor, params: torch.Tensor, key: str, shard: weights.Shard):
+    """The rank's slices (views) of a whole linear's nibbles (two a byte or words, ``formats.int4_rows``) and
+    params."""
+    per_byte = 2 if nibbles.dim() == 2 else 8  # inputs per element of dim 1
+    n, k = nibbles.shape[0], per_byte * nibbles.shape[1]
+    rows, inputs = _int4_split((n, k), key, shard)
+    part = rows if shard.dim == 0 else inputs
     begin = shard.index * part
     if shard.dim == 0:
         return nibbles[begin : begin + part], params[begin : begin + part]
-    if part % weights.INT4_GROUP:
-        raise ValueError(f"{key}: tensor parallel splits its {k} inputs (dim 1) {shard.count} ways, {part} each, "
-                         f"which cuts its 4-bit groups of {weights.INT4_GROUP}; use a tp that splits them whole")
     groups = slice(begin // weights.INT4_GROUP, (begin + part) // weights.INT4_GROUP)
     return nibbles[:, begin // per_byte : (begin + part) // per_byte], params[:, groups]
 
 
-def _read_int4(opened, files: dict, key: str, scheme, plan: Plan, ctx: TPContext, expected):
-    """``_set``'s arguments for a 4-bit linear's weight: untouched zeros of its local shape, its Shard, params and
-    nibbles."""
-    n, k = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
-    shard = plan.shard_of(key, (n, k), ctx.rank)
-    nibbles, params = _int4_part(opened, files, key, scheme, shard)
-    shape = (nibbles.shape[0], (2 if nibbles.dim() == 2 else 8) * nibbles.shape[1])
-    if shape != tuple(expected):
-        raise ValueError(f"{key}: rank {ctx.rank}'s slice is {shape}, the local model expects {tuple(expected)}")
-    return weights.untouched_zeros(shape, torch.uint8), shard, params, nibbles
+def _read_int4(opened, reader, files: dict, key: str, scheme, plan: Plan, ctx: TPContext, expected):
+    """``_set``'s arguments for a 4-bit linear's weight: untouched zeros of its local shape, its Shard, no scales,
+    and its rows (read by packing)."""
+    shape = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
+    shard = plan.shard_of(key, shape, ctx.rank)
+    local = _int4_split(shape, key, shard)
+    if local != tuple(expected):
+        raise ValueError(f"{key}: rank {ctx.rank}'s slice is {local}, the local model expects {tuple(expected)}")
+    return weights.untouched_zeros(local, torch.uint8), shard, None, _int4_part(reader, files, key, scheme, shard, shape)
 
 
 @contextlib.contextmanager
@@ -258,14 +296,14 @@ def _expert_sources(adapter: FamilyAdapter, name: str, files: dict, num_experts:
 
 
 def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ctx: TPContext, dtype, expected,
-                  scheme=None):
+                  scheme=None, reader=None):
     """Fused experts parameter ``name`` of the rank's model, stacked from the per-expert tensors' slices: each
     expert's gate and up rows (``packed_colwise``), or its down columns (``rowwise``). Returns it, its Shard and
     its FP8 checkpoint scales (None where the experts are stored unquantized: ``weight_formats`` checked that a
-    layer's experts share one format)."""
+    layer's experts share one format); 4-bit experts: ``_read_int4_experts``'."""
     attr, names = sources
     if formats.get(names[0][0]) == "int4":
-        return _read_int4_experts(name, names, files, scheme, plan, ctx, expected)
+        return _read_int4_experts(name, names, files, scheme, plan, ctx, expected, reader)
     quantized = formats.get(names[0][0]) == "fp8"
     out = torch.empty(expected, dtype=torch.float8_e4m3fn if quantized else dtype)
     scales = None
@@ -289,26 +327,20 @@ def _read_experts(name: str, sources, files: dict, formats: dict, plan: Plan, ct
     return out, plan.local_shard_of(name, expected, ctx.rank), scales
 
 
-def _read_int4_experts(name: str, names, files: dict, scheme, plan: Plan, ctx: TPContext, expected):
-    """``_read_experts`` for 4-bit experts: each expert's parts' nibbles as they are read (GPTQ's: the file's words,
-    in place), listed per expert (gate, then up), and their params, stacked."""
-    nibbles, params = [], None
+def _read_int4_experts(name: str, names, files: dict, scheme, plan: Plan, ctx: TPContext, expected, reader):
+    """``_read_experts`` for 4-bit experts: each expert's parts (gate, then up), read by packing."""
+    parts = []
     with _open_files() as opened:
         for e, row in enumerate(names):
-            parts = []
+            expert = []
             for key in row:
                 shape = int4.logical_shape(opened, files, key.removesuffix(".weight"), scheme)
-                parts.append(_int4_part(opened, files, key, scheme, plan.shard_of(name, shape, ctx.rank)))
-            rows = sum(part[0].shape[0] for part in parts)
+                expert.append(_int4_part(reader, files, key, scheme, plan.shard_of(name, shape, ctx.rank), shape))
+            rows = sum(part.rows for part in expert)
             if rows != expected[1]:
                 raise ValueError(f"{name}: expert {e}'s parts hold {rows} rows, the local model expects {expected[1]}")
-            nibbles.append(tuple(part[0] for part in parts))
-            expert_params = torch.cat([part[1] for part in parts])
-            if params is None:
-                params = torch.empty((len(names), *expert_params.shape), dtype=torch.float16)
-            params[e] = expert_params
-    return (weights.untouched_zeros(expected, torch.uint8), plan.local_shard_of(name, expected, ctx.rank), params,
-            nibbles)
+            parts.append(tuple(expert))
+    return weights.untouched_zeros(expected, torch.uint8), plan.local_shard_of(name, expected, ctx.rank), None, parts
 
 
 def _generation_config(directory: pathlib.Path, default):

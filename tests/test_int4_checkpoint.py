@@ -155,23 +155,24 @@ def test_greedy_matches_the_dequantized_oracle(int4_checkpoint):
     assert_generates_like(_dequantized_reference(directory, layout), compiled)
 
 
-def test_a_gptq_load_stages_no_nibbles(tmp_path):
-    """Loading a GPTQ checkpoint copies none of its 4-bit values: every quantized weight's nibbles (a dense linear's,
-    and each expert's gate, up and down parts) are its file's words, in the file's mapping, until packing reads
-    them from there."""
+def test_a_gptq_load_reads_no_4_bit_values(tmp_path):
+    """Loading a 4-bit checkpoint reads none of its quantized linears: each weight's parts (a dense linear's one,
+    each expert's gate and up, or down) are read when packing reads them. A GPTQ part's nibbles are then its file's
+    words, in the file's mapping: no copy of them is ever made."""
     from tilefx.models.load import load_for_rank, resolve_source
 
     directory = write_checkpoint("tiny-qwen3-moe-w256", tmp_path / "ckpt", seed=1, weights="gptq")
     model = load_for_rank(resolve_source(directory), progress=False).model
-    mapped = weights.memory.file_mappings()
-    quantized = {name: weights.checkpoint_nibbles(p) for name, p in model.named_parameters()
-                 if weights.checkpoint_nibbles(p) is not None}
+    quantized = {name: p for name, p in model.named_parameters() if weights.checkpoint_format(p) == "int4"}
     assert any("q_proj" in name for name in quantized) and any("experts.gate_up_proj" in name for name in quantized)
-    for name, nibbles in quantized.items():
-        parts = weights.formats.int4_parts(nibbles)
-        assert parts and all(weights.memory.in_file_mapping(part, mapped) for part in parts), name
+    for name, param in quantized.items():
+        parts = weights.formats.int4_parts(param)
+        assert parts and all(part.held_bytes == 0 for part in parts), name  # deferred: nothing held
         if "experts.gate_up_proj" in name:
-            assert all(len(expert) == 2 for expert in nibbles), name  # gate's words, up's words
+            assert all(len(expert) == 2 for expert in weights.checkpoint_int4(param)), name  # gate's, up's
+        nibbles, params = parts[-1].read_checked(param.shape[-1])
+        mapped = weights.memory.file_mappings()  # (the file opened by the read)
+        assert weights.memory.in_file_mapping(nibbles, mapped) and params.dtype == torch.float16, name
 
 
 def test_refuses_what_it_cannot_run(tmp_path):
@@ -210,13 +211,16 @@ def test_tensor_parallel_splits_whole_groups_only(tmp_path):
     files = shard_loading.checkpoint_files(directory)
     scheme = int4.scheme_of(json.loads((directory / "config.json").read_text())["quantization_config"])
     key = next(n for n in files if n.endswith("mlp.down_proj.qweight")).replace(".qweight", ".weight")
-    with shard_loading._open_files() as opened:
-        whole_nibbles, whole_params = shard_loading._int4_part(opened, files, key, scheme, None)  # words [256, 64, 4]
-        whole = weights.formats.int4_rows(whole_nibbles)  # [256, 512 / 2]
-        nibbles, params = shard_loading._int4_part(opened, files, key, scheme, Shard(1, 1, 2, "rowwise", 512))
-        assert torch.equal(weights.formats.int4_rows(nibbles), whole[:, 128:])
-        assert torch.equal(params, whole_params[:, 2:])
-        rows, row_params = shard_loading._int4_part(opened, files, key, scheme, Shard(0, 1, 2, "colwise", 256))
-        assert torch.equal(weights.formats.int4_rows(rows), whole[128:]) and torch.equal(row_params, whole_params[128:])
-        with pytest.raises(ValueError, match="dim 1.*4-bit groups"):
-            shard_loading._int4_part(opened, files, key, scheme, Shard(1, 0, 8, "rowwise", 512))
+    reader, shape = shard_loading._DeferredFiles(), (256, 512)
+
+    def part(shard):
+        return shard_loading._int4_part(reader, files, key, scheme, shard, shape).read()
+
+    whole_nibbles, whole_params = part(None)  # words [256, 64, 4]
+    whole = weights.formats.int4_rows(whole_nibbles)  # [256, 512 / 2]
+    nibbles, params = part(Shard(1, 1, 2, "rowwise", 512))
+    assert torch.equal(weights.formats.int4_rows(nibbles), whole[:, 128:]) and torch.equal(params, whole_params[:, 2:])
+    rows, row_params = part(Shard(0, 1, 2, "colwise", 256))
+    assert torch.equal(weights.formats.int4_rows(rows), whole[128:]) and torch.equal(row_params, whole_params[128:])
+    with pytest.raises(ValueError, match="dim 1.*4-bit groups"):  # refused as it loads, before any read
+        shard_loading._int4_part(reader, files, key, scheme, Shard(1, 0, 8, "rowwise", 512), shape)

@@ -37,15 +37,18 @@ def write_int4_blocks(out: torch.Tensor, values: torch.Tensor, native: bool, two
 
 
 def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, scales=None,
-                 source_scales=None, nibbles=None) -> None:
+                 source_scales=None, int4=None) -> None:
     """``out[b] = blocks b of weight`` in ``linear`` order, a chunk of rows at a time; quantized (``scales``: its
-    rows of the packing's scales) where ``out`` holds a quantized format. ``source_scales``: ``weight`` is a
-    quantized checkpoint's (fp8 with its 128 x 128 block scales, or int4 with its per-row group scales and zeros
-    and ``nibbles``, its values two a byte): copied as it is into a packing of its own format, else dequantized a
-    chunk at a time."""
-    source_format = None if source_scales is None else ("int4" if weight.dtype == torch.uint8 else "fp8")
+    rows of the packing's scales) where ``out`` holds a quantized format. ``weight`` may be a quantized
+    checkpoint's: fp8 with its 128 x 128 block ``source_scales``, or int4 whose rows ``int4`` (``formats.Int4Rows``)
+    reads here, with its per-row group scales and zeros. Those are copied as they are into a packing of their own
+    format, else dequantized a chunk at a time."""
+    source_format = "int4" if int4 is not None else None if source_scales is None else "fp8"
+    nibbles = None
     if source_format == "fp8":
         formats.check_checkpoint_scales(weight, source_scales)
+    elif source_format == "int4":
+        nibbles, source_scales = int4.read_checked(weight.shape[-1])
     step = formats.FP8_GROUP if scales is not None or source_format else BLOCK_N  # chunks never split a scale block
     row_bytes = weight[0].numel() * (4 if source_format else weight.element_size())  # dequantized in fp32
     rows_per_chunk = max(1, CHUNK_BYTES // max(1, row_bytes) // step) * step
@@ -63,7 +66,7 @@ def _fill_linear(out: torch.Tensor, weight: torch.Tensor, mapped, native: bool, 
             else:
                 values = formats.dequantize_blocks(source, groups)
         elif source_format == "int4":
-            values = nibbles[row : row + source.shape[0]]  # two a byte
+            values = nibbles[row : row + source.shape[0]]  # two a byte, or a GPTQ file's words
             params = source_scales[row : row + source.shape[0]]
             if out_format == "int4":
                 row_scales = params
@@ -89,28 +92,28 @@ def _per_expert_scales(weight: torch.Tensor) -> list:
     return [None] * weight.shape[0] if scales is None else list(scales)
 
 
-def _per_expert_nibbles(weight: torch.Tensor) -> list:
-    """Each expert's nibbles (a tuple of rows tensors, ``formats.checkpoint_nibbles``), or Nones."""
-    nibbles = formats.checkpoint_nibbles(weight)
-    return [None] * weight.shape[0] if nibbles is None else nibbles
+def _per_expert_int4(weight: torch.Tensor) -> list:
+    """Each expert's int4 parts (a tuple of ``formats.Int4Rows``), or Nones."""
+    parts = formats.checkpoint_int4(weight)
+    return [None] * weight.shape[0] if parts is None else parts
 
 
 def _halves(groups):
     return (None, None) if groups is None else groups.chunk(2)
 
 
-def _nibble_halves(parts):
-    """An expert's gate and up nibbles: its two parts as the loader read them, or its one part's halves."""
+def _int4_halves(parts, k: int):
+    """An expert's gate and up rows: its two parts as the loader read them, or its one part's halves."""
     if parts is None:
         return None, None
-    return parts if len(parts) == 2 else _one_part(parts).chunk(2)
+    if len(parts) == 2 and parts[0].rows == parts[1].rows:
+        return parts
+    nibbles, params = formats.joined_int4(parts, k).read_checked(k)
+    return tuple(formats.Int4Rows.of(n, p) for n, p in zip(nibbles.chunk(2), params.chunk(2)))
 
 
-def _one_part(parts):
-    """An expert's nibbles as one rows tensor (parts joined, a copy, where there are several)."""
-    if parts is None or len(parts) == 1:
-        return None if parts is None else parts[0]
-    return torch.cat([formats.int4_rows(part) for part in parts])
+def _joined(parts, k: int):
+    return None if parts is None else formats.joined_int4(parts, k)
 
 
 def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True, scales=None) -> torch.Tensor:
@@ -123,29 +126,30 @@ def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = Tr
             blocks = layouts.blocks_of(weight.shape[0])
             part = None if scales is None else scales[start : start + blocks]
             _fill_linear(out[start : start + blocks], weight, mapped, native, part, formats.checkpoint_scales(weight),
-                         formats.checkpoint_nibbles(weight))
+                         formats.checkpoint_int4(weight))
             start += blocks
     elif layout == "gate_up":
         pairs = layouts.gate_up_halves(out)
         scale_pairs = None if scales is None else layouts.gate_up_halves(scales)
         for i in (0, 1):
             _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i],
-                         formats.checkpoint_scales(weights[i]), formats.checkpoint_nibbles(weights[i]))
+                         formats.checkpoint_scales(weights[i]), formats.checkpoint_int4(weights[i]))
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
         source_scales = _per_expert_scales(weights[0])
         halves = layouts.expert_gate_up_halves(out)
         scale_halves = [None] * out.shape[0] if scales is None else layouts.expert_gate_up_halves(scales)
-        for expert, source, groups, expert_scales, nibbles in zip(halves, weights[0], source_scales, scale_halves,
-                                                                  _per_expert_nibbles(weights[0])):
-            for i, (half, half_groups, half_nibbles) in enumerate(zip(source.chunk(2), _halves(groups),
-                                                                      _nibble_halves(nibbles))):
+        k = weights[0].shape[-1]
+        for expert, source, groups, expert_scales, parts in zip(halves, weights[0], source_scales, scale_halves,
+                                                                _per_expert_int4(weights[0])):
+            for i, (half, half_groups, half_int4) in enumerate(zip(source.chunk(2), _halves(groups),
+                                                                   _int4_halves(parts, k))):
                 _fill_linear(expert[:, i], half, mapped, native, None if expert_scales is None else expert_scales[:, i],
-                             half_groups, half_nibbles)
+                             half_groups, half_int4)
     elif layout == "expert_down":
         expert_scales = [None] * out.shape[0] if scales is None else scales
-        for expert, source, groups, part, nibbles in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales,
-                                                         _per_expert_nibbles(weights[0])):
-            _fill_linear(expert, source, mapped, native, part, groups, _one_part(nibbles))
+        for expert, source, groups, part, parts in zip(out, weights[0], _per_expert_scales(weights[0]), expert_scales,
+                                                       _per_expert_int4(weights[0])):
+            _fill_linear(expert, source, mapped, native, part, groups, _joined(parts, weights[0].shape[-1]))
     elif layout in ("mla_key", "mla_value"):
         out.copy_(layouts.linear_order(layouts.mla_part(weights[0], *args, value=layout == "mla_value")))
     else:
@@ -163,20 +167,22 @@ def pack_reference(layout: str, weights, args: tuple = ()) -> torch.Tensor:
 def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> None:
     """Turn a quantized checkpoint weight (fp8 or int4) that no packing reads into ``dtype`` in place (one 2-D
     slice at a time alongside the result)."""
-    scales = formats.checkpoint_scales(weight)
-    if scales is None:
+    if not formats.is_checkpoint_quantized(weight):
         return
     values = weight.data
     out = torch.empty(values.shape, dtype=dtype)
-    flat_values, flat_scales, flat_out = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales, out))
-    if values.dtype == torch.uint8:  # int4: the params are per row, the nibbles beside the weight
-        nibbles = formats.checkpoint_nibbles(weight)
-        experts = [nibbles] if values.dim() == 2 else [_one_part(parts) for parts in nibbles]
-        mapped = memory.file_mappings()
-        for rows, s, o in zip(experts, scales.reshape(-1, *scales.shape[-3:]), flat_out):
-            o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(formats.int4_rows(rows)), s, dtype))
-            memory.drop_file_pages(rows, mapped)
+    flat_out = out.reshape(-1, *out.shape[-2:])
+    mapped = memory.file_mappings()
+    if formats.checkpoint_format(weight) == "int4":  # the parts hold nibbles and per-row params
+        k = values.shape[-1]
+        parts = formats.checkpoint_int4(weight)
+        for rows, o in zip([parts] if values.dim() == 2 else parts, flat_out):
+            nibbles, params = formats.joined_int4(rows, k).read_checked(k)
+            o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(formats.int4_rows(nibbles)), params, dtype))
+            memory.drop_file_pages(nibbles, mapped)
     else:
+        scales = formats.checkpoint_scales(weight)
+        flat_values, flat_scales = (t.reshape(-1, *t.shape[-2:]) for t in (values, scales))
         halves = 2 if values.dim() == 3 and scales.shape[-2] != -(-values.shape[-2] // formats.FP8_GROUP) else 1
         for v, s, o in zip(flat_values, flat_scales, flat_out):
             for part_v, part_s, part_o in zip(v.chunk(halves), s.chunk(halves), o.chunk(halves)):
@@ -185,4 +191,4 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
                 part_o.copy_(formats.dequantize_blocks(part_v, part_s, dtype))
     weight.data = out
     formats.forget_checkpoint_scales(weight)
-    memory.drop_file_pages(values, memory.file_mappings())
+    memory.drop_file_pages(values, mapped)

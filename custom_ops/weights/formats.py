@@ -14,10 +14,15 @@ fusion need no scale bookkeeping of their own. ``quantize_rows`` is the specific
 quantizing, ``dequantize`` of reading a packed tensor back.
 
 An fp8 checkpoint's weight arrives quantized: ``attach_checkpoint_scales`` records its
-block scales (in this module's table, keyed by the parameter), and packing reads them.
+block scales (in this module's table, keyed by the parameter), and packing reads them. An
+int4 checkpoint's weight arrives as its rows, ``Int4Rows`` (``attach_int4_parts``), which
+packing reads, the loader's deferred until then.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -187,8 +192,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
 
 # parameter -> its checkpoint scales (held by the parameter object's identity, not on the tensor)
 _checkpoint_scales = WeakTensorKeyDictionary()
-# int4 parameter -> its nibbles two a byte (the parameter's own data holds no memory: untouched zeros)
-_checkpoint_nibbles = WeakTensorKeyDictionary()
+# int4 parameter -> its rows as packing reads them (the parameter's own data holds no memory: untouched zeros)
+_checkpoint_int4 = WeakTensorKeyDictionary()
 
 
 def pair_nibbles(values: torch.Tensor) -> torch.Tensor:
@@ -201,34 +206,64 @@ def split_nibbles(paired: torch.Tensor) -> torch.Tensor:
     return torch.stack([paired & 0xF, paired >> 4], dim=-1).flatten(-2)
 
 
-def attach_checkpoint_int4(weight: torch.Tensor, nibbles, params: torch.Tensor) -> None:
+@dataclasses.dataclass(frozen=True)
+class Int4Rows:
+    """Rows of an int4 checkpoint's weight (a linear's, or an expert's gate, up or down) as packing reads them:
+    ``read()`` gives their nibbles (``int4_rows``' forms) and fp16 params ``[rows, ceil(K / 128), 2]``, per row and
+    128 inputs the scale and the zero point (``W = (q - z) * s``). The loader defers the read to packing
+    (models/shard_loading.py), so that a checkpoint's bytes are read once, as packing consumes them; ``held_bytes``:
+    what the part holds until then (0 for a deferred read)."""
+
+    rows: int
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    held_bytes: int = 0
+
+    @classmethod
+    def of(cls, nibbles: torch.Tensor, params: torch.Tensor) -> Int4Rows:
+        """Rows already read (held until packed)."""
+        return cls(nibbles.shape[0], lambda: (nibbles, params), nibbles.nbytes + params.nbytes)
+
+    def read_checked(self, k: int, name: str = "int4 checkpoint rows") -> tuple[torch.Tensor, torch.Tensor]:
+        """``read()``, checked to hold ``rows`` rows of ``k`` inputs with their params."""
+        nibbles, params = self.read()
+        if not _is_int4_rows(nibbles, k) or nibbles.shape[0] != self.rows:
+            raise ValueError(f"{name}: nibbles must be uint8 rows, two a byte [{self.rows}, {k // 2}] or words "
+                             f"[{self.rows}, {k // 8}, 4], got {nibbles.dtype} {tuple(nibbles.shape)}")
+        if params.dtype != torch.float16 or tuple(params.shape) != (self.rows, -(-k // INT4_GROUP), 2):
+            raise ValueError(f"{name}: {self.rows} rows of {k} inputs need fp16 scales and zero points "
+                             f"[{self.rows}, {-(-k // INT4_GROUP)}, 2], got {params.dtype} {tuple(params.shape)}")
+        return nibbles, params
+
+
+def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: torch.Tensor) -> None:
+    """``attach_int4_parts`` with rows already read: nibbles ``[..., N, K / 2]`` two a byte (``pair_nibbles``) and
+    fp16 ``params [..., N, ceil(K / 128), 2]``."""
+    if weight.dim() == 2:
+        parts = Int4Rows.of(nibbles, params)
+    else:
+        parts = [(Int4Rows.of(n, p),) for n, p in zip(nibbles, params)] if nibbles.dim() == 3 else None
+    for part in [parts] if weight.dim() == 2 else [p for rows in parts or () for p in rows]:  # (read: check now)
+        part.read_checked(weight.shape[-1])
+    attach_int4_parts(weight, parts)
+
+
+def attach_int4_parts(weight: torch.Tensor, parts) -> None:
     """Mark ``weight`` (a uint8 ``[N, K]`` or experts' ``[E, N, K]``, normally ``memory.untouched_zeros``: it stands
-    for the weight in the graphs that trace it) as an int4 checkpoint's, with fp16 ``params [..., N, ceil(K / 128),
-    2]``, per row and 128 inputs the scale and the zero point (``W = (q - z) * s``), and its unsigned ``nibbles``:
-    a 2-D weight's as one rows tensor (``int4_rows``: two a byte, or a GPTQ file's words read in place); experts'
-    as a tensor ``[E, N, K / 2]`` or, per expert, a sequence of rows tensors whose rows make its N (gate's, then
-    up's: each straight from its own tensor in the file). Held here, at the checkpoint's own size (none where they
-    are the file's words), until packing reads them (as they are into an int4 packing, else dequantized a chunk at
-    a time)."""
+    for the weight in the graphs that trace it) as an int4 checkpoint's, whose rows are ``parts`` (``Int4Rows``):
+    a 2-D weight's one part, experts' a sequence per expert of parts whose rows make its N (gate's, then up's: each
+    read from its own tensor in the file). Packing reads them (as they are into an int4 packing, else dequantized a
+    chunk at a time)."""
     if weight.dtype != torch.uint8 or weight.dim() not in (2, 3) or weight.shape[-1] % 2:
         raise ValueError(f"int4 checkpoint weight {weight.dtype} {tuple(weight.shape)}: a uint8 [N, K] or experts' "
                          f"[E, N, K] (K even)")
-    n, k = weight.shape[-2:]
-    if weight.dim() == 3 and isinstance(nibbles, torch.Tensor):
-        nibbles = [(expert,) for expert in nibbles] if nibbles.dim() == 3 else None
-    experts = [(nibbles,)] if weight.dim() == 2 else nibbles
+    n = weight.shape[-2]
+    experts = [(parts,)] if weight.dim() == 2 else parts
     if experts is None or len(experts) != (weight.shape[0] if weight.dim() == 3 else 1) or not all(
-            all(_is_int4_rows(part, k) for part in parts) and sum(part.shape[0] for part in parts) == n
-            for parts in experts):
-        raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its nibbles must be uint8 rows, two a byte "
-                         f"[rows, {k // 2}] or words [rows, {k // 8}, 4], {n} rows per matrix (experts: a tensor "
-                         f"[E, N, K / 2] or per expert a sequence of parts), got {_describe_nibbles(nibbles)}")
-    if params.dtype != torch.float16 or tuple(params.shape) != (
-            *weight.shape[:-1], -(-weight.shape[-1] // INT4_GROUP), 2):
-        raise ValueError(f"int4 checkpoint values {tuple(weight.shape)} need fp16 scales and zero points "
-                         f"[..., N, ceil(K / {INT4_GROUP}), 2], got {params.dtype} {tuple(params.shape)}")
-    _checkpoint_scales[weight] = params
-    _checkpoint_nibbles[weight] = nibbles if weight.dim() == 2 else [tuple(parts) for parts in experts]
+            all(isinstance(part, Int4Rows) for part in rows) and sum(part.rows for part in rows) == n
+            for rows in experts):
+        raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its parts must be Int4Rows, {n} rows per "
+                         f"matrix (experts: per expert a sequence of parts), got {parts!r:.200}")
+    _checkpoint_int4[weight] = parts if weight.dim() == 2 else [tuple(rows) for rows in experts]
 
 
 def _is_int4_rows(part, k: int) -> bool:
@@ -236,16 +271,18 @@ def _is_int4_rows(part, k: int) -> bool:
         (part.dim() == 2 and part.shape[1] == k // 2) or (part.dim() == 3 and tuple(part.shape[1:]) == (k // 8, 4)))
 
 
-def _describe_nibbles(nibbles) -> str:
-    if isinstance(nibbles, torch.Tensor):
-        return f"{nibbles.dtype} {tuple(nibbles.shape)}"
-    return f"{type(nibbles).__name__} of {len(nibbles)}" if hasattr(nibbles, "__len__") else repr(nibbles)
+def checkpoint_int4(weight: torch.Tensor):
+    """The parts ``attach_int4_parts`` gave ``weight``: a 2-D weight's ``Int4Rows``, experts' a list of each
+    expert's tuple of them; None where it holds no int4 checkpoint's."""
+    return _checkpoint_int4.get(weight)
 
 
-def checkpoint_nibbles(weight: torch.Tensor):
-    """The nibbles ``attach_checkpoint_int4`` gave ``weight``: a 2-D weight's rows tensor, experts' a list of each
-    expert's parts (tuples of rows tensors); None where it holds no int4 checkpoint's."""
-    return _checkpoint_nibbles.get(weight)
+def int4_parts(weight: torch.Tensor) -> list[Int4Rows]:
+    """Every ``Int4Rows`` of int4 checkpoint weight ``weight`` (none where it is not one)."""
+    parts = checkpoint_int4(weight)
+    if parts is None:
+        return []
+    return [parts] if isinstance(parts, Int4Rows) else [part for rows in parts for part in rows]
 
 
 def int4_rows(part: torch.Tensor) -> torch.Tensor:
@@ -255,11 +292,14 @@ def int4_rows(part: torch.Tensor) -> torch.Tensor:
     return part if part.dim() == 2 else part.reshape(part.shape[0], -1)
 
 
-def int4_parts(nibbles) -> list[torch.Tensor]:
-    """Every rows tensor of ``checkpoint_nibbles``' value (one, or each expert's parts)."""
-    if isinstance(nibbles, torch.Tensor):
-        return [nibbles]
-    return [part for parts in nibbles for part in parts]
+def joined_int4(parts, k: int) -> Int4Rows:
+    """One ``Int4Rows`` for ``parts``' rows one after another (read and joined where there are several)."""
+    if isinstance(parts, Int4Rows):
+        return parts
+    if len(parts) == 1:
+        return parts[0]
+    read = [part.read_checked(k) for part in parts]
+    return Int4Rows.of(torch.cat([int4_rows(n) for n, _ in read]), torch.cat([p for _, p in read]))
 
 
 def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
@@ -267,7 +307,7 @@ def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> N
     128 x 128 block (``[ceil(N / 128), ceil(K / 128)]``; 3-D experts ``[E, ...]`` per expert, and a fused
     gate_up ``[E, 2I, H]`` has the blocks of gate and up, each of its own rows). ``pack`` then reads it as is
     (fp8) or dequantizes it a chunk at a time (other formats), so no bf16 copy of it ever exists whole. (An int4
-    checkpoint's weights: ``attach_checkpoint_int4``.)"""
+    checkpoint's weights: ``attach_int4_parts``.)"""
     if weight.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32:
         raise ValueError(f"an fp8 checkpoint weight is float8_e4m3fn with float32 scales, got {weight.dtype} "
                          f"with {scale_inv.dtype}")
@@ -279,21 +319,27 @@ def attach_checkpoint_scales(weight: torch.Tensor, scale_inv: torch.Tensor) -> N
 
 
 def checkpoint_scales(weight: torch.Tensor) -> torch.Tensor | None:
-    """The scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight)."""
+    """The scales ``attach_checkpoint_scales`` gave ``weight``, or None (a bf16 weight; an int4 checkpoint's params
+    are its parts', ``checkpoint_int4``)."""
     return _checkpoint_scales.get(weight)
 
 
 def checkpoint_format(weight: torch.Tensor) -> str:
     """The format a weight arrived in: ``fp8`` / ``int4`` for a quantized checkpoint's (with its scales), else bf16."""
-    if checkpoint_scales(weight) is None:
-        return "bf16"
-    return "int4" if weight.dtype == torch.uint8 else "fp8"
+    if checkpoint_int4(weight) is not None:
+        return "int4"
+    return "bf16" if checkpoint_scales(weight) is None else "fp8"
+
+
+def is_checkpoint_quantized(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` holds a quantized checkpoint's values (fp8 with its scales, or int4's parts)."""
+    return checkpoint_format(weight) != "bf16"
 
 
 def forget_checkpoint_scales(weight: torch.Tensor) -> None:
     """``weight`` no longer holds checkpoint values (dequantized, or released after packing)."""
     _checkpoint_scales.pop(weight, None)
-    _checkpoint_nibbles.pop(weight, None)
+    _checkpoint_int4.pop(weight, None)
 
 
 def dequantize_int4_rows(values: torch.Tensor, params: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
@@ -343,7 +389,7 @@ def can_pack(layout: str, weights, x_dtype: torch.dtype | None = None, format: s
     if format != "bf16" and layout not in QUANTIZED_LAYOUTS:
         return f"{format} weights: the {layout} kernels read bf16 only"
     dtypes = {w.dtype for w in weights}
-    if any(w.dtype != torch.bfloat16 and checkpoint_scales(w) is None for w in weights):
+    if any(w.dtype != torch.bfloat16 and not is_checkpoint_quantized(w) for w in weights):
         return (f"dtype {sorted(map(str, dtypes))}: packed weights are packed from bf16 or from a quantized "
                 f"checkpoint's weights (with their scales)")
     if format == "int4" and any(w.shape[-1] % 4 for w in weights):

@@ -225,10 +225,8 @@ def release(packed_data: torch.Tensor) -> int:
     for index, source in enumerate(sources):
         del _registry[_key(source)]
         old = source.data
-        nibbles = formats.checkpoint_nibbles(source)  # an int4 checkpoint's values: held beside its untouched data
-        if nibbles is not None:  # (a GPTQ file's words are the page cache's: fill dropped their pages)
-            released += sum(part.nbytes for part in formats.int4_parts(nibbles)
-                            if not memory.in_file_mapping(part, mapped))
+        if formats.checkpoint_format(source) == "int4":  # its rows, beside its untouched data (a deferred read: none)
+            released += sum(part.held_bytes for part in formats.int4_parts(source))
         elif old.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
             released += old.numel() * old.element_size()
             memory.drop_file_pages(old, mapped)

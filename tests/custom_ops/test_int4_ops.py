@@ -153,11 +153,11 @@ def test_int4_checkpoint_needs_its_params():
         weights.attach_checkpoint_int4(values, weights.pair_nibbles(values), torch.zeros(32, 1, 2, dtype=torch.float16))
     with pytest.raises(ValueError, match="nibbles must be uint8 rows, two a byte"):
         weights.attach_checkpoint_int4(values, values, torch.zeros(32, 2, 2, dtype=torch.float16))
-    experts, params = torch.zeros(2, 32, 256, dtype=torch.uint8), torch.zeros(2, 32, 2, 2, dtype=torch.float16)
-    half = torch.zeros(16, 128, dtype=torch.uint8)
-    weights.attach_checkpoint_int4(experts, [(half, half), (half, half)], params)  # per expert: gate and up parts
+    experts = torch.zeros(2, 32, 256, dtype=torch.uint8)
+    half = weights.Int4Rows.of(torch.zeros(16, 128, dtype=torch.uint8), torch.zeros(16, 2, 2, dtype=torch.float16))
+    weights.attach_int4_parts(experts, [(half, half), (half, half)])  # per expert: gate and up parts
     with pytest.raises(ValueError, match="32 rows per matrix"):  # an expert's parts short of its rows
-        weights.attach_checkpoint_int4(experts, [(half, half), (half,)], params)
+        weights.attach_int4_parts(experts, [(half, half), (half,)])
     assert "packed from bf16 or from a quantized" in weights.can_pack("linear", [values], format="int4")
 
 
