@@ -248,7 +248,8 @@ def _read_int4(opened, reader, files: dict, key: str, scheme, plan: Plan, ctx: T
     local = _int4_split(shape, key, shard)
     if local != tuple(expected):
         raise ValueError(f"{key}: rank {ctx.rank}'s slice is {local}, the local model expects {tuple(expected)}")
-    return weights.untouched_zeros(local, torch.uint8), shard, None, _int4_part(reader, files, key, scheme, shard, shape)
+    part = _int4_part(reader, files, key, scheme, shard, shape)
+    return weights.untouched_zeros(local, torch.uint8), shard, None, part
 
 
 @contextlib.contextmanager

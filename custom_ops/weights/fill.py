@@ -27,8 +27,8 @@ def write_blocks(out: torch.Tensor, rows: torch.Tensor, native: bool) -> None:
 
 def write_int4_blocks(out: torch.Tensor, values: torch.Tensor, native: bool, two_a_byte: bool = False) -> None:
     """``out [blocks, pairs, 16, 2] = values`` (uint8 nibbles ``[n, k]`` one a byte, or two a byte: ``[n, k / 2]``
-    or words ``[n, k / 8, 4]``, ``formats.int4_rows``) in the int4 packing's order (zero padded): the native copy (csrc/memory.cpp, every
-    thread) where it applies, else torch's copy of ``layouts.int4_interleave``."""
+    or words ``[n, k / 8, 4]``, ``formats.int4_rows``) in the int4 packing's order (zero padded): the native copy
+    (csrc/memory.cpp, every thread) where it applies, else torch's copy of ``layouts.int4_interleave``."""
     if native and isa.native is not None and values.stride(-1) == 1 and out.stride()[1:] == (BLOCK_N, 2, 1):
         isa.native.pack_int4_blocks(out, values, two_a_byte)
     else:
