@@ -249,7 +249,7 @@ def _read_int4(opened, reader, files: dict, key: str, scheme, plan: Plan, ctx: T
     if local != tuple(expected):
         raise ValueError(f"{key}: rank {ctx.rank}'s slice is {local}, the local model expects {tuple(expected)}")
     part = _int4_part(reader, files, key, scheme, shard, shape)
-    return weights.untouched_zeros(local, torch.uint8), shard, None, part
+    return weights.untouched_zeros(local, torch.uint8), shard, None, [(part,)]
 
 
 @contextlib.contextmanager

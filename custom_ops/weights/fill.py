@@ -116,6 +116,12 @@ def _joined(parts, k: int):
     return None if parts is None else formats.joined_int4(parts, k)
 
 
+def _matrix_int4(weight: torch.Tensor):
+    """A 2-D int4 checkpoint weight's rows (``formats.Int4Rows``), or None."""
+    parts = formats.checkpoint_int4(weight)
+    return None if parts is None else formats.joined_int4(parts[0], weight.shape[-1])
+
+
 def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = True, scales=None) -> torch.Tensor:
     """Write ``weights`` into ``out`` in ``layout``'s element order, a chunk at a time. ``native=False``: torch
     copies only (the reference). ``scales``: a quantized packing's scales, written with its values."""
@@ -126,14 +132,14 @@ def fill(layout: str, weights, args: tuple, out: torch.Tensor, native: bool = Tr
             blocks = layouts.blocks_of(weight.shape[0])
             part = None if scales is None else scales[start : start + blocks]
             _fill_linear(out[start : start + blocks], weight, mapped, native, part, formats.checkpoint_scales(weight),
-                         formats.checkpoint_int4(weight))
+                         _matrix_int4(weight))
             start += blocks
     elif layout == "gate_up":
         pairs = layouts.gate_up_halves(out)
         scale_pairs = None if scales is None else layouts.gate_up_halves(scales)
         for i in (0, 1):
             _fill_linear(pairs[:, i], weights[i], mapped, native, None if scales is None else scale_pairs[:, i],
-                         formats.checkpoint_scales(weights[i]), formats.checkpoint_int4(weights[i]))
+                         formats.checkpoint_scales(weights[i]), _matrix_int4(weights[i]))
     elif layout == "expert_gate_up":  # per expert, the gate_up layout of its [2I, H] (gate rows, then up rows)
         source_scales = _per_expert_scales(weights[0])
         halves = layouts.expert_gate_up_halves(out)
@@ -175,8 +181,7 @@ def dequantize_checkpoint_weight(weight: torch.Tensor, dtype=torch.bfloat16) -> 
     mapped = memory.file_mappings()
     if formats.checkpoint_format(weight) == "int4":  # the parts hold nibbles and per-row params
         k = values.shape[-1]
-        parts = formats.checkpoint_int4(weight)
-        for rows, o in zip([parts] if values.dim() == 2 else parts, flat_out):
+        for rows, o in zip(formats.checkpoint_int4(weight), flat_out):
             nibbles, params = formats.joined_int4(rows, k).read_checked(k)
             o.copy_(formats.dequantize_int4_rows(formats.split_nibbles(formats.int4_rows(nibbles)), params, dtype))
             memory.drop_file_pages(nibbles, mapped)

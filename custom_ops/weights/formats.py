@@ -238,11 +238,9 @@ class Int4Rows:
 def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: torch.Tensor) -> None:
     """``attach_int4_parts`` with rows already read: nibbles ``[..., N, K / 2]`` two a byte (``pair_nibbles``) and
     fp16 ``params [..., N, ceil(K / 128), 2]``."""
-    if weight.dim() == 2:
-        parts = Int4Rows.of(nibbles, params)
-    else:
-        parts = [(Int4Rows.of(n, p),) for n, p in zip(nibbles, params)] if nibbles.dim() == 3 else None
-    for part in [parts] if weight.dim() == 2 else [p for rows in parts or () for p in rows]:  # (read: check now)
+    matrices = [(nibbles, params)] if weight.dim() == 2 else zip(nibbles, params) if nibbles.dim() == 3 else ()
+    parts = [(Int4Rows.of(n, p),) for n, p in matrices]
+    for part in _flat(parts):  # (read: check now)
         part.read_checked(weight.shape[-1])
     attach_int4_parts(weight, parts)
 
@@ -250,20 +248,19 @@ def attach_checkpoint_int4(weight: torch.Tensor, nibbles: torch.Tensor, params: 
 def attach_int4_parts(weight: torch.Tensor, parts) -> None:
     """Mark ``weight`` (a uint8 ``[N, K]`` or experts' ``[E, N, K]``, normally ``memory.untouched_zeros``: it stands
     for the weight in the graphs that trace it) as an int4 checkpoint's, whose rows are ``parts`` (``Int4Rows``):
-    a 2-D weight's one part, experts' a sequence per expert of parts whose rows make its N (gate's, then up's: each
-    read from its own tensor in the file). Packing reads them (as they are into an int4 packing, else dequantized a
-    chunk at a time)."""
+    per matrix (the one of ``[N, K]``, or each expert's) a sequence of parts whose rows make its N (an expert's
+    gate's, then up's: each read from its own tensor in the file). Packing reads them (as they are into an int4
+    packing, else dequantized a chunk at a time)."""
     if weight.dtype != torch.uint8 or weight.dim() not in (2, 3) or weight.shape[-1] % 2:
         raise ValueError(f"int4 checkpoint weight {weight.dtype} {tuple(weight.shape)}: a uint8 [N, K] or experts' "
                          f"[E, N, K] (K even)")
     n = weight.shape[-2]
-    experts = [(parts,)] if weight.dim() == 2 else parts
-    if experts is None or len(experts) != (weight.shape[0] if weight.dim() == 3 else 1) or not all(
+    if len(parts) != (weight.shape[0] if weight.dim() == 3 else 1) or not all(
             all(isinstance(part, Int4Rows) for part in rows) and sum(part.rows for part in rows) == n
-            for rows in experts):
+            for rows in parts):
         raise ValueError(f"int4 checkpoint weight {tuple(weight.shape)}: its parts must be Int4Rows, {n} rows per "
-                         f"matrix (experts: per expert a sequence of parts), got {parts!r:.200}")
-    _checkpoint_int4[weight] = parts if weight.dim() == 2 else [tuple(rows) for rows in experts]
+                         f"matrix (per matrix, the one or each expert's, a sequence of parts), got {parts!r:.200}")
+    _checkpoint_int4[weight] = [tuple(rows) for rows in parts]
 
 
 def _is_int4_rows(part, k: int) -> bool:
@@ -272,17 +269,18 @@ def _is_int4_rows(part, k: int) -> bool:
 
 
 def checkpoint_int4(weight: torch.Tensor):
-    """The parts ``attach_int4_parts`` gave ``weight``: a 2-D weight's ``Int4Rows``, experts' a list of each
-    expert's tuple of them; None where it holds no int4 checkpoint's."""
+    """The parts ``attach_int4_parts`` gave ``weight``, a list per matrix of tuples of ``Int4Rows``; None where it
+    holds no int4 checkpoint's."""
     return _checkpoint_int4.get(weight)
 
 
 def int4_parts(weight: torch.Tensor) -> list[Int4Rows]:
     """Every ``Int4Rows`` of int4 checkpoint weight ``weight`` (none where it is not one)."""
-    parts = checkpoint_int4(weight)
-    if parts is None:
-        return []
-    return [parts] if isinstance(parts, Int4Rows) else [part for rows in parts for part in rows]
+    return _flat(checkpoint_int4(weight) or [])
+
+
+def _flat(parts) -> list[Int4Rows]:
+    return [part for rows in parts for part in rows]
 
 
 def int4_rows(part: torch.Tensor) -> torch.Tensor:
@@ -294,8 +292,6 @@ def int4_rows(part: torch.Tensor) -> torch.Tensor:
 
 def joined_int4(parts, k: int) -> Int4Rows:
     """One ``Int4Rows`` for ``parts``' rows one after another (read and joined where there are several)."""
-    if isinstance(parts, Int4Rows):
-        return parts
     if len(parts) == 1:
         return parts[0]
     read = [part.read_checked(k) for part in parts]
