@@ -29,6 +29,7 @@ def _zeros(shape, dtype, device) -> torch.Tensor:
 class TilefxCacheLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = False
+    is_croppable = True  # the valid prefix is a length: cropping moves it back (TilefxCache.crop)
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor):
         super().__init__()
@@ -153,8 +154,37 @@ class TilefxCache(Cache):
         # change the guards); tilefx's forward normalizes the mask itself.
         return False
 
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise NotImplementedError("tilefx does not support beam search yet (num_beams > 1)")
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` of the batch goes on from the sequence row ``beam_idx[i]`` held.
+
+        Copies the valid prefix of the rows that change, in every layer; rows that keep their own
+        sequence are not touched (most steps, most beams).
+        """
+        beam_idx = beam_idx.to(device="cpu", dtype=torch.long)
+        if beam_idx.dim() != 1 or beam_idx.numel() != self.batch:
+            raise ValueError(f"reorder_cache: {tuple(beam_idx.shape)} beam indices for a batch of {self.batch}")
+        moved = (beam_idx != torch.arange(self.batch)).nonzero()[:, 0]
+        if moved.numel() == 0 or self.seq_len == 0:
+            return
+        sources = beam_idx[moved]
+        for layer in self.layers:
+            for buffer in (layer.keys, layer.values):
+                prefix = buffer[:, :, : self.seq_len]
+                prefix.index_copy_(0, moved, prefix.index_select(0, sources))
+
+    def activate_past_recording(self) -> None:
+        """Nothing to record: every token stays in the buffers until overwritten, so a crop loses nothing."""
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("tilefx's cache cannot be cropped (assisted generation is not supported)")
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count, 0 a no-op).
+
+        Assisted generation verifies draft tokens in one forward and rolls back those it rejects. The buffers
+        keep their values past the new length; the next tokens overwrite them and nothing reads them before.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass the number of tokens to remove as a negative int")
+        remove = -tokens_to_remove
+        if remove > self.seq_len:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds only {self.seq_len} tokens")
+        self.length.sub_(remove)
+        self.seq_len -= remove

@@ -156,6 +156,8 @@ class TilefxRuntime:
             raise ValueError(f"unsupported forward arguments: {sorted(kwargs)}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be a count of last rows (an int >= 0), got {logits_to_keep!r}")
         self._check_threads()
         cache = self.cache
         batch, seq = input_ids.shape
@@ -165,20 +167,41 @@ class TilefxRuntime:
         mask = self._full_mask(attention_mask, batch, past + seq)
         if position_ids is None:
             position_ids = (mask[:, : past + seq].cumsum(-1) - 1).clamp_min(0)[:, past:]
+        position_ids = position_ids.expand(batch, seq)
+        if not continuing:
+            cache.start(batch)
+        if seq == 1 or logits_to_keep >= seq:
+            logits_to_keep = 0 if seq > 1 else 1  # all rows: the same logits whatever the count asked
+        if logits_to_keep <= 1:
+            logits = self._run(input_ids, position_ids, mask, logits_to_keep)
+        else:
+            # Some rows' logits but not all (assisted generation verifies draft tokens so): a graph per count
+            # would compile again for every draft length. The prefix up to the first row kept runs as a prompt
+            # keeping its last row, the rest continues the sequence keeping all of theirs: graphs that exist.
+            split = seq - logits_to_keep + 1
+            head = self._run(input_ids[:, :split], position_ids[:, :split], mask, 1)
+            rest = 1 if seq - split == 1 else 0
+            logits = torch.cat([head, self._run(input_ids[:, split:], position_ids[:, split:], mask, rest)], dim=1)
+        if return_dict is False:
+            return (logits, cache)
+        return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))
+
+    def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+             logits_to_keep: int) -> torch.Tensor:
+        """One compiled graph's call on the next ``input_ids`` of the sequence the cache holds; the cache
+        advances past them. ``logits_to_keep``: 1 (the last row's) or 0 (every row's)."""
+        cache = self.cache
+        batch, seq = input_ids.shape
         # Fresh tensors with canonical strides: a [B, 1] slice of a longer tensor is "contiguous"
         # but its strides differ, and Dynamo guards on strides.
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
-        position_ids = position_ids.expand(batch, seq).clone(memory_format=torch.contiguous_format)
+        position_ids = position_ids.clone(memory_format=torch.contiguous_format)
         if seq > 1:
             for tensor in (input_ids, position_ids):
                 torch._dynamo.mark_dynamic(tensor, 1, min=2, max=self.options.max_seq_len)
         if batch > 1 and self.options.max_batch > 2:  # (2 is the only batch above 1: static)
             for tensor in (input_ids, position_ids, mask):
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.options.max_batch)
-        if not continuing:
-            cache.start(batch)
-        if seq == 1:
-            logits_to_keep = 1  # the same single row either way; one value keeps one decode graph
         arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
         call = self._call_class(batch, seq, logits_to_keep)
@@ -190,9 +213,7 @@ class TilefxRuntime:
             else:
                 logits = self._dynamo_forward(call, "prefill" if seq > 1 else "decode", arguments)
         cache.advance(seq)
-        if return_dict is False:
-            return (logits, cache)
-        return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))
+        return logits
 
     def _check_threads(self) -> None:
         threads = torch.get_num_threads()
@@ -245,12 +266,8 @@ class TilefxRuntime:
             raise ValueError("tilefx-compiled generate() needs input_ids")
         config = copy.deepcopy(generation_config or self.model.generation_config)
         config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
-        if (config.num_beams or 1) > 1:
-            raise ValueError("tilefx does not support beam search yet (num_beams > 1); use sampling or greedy")
-        if kwargs.get("assistant_model") is not None or config.prompt_lookup_num_tokens:
-            raise ValueError("tilefx does not support assisted generation yet")
         batch, prompt = input_ids.shape
-        batch *= config.num_return_sequences or 1
+        batch *= max(config.num_return_sequences or 1, config.num_beams or 1)  # each beam is a row
         new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
         self.cache.check_fits(batch, prompt + new, continuing=False)
         return self.eager_generate(inputs, generation_config=generation_config, **kwargs)

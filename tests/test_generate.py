@@ -8,7 +8,8 @@ import torch
 import tilefx
 from tilefx.models.presets import build_model
 
-from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch
+from helpers import (assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch,
+                     reference_logprobs)
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
@@ -177,6 +178,91 @@ def test_forward_logits_match_eager(pair):
         got = compiled(input_ids=ids, attention_mask=mask).logits.float()
         want = reference(input_ids=ids, attention_mask=mask).logits.float()
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def _graph_calls(compiled, monkeypatch) -> list[int]:
+    """The new tokens of every compiled graph call from now on (``TilefxRuntime._run``)."""
+    runtime, calls = compiled.tilefx, []
+    run = runtime._run
+
+    def counted(input_ids, *args, **kwargs):
+        calls.append(input_ids.shape[1])
+        return run(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "_run", counted)
+    return calls
+
+
+def test_some_rows_logits_come_from_the_graphs_there_are(pair):
+    """``logits_to_keep`` between 1 and the prompt (how assisted generation verifies drafts) runs the prompt graph
+    and the all-rows one (test_forward_logits_match_eager's), not a graph per count; the rows equal eager's."""
+    reference, compiled = pair
+    if compiled.config.model_type != "llama":
+        pytest.skip("one family runs the all-positions graph")
+    ids, mask = padded_batch([_prompt(12, 9)])
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=mask)  # the all-rows graph, compiled here if no test did yet
+        report = compiled.tilefx.report
+        graphs, recompiles = len(report.graphs), report.recompiles
+        for keep in (2, 5, 12, 20):
+            got = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits.float()
+            want = reference(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits.float()
+            assert got.shape == want.shape == (1, min(keep, 12), compiled.config.vocab_size)
+            torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+    assert (len(report.graphs), report.recompiles) == (graphs, recompiles)
+    with pytest.raises(ValueError, match="logits_to_keep must be a count"):
+        compiled(input_ids=ids, attention_mask=mask, logits_to_keep=torch.tensor([3, 5]))
+
+
+def test_prompt_lookup_decoding_matches_eager(pair, monkeypatch):
+    """Assisted generation, its drafts from the prompt: several tokens verified a forward, the rejected ones
+    cropped from the cache. Every token is still the reference's greedy choice."""
+    reference, compiled = pair
+    if compiled.config.model_type != "llama":
+        pytest.skip("one family runs the all-positions graph")
+    ids, mask = padded_batch([_prompt(6, 4) * 4])  # a repetitive prompt: drafts to find
+    calls = _graph_calls(compiled, monkeypatch)
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4)
+    assert out.shape == (1, 24 + 24)
+    assert_greedy_matches(reference, ids, mask, out)
+    assert sum(calls) > 24 + 24  # drafts were verified: more tokens went through the graphs than were kept
+    assert len(calls) < 24, calls  # and some accepted: fewer steps than tokens
+
+
+def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
+    """Assisted generation with a draft model of the same vocabulary (another seed: it drafts wrong tokens too,
+    which the compiled model rejects and crops)."""
+    reference, compiled = pair
+    if compiled.config.model_type != "llama":
+        pytest.skip("one family runs the all-positions graph")
+    draft = build_model("tiny-llama", seed=8)
+    ids, mask = padded_batch([_prompt(7, 5)])
+    calls = _graph_calls(compiled, monkeypatch)
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                            num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
+    assert_greedy_matches(reference, ids, mask, out)
+    assert max(calls[1:]) > 1  # drafts verified several at a time
+
+
+def test_beam_search_scores_each_beam_as_the_reference_does(pair):
+    """Beam search reorders the cache's rows every step (``reorder_cache``). Each beam's score, as the run summed
+    it, equals its tokens' log-probs under the reference: a row going on from a wrong prefix would score apart."""
+    reference, compiled = pair
+    graphs = len(compiled.tilefx.report.graphs)
+    for seed in (0, 2):
+        ids, mask = padded_batch([_prompt(9, seed)])
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=4,
+                                num_return_sequences=4, length_penalty=0.0, output_scores=True,
+                                return_dict_in_generate=True)
+        beams = out.sequences
+        assert beams.shape == (4, 19) and torch.equal(beams[:, :9], ids.expand(4, 9))
+        assert len({tuple(row) for row in beams.tolist()}) == 4
+        full = torch.ones_like(beams)
+        logprobs = reference_logprobs(reference, beams, full)[:, 8:-1].gather(-1, beams[:, 9:, None])[..., 0]
+        torch.testing.assert_close(out.sequences_scores, logprobs.sum(-1), rtol=0, atol=0.1)
+    assert len(compiled.tilefx.report.graphs) == graphs  # the batch-2-4 graphs warm-up compiled
+    with pytest.raises(ValueError, match=f"max_batch={MAX_BATCH}"):
+        compiled.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=MAX_BATCH + 1)
 
 
 def test_explain_reports_rewrites(pair):

@@ -14,7 +14,8 @@ import tilefx
 from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import build_model
 
-from helpers import assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch
+from helpers import (assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch,
+                     reference_logprobs)
 
 # preset -> layers (DeepSeek-V3's first layer is dense: it needs two for a sparse one)
 FAMILIES = {"tiny-qwen2-moe": 1, "tiny-qwen3-moe": 1, "tiny-mixtral": 1, "tiny-deepseek-v2": 1, "tiny-deepseek-v3": 2}
@@ -54,6 +55,34 @@ def test_greedy_on_the_avx512_unit_matches_eager(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
     assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=10) >= 16
+
+
+def test_a_sequence_continued_by_several_tokens_matches_eager(pair):
+    """A forward of several tokens after a cached prefix (a chat's next turn; assisted generation's draft check):
+    the prompt graph over a nonzero past, with MLA's latent cache and the experts."""
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
+    more = torch.tensor([_prompt(3, 3), _prompt(3, 4)])
+    whole_ids, whole_mask = torch.cat([ids, more], 1), torch.cat([mask, torch.ones_like(more)], 1)
+    with torch.no_grad():
+        first = compiled(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+        got = compiled(input_ids=more, attention_mask=whole_mask, logits_to_keep=1, cache=first.cache).logits
+        want = reference(input_ids=whole_ids, attention_mask=whole_mask, logits_to_keep=1).logits
+    assert compiled.tilefx.cache.seq_len == 12
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_beam_search_scores_each_beam_as_the_reference_does(pair):
+    """Two beams, the batch-2 graphs: the cache's rows (MLA's latent ones too) reordered every step; each beam's
+    score as the run summed it equals its tokens' log-probs under the reference."""
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(7, 5)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=2,
+                            num_return_sequences=2, length_penalty=0.0, output_scores=True,
+                            return_dict_in_generate=True)
+    beams = out.sequences
+    logprobs = reference_logprobs(reference, beams, torch.ones_like(beams))[:, 6:-1].gather(-1, beams[:, 7:, None])
+    torch.testing.assert_close(out.sequences_scores, logprobs[..., 0].sum(-1), rtol=0, atol=0.1)
 
 
 def test_explain_says_what_was_left_alone(pair):

@@ -96,6 +96,18 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
         assert row["profile"]["step_ms"] > 0
 
 
+def test_bench_assisted_times_prompt_lookup_on_both_modes(tmp_path):
+    out = tmp_path / "assisted.json"
+    run_script("bench_assisted.py", ["--preset", "tiny-llama", "--prompt-len", "24", "--new-tokens", "6",
+                                     "--lookup", "3", "--runs", "1", "--verify-rounds", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = {(r["mode"], r["lookup"]): r for r in result["rows"]}
+    assert set(rows) == {("eager", 0), ("eager", 3), ("tilefx", 0), ("tilefx", 3)}
+    assert all(r["seconds"] > 0 and 1 <= r["forwards"] <= 6 for r in rows.values())
+    assert rows["tilefx", 0]["forwards"] == 6  # greedy: one forward a token
+    assert sorted(int(k) for k in result["verify_seconds"]) == [1, 2, 3, 4, 5, 8, 11]
+
+
 def test_profile_counts_the_weights_each_op_reads():
     """bench_tpot --profile's weight bytes: a linear's packed weight, scales and bias; fused_moe's routed experts'
     w13 and w2 with their scales, at most every expert once."""

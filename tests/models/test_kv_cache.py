@@ -44,3 +44,53 @@ def test_update_writes_after_valid_prefix():
 def test_bad_sizes():
     with pytest.raises(ValueError, match="max_batch"):
         TilefxCache(num_layers=1, kv_heads=1, head_dim=8, max_batch=0, max_seq_len=16)
+
+
+def _filled(batch: int, tokens: int) -> TilefxCache:
+    """A cache of ``batch`` rows holding ``tokens`` random tokens in every layer."""
+    cache = TilefxCache(num_layers=2, kv_heads=2, head_dim=8, max_batch=4, max_seq_len=16, v_head_dim=4)
+    cache.start(batch)
+    for layer in range(2):
+        cache.update(torch.randn(batch, 2, tokens, 8, dtype=torch.bfloat16),
+                     torch.randn(batch, 2, tokens, 4, dtype=torch.bfloat16), layer)
+    cache.advance(tokens)
+    return cache
+
+
+def test_crop_forgets_the_last_tokens_and_the_next_ones_overwrite_them():
+    cache = _filled(1, 6)
+    kept = cache.layers[0].keys[:1, :, :4].clone()
+    cache.crop(0)
+    assert cache.seq_len == 6
+    cache.crop(-2)  # transformers' convention: a negative count of tokens to remove
+    assert cache.seq_len == 4 and int(cache.length) == 4 and int(cache.get_seq_length()) == 4
+    new = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
+    cache.update(new, torch.randn(1, 2, 1, 4, dtype=torch.bfloat16), 0)
+    assert torch.equal(cache.layers[0].keys[:1, :, 4:5], new)
+    assert torch.equal(cache.layers[0].keys[:1, :, :4], kept)
+    assert cache.is_croppable
+
+
+def test_crop_refuses_what_it_cannot_do_before_changing_state():
+    cache = _filled(1, 3)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(2)
+    with pytest.raises(ValueError, match="holds only 3 tokens"):
+        cache.crop(-4)
+    assert cache.seq_len == 3 and int(cache.length) == 3
+
+
+def test_reorder_cache_gives_each_row_the_prefix_of_the_row_it_continues():
+    cache = _filled(3, 5)
+    before = [(layer.keys[:3, :, :5].clone(), layer.values[:3, :, :5].clone()) for layer in cache.layers]
+    stale = cache.layers[0].keys[:3, :, 5:].clone()
+    beams = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beams)
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys[:3, :, :5], keys[beams])
+        assert torch.equal(layer.values[:3, :, :5], values[beams])
+    assert torch.equal(cache.layers[0].keys[:3, :, 5:], stale)  # past the valid prefix: not read, not copied
+    cache.reorder_cache(torch.arange(3))  # every row keeps its own: nothing moves
+    assert torch.equal(cache.layers[1].values[:3, :, :5], before[1][1][beams])
+    with pytest.raises(ValueError, match="for a batch of 3"):
+        cache.reorder_cache(torch.tensor([0, 1]))
