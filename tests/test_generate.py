@@ -230,18 +230,22 @@ def test_prompt_lookup_decoding_matches_eager(pair, monkeypatch):
 
 
 def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
-    """Assisted generation with a draft model of the same vocabulary (another seed: it drafts wrong tokens too,
-    which the compiled model rejects and crops)."""
+    """Assisted generation with a draft model of the same vocabulary, eager or compiled (another seed: it drafts
+    wrong tokens too, which the compiled model rejects and crops)."""
     reference, compiled = pair
     if compiled.config.model_type != "llama":
         pytest.skip("one family runs the all-positions graph")
-    draft = build_model("tiny-llama", seed=8)
+    eager_draft = build_model("tiny-llama", seed=8)
+    compiled_draft = tilefx.compile_model(build_model("tiny-llama", seed=8), max_seq_len=MAX_SEQ_LEN, warmup=False)
     ids, mask = padded_batch([_prompt(7, 5)])
-    calls = _graph_calls(compiled, monkeypatch)
-    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                            num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
-    assert_greedy_matches(reference, ids, mask, out)
-    assert max(calls[1:]) > 1  # drafts verified several at a time
+    for draft in (eager_draft, compiled_draft):
+        calls = _graph_calls(compiled, monkeypatch)
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
+                                num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
+        assert_greedy_matches(reference, ids, mask, out)
+        assert max(calls[1:]) > 1  # drafts verified several at a time
+    # the draft continues and crops its own cache: its prompt and decode graphs serve every round
+    assert [graph.phase for graph in compiled_draft.tilefx.report.graphs] == ["prefill", "decode"]
 
 
 def test_beam_search_scores_each_beam_as_the_reference_does(pair):
