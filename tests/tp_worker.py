@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] CKPT [CKPT ...]
 
 For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and, for the
-checkpoints named by --batch2 (all without it), a padded batch of 2 (compiled for max_batch 2: twice the
+checkpoints named by --batch2 (all without it), a padded batch of 2 and a beam search of 2 beams (compiled for max_batch 2: twice the
 graphs), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 """
 
@@ -70,12 +70,18 @@ def main() -> None:
             one = model.generate(prompt, max_new_tokens=8, do_sample=False)
             two = model.generate(batch_ids, attention_mask=batch_mask, max_new_tokens=8, do_sample=False) \
                 if rows == 2 else None
+            # two beams: the batch-2 graphs, each rank reordering its own slice of the cache
+            beams = model.generate(prompt, max_new_tokens=6, do_sample=False, num_beams=2, num_return_sequences=2,
+                                   length_penalty=0.0, output_scores=True, return_dict_in_generate=True) \
+                if rows == 2 else None
         explain = tilefx.explain(model)
         result = {
             "rank": rank,
             "one": one.tolist(),
             "two": two.tolist() if two is not None else None,
             "batch_mask": batch_mask.tolist(),
+            "beams": beams.sequences.tolist() if beams is not None else None,
+            "beam_scores": beams.sequences_scores.tolist() if beams is not None else None,
             "weight_bytes": resident_weight_bytes(model),
             "recompiles": model.tilefx.report.recompiles,
             "adapter_lookups": len(lookups),
