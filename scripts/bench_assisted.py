@@ -140,8 +140,8 @@ def main(argv=None) -> int:
             costs = verify_costs(model, ids, args.verify_rounds)
         del model
 
-    print(f"\n{label}: {ids.shape[1]}-token prompt, up to {args.new_tokens} new tokens (greedy), median of {args.runs}, "
-          f"{torch.get_num_threads()} threads\n")
+    print(f"\n{label}: {ids.shape[1]}-token prompt, up to {args.new_tokens} new tokens (greedy), "
+          f"median of {args.runs}, {torch.get_num_threads()} threads\n")
     print("| mode | prompt_lookup_num_tokens | tokens | ms | tokens/s | vs its greedy | tokens per forward "
           "| same tokens as greedy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
