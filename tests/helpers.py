@@ -34,6 +34,13 @@ def reference_logprobs(model, sequences: torch.Tensor, mask: torch.Tensor) -> to
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def reference_sequence_logprobs(reference, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The sum of each row's generated tokens' (those after ``prompt_len``) log-probs under ``reference``: a beam's
+    score, as beam search sums it with ``length_penalty=0``."""
+    logprobs = reference_logprobs(reference, sequences, torch.ones_like(sequences))[:, prompt_len - 1 : -1]
+    return logprobs.gather(-1, sequences[:, prompt_len:, None])[..., 0].sum(-1)
+
+
 def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
     """Every generated token is the reference's argmax, or within 0.1 nat of it. Returns the exact matches.
 

@@ -15,7 +15,7 @@ from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import build_model
 
 from helpers import (assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch,
-                     reference_logprobs)
+                     reference_sequence_logprobs)
 
 # preset -> layers (DeepSeek-V3's first layer is dense: it needs two for a sparse one)
 FAMILIES = {"tiny-qwen2-moe": 1, "tiny-qwen3-moe": 1, "tiny-mixtral": 1, "tiny-deepseek-v2": 1, "tiny-deepseek-v3": 2}
@@ -80,9 +80,8 @@ def test_beam_search_scores_each_beam_as_the_reference_does(pair):
     out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, num_beams=2,
                             num_return_sequences=2, length_penalty=0.0, output_scores=True,
                             return_dict_in_generate=True)
-    beams = out.sequences
-    logprobs = reference_logprobs(reference, beams, torch.ones_like(beams))[:, 6:-1].gather(-1, beams[:, 7:, None])
-    torch.testing.assert_close(out.sequences_scores, logprobs[..., 0].sum(-1), rtol=0, atol=0.1)
+    torch.testing.assert_close(out.sequences_scores, reference_sequence_logprobs(reference, out.sequences, 7), rtol=0,
+                               atol=0.1)
 
 
 def test_explain_says_what_was_left_alone(pair):

@@ -31,7 +31,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import assert_greedy_matches, reference_logprobs
+from tests.helpers import assert_greedy_matches, reference_sequence_logprobs
 from tilefx.models.checkpoint import write_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -91,9 +91,7 @@ def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
             assert_greedy_matches(reference, two[:, :7], mask, two)
             # beam search: both ranks reorder their caches alike, and each beam's score is its tokens' log-probs
             assert rank0["beams"] == rank1["beams"], "the ranks kept different beams"
-            beams = torch.tensor(rank0["beams"])
-            logprobs = reference_logprobs(reference, beams, torch.ones_like(beams))[:, 12:-1]
-            scores = logprobs.gather(-1, beams[:, 13:, None])[..., 0].sum(-1)
+            scores = reference_sequence_logprobs(reference, torch.tensor(rank0["beams"]), 13)
             torch.testing.assert_close(torch.tensor(rank0["beam_scores"]), scores, rtol=0, atol=0.1)
         else:
             assert rank0["two"] is None

@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] CKPT [CKPT ...]
 
 For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and, for the
-checkpoints named by --batch2 (all without it), a padded batch of 2 and a beam search of 2 beams (compiled for max_batch 2: twice the
-graphs), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
+checkpoints named by --batch2 (all without it), a padded batch of 2 and a beam search of 2 beams (compiled for
+max_batch 2: twice the graphs), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 """
 
 from __future__ import annotations
