@@ -73,6 +73,35 @@ def assert_greedy_matches(reference, prompt_ids, prompt_mask, generated) -> int:
     return exact
 
 
+def assert_draws_from_reference_logits(reference, prompt_ids, prompt_mask, output, top_k: int,
+                                       routing_flips: int = 0) -> None:
+    """A sampled ``generate(..., output_logits=True, return_dict_in_generate=True)``: the logits each token was
+    drawn from equal the reference's after the same prefix (log-probs within 0.1 nat over the reference's 8 most
+    likely tokens; a wrong cache row moves them by 0.2-0.8 on the tiny presets, at nearly every step), and each
+    token is among the reference's ``top_k`` (or within 0.1 nat of the k-th, a bf16 near-tie at the edge). A row's
+    steps after its EOS are generate()'s padding and not checked. ``routing_flips``: steps a row may be further
+    apart, for an MoE whose router had two experts near-tied and bf16 rounding chose the other (the tiny MoE
+    presets: 0.19-0.24 nat at one step in a few runs)."""
+    generated, prompt_len = output.sequences, prompt_ids.shape[1]
+    assert torch.equal(generated[:, :prompt_len], prompt_ids)
+    new = generated[:, prompt_len:]
+    mask = torch.cat([prompt_mask, torch.ones_like(new)], dim=1)
+    want = reference_logprobs(reference, generated, mask)[:, prompt_len - 1 : -1]
+    got = torch.log_softmax(torch.stack(output.logits, dim=1).float(), dim=-1)
+    assert got.shape == want.shape
+    eos = reference.generation_config.eos_token_id
+    is_eos = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos])).long()
+    drawing = (is_eos.cumsum(-1) - is_eos) == 0
+    likely = want.topk(8, dim=-1).indices
+    apart = (got.gather(-1, likely) - want.gather(-1, likely)).abs().amax(-1)
+    flips = ((apart > CLOSE_LOGPROB_NATS) & drawing).sum(-1)
+    assert (flips <= routing_flips).all(), f"log-probs apart by (row, step) nats: {apart.tolist()}"
+    kth = want.topk(top_k, dim=-1).values[..., -1]
+    below = kth - want.gather(-1, new[..., None])[..., 0]
+    outside = (below > CLOSE_LOGPROB_NATS) & drawing
+    assert not outside.any(), f"tokens outside the reference's top {top_k} at {outside.nonzero().tolist()}"
+
+
 def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

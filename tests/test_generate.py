@@ -8,8 +8,8 @@ import torch
 import tilefx
 from tilefx.models.presets import build_model
 
-from helpers import (assert_greedy_matches, assert_greedy_matches_on_emulated_avx512, padded_batch,
-                     reference_sequence_logprobs)
+from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
+                     assert_greedy_matches_on_emulated_avx512, padded_batch, reference_sequence_logprobs)
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
@@ -67,6 +67,23 @@ def test_sampling_with_seed_is_reproducible(pair):
         runs.append(compiled.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20))
     assert torch.equal(runs[0], runs[1])
     assert runs[0].shape == (1, 16) and int(runs[0].max()) < compiled.config.vocab_size
+
+
+def test_sampling_draws_from_the_references_distribution(pair):
+    """Sampling draws from logits equal to the reference's after each drawn prefix, and each token drawn with
+    ``top_k=4`` is among the reference's 4 most likely. Several seeds, a padded batch of 2: drawn tokens leave the
+    greedy path, so the cache continues sequences that greedy decoding never makes."""
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(8, 6), _prompt(5, 7)])
+    greedy = compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    off_greedy = 0
+    for seed in range(3):
+        torch.manual_seed(seed)
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=True, top_k=4,
+                                temperature=0.9, output_logits=True, return_dict_in_generate=True)
+        assert_draws_from_reference_logits(reference, ids, mask, out, 4)
+        off_greedy += int((out.sequences[:, 8:] != greedy[:, 8:]).any(-1).sum())
+    assert off_greedy >= 3  # sampling, not greedy decoding under another name
 
 
 def test_no_recompiles_after_warmup(pair):
@@ -227,6 +244,24 @@ def test_prompt_lookup_decoding_matches_eager(pair, monkeypatch):
     assert_greedy_matches(reference, ids, mask, out)
     assert sum(calls) > 24 + 24  # drafts were verified: more tokens went through the graphs than were kept
     assert len(calls) < 24, calls  # and some accepted: fewer steps than tokens
+
+
+def test_prompt_lookup_with_sampling_draws_from_the_references_distribution(pair, monkeypatch):
+    """Assisted generation while sampling: transformers keeps a draft token only where the token it draws from the
+    compiled logits equals it, and crops the rest from the cache. Each token's logits are the reference's after
+    its prefix (a crop that forgot nothing leaves the rejected drafts in the context: 0.2-0.8 nat apart)."""
+    reference, compiled = pair
+    if compiled.config.model_type != "llama":
+        pytest.skip("one family runs the all-positions graph")
+    ids, mask = padded_batch([_prompt(6, 4) * 4])
+    for seed in range(2):
+        calls = _graph_calls(compiled, monkeypatch)
+        torch.manual_seed(seed)
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=3,
+                                prompt_lookup_num_tokens=4, output_logits=True, return_dict_in_generate=True)
+        assert out.sequences.shape == (1, 24 + 20)
+        assert_draws_from_reference_logits(reference, ids, mask, out, 3)
+        assert max(calls[1:]) > 1  # drafts were verified
 
 
 def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
