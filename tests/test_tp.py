@@ -11,7 +11,8 @@ and be the same on both ranks; each rank holds half the weights. (Each model cos
 cold compiles on two cores, so one model stands for each plan: plain Qwen3 is Qwen3-MoE's attention, a bf16
 Qwen3-30B-A3B layer splits its experts as the FP8 one does; and a padded batch of 2, which doubles the graphs,
 runs on DeepSeek-V3 only, whose layers are a dense MLP, routed and shared experts and MLA: the other plans' splits
-are per row too, and their batches of 2 run on one process in tests/test_generate*.py.)
+are per row too, and their batches of 2 run on one process in tests/test_generate*.py. DeepSeek-V3 also runs a
+beam search on those graphs and prompt lookup decoding, whose draft check compiles one more graph.)
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import assert_greedy_matches, reference_sequence_logprobs
+from tests.helpers import assert_draws_from_reference_logits, assert_greedy_matches, reference_sequence_logprobs
 from tilefx.models.checkpoint import write_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILIES = ("tiny-qwen2-mqa", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v3")
+FAMILIES = ("tiny-qwen2-mqa", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v2",
+            "tiny-deepseek-v3")
 UNCOMPILED = "tiny-llama"  # written for the refusals only: Llama-3.2-1B's layer below is the dense GQA plan
 
 
@@ -93,6 +96,17 @@ def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
             assert rank0["beams"] == rank1["beams"], "the ranks kept different beams"
             scores = reference_sequence_logprobs(reference, torch.tensor(rank0["beams"]), 13)
             torch.testing.assert_close(torch.tensor(rank0["beam_scores"]), scores, rtol=0, atol=0.1)
+            # prompt lookup: both ranks accept and crop alike, and every token is still the reference's greedy one
+            # (each step's logits, not only its token: after a rejected draft a crop that forgot nothing moves every
+            # later step's, mostly by less than the greedy rule sees on this tiny model)
+            assert rank0["lookup"] == rank1["lookup"], "the ranks accepted different drafts"
+            lookup = SimpleNamespace(sequences=torch.tensor(rank0["lookup"]),
+                                     logits=tuple(torch.tensor(step) for step in rank0["lookup_logits"]))
+            prompt = lookup.sequences[:, :26]
+            assert_draws_from_reference_logits(reference, prompt, torch.ones_like(prompt), lookup, 1, routing_flips=1)
+            assert max(rank0["lookup_forwards"][1:]) > 1  # drafts were checked several tokens a forward
+            # at first use, the one graph that checks drafts (a prompt's, keeping all rows), on both ranks
+            assert [r["graphs_after_lookup"] for r in (rank0, rank1)] == [1, 1]
         else:
             assert rank0["two"] is None
     assert rank0["recompiles"] == 0 and rank1["recompiles"] == 0

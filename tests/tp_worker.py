@@ -3,12 +3,14 @@
     torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] CKPT [CKPT ...]
 
 For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and, for the
-checkpoints named by --batch2 (all without it), a padded batch of 2 and a beam search of 2 beams (compiled for
-max_batch 2: twice the graphs), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
+checkpoints named by --batch2 (all without it), a padded batch of 2, a beam search of 2 beams (compiled for
+max_batch 2: twice the graphs) and prompt lookup decoding (drafts checked several tokens a forward, rejected ones
+cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -51,6 +53,22 @@ def resident_weight_bytes(model) -> int:
     return sum(resident_bytes(address, nbytes) for address, nbytes in storages.items())
 
 
+@contextlib.contextmanager
+def counting_forwards(runtime, forwards: list[int]):
+    """Appends each compiled forward's new tokens (``TilefxRuntime._run``) to ``forwards`` inside the block."""
+    run = runtime._run
+
+    def counted(input_ids, *args, **kwargs):
+        forwards.append(input_ids.shape[1])
+        return run(input_ids, *args, **kwargs)
+
+    runtime._run = counted
+    try:
+        yield
+    finally:
+        del runtime._run  # the class's method again
+
+
 def main() -> None:
     out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
     batch2 = None
@@ -74,6 +92,13 @@ def main() -> None:
             beams = model.generate(prompt, max_new_tokens=6, do_sample=False, num_beams=2, num_return_sequences=2,
                                    length_penalty=0.0, output_scores=True, return_dict_in_generate=True) \
                 if rows == 2 else None
+            recompiles = model.tilefx.report.recompiles  # (before the all-rows graph prompt lookup compiles)
+            lookup, forwards = None, []
+            if rows == 2:  # prompt lookup: a prompt that repeats itself, so drafts are found
+                with counting_forwards(model.tilefx, forwards):
+                    lookup = model.generate(prompt.repeat(1, 2), max_new_tokens=12, do_sample=False,
+                                            prompt_lookup_num_tokens=3, output_logits=True,
+                                            return_dict_in_generate=True)
         explain = tilefx.explain(model)
         result = {
             "rank": rank,
@@ -82,8 +107,12 @@ def main() -> None:
             "batch_mask": batch_mask.tolist(),
             "beams": beams.sequences.tolist() if beams is not None else None,
             "beam_scores": beams.sequences_scores.tolist() if beams is not None else None,
+            "lookup": lookup.sequences.tolist() if lookup is not None else None,
+            "lookup_logits": [step.float().tolist() for step in lookup.logits] if lookup is not None else None,
+            "lookup_forwards": forwards,
             "weight_bytes": resident_weight_bytes(model),
-            "recompiles": model.tilefx.report.recompiles,
+            "recompiles": recompiles,
+            "graphs_after_lookup": len(model.tilefx.report.graphs) - model.tilefx.report.warmup_graphs,
             "adapter_lookups": len(lookups),
             "graph_ops": [dict(g.tilefx_ops) for g in model.tilefx.report.graphs],
             "explain": explain,
