@@ -85,6 +85,9 @@ class TilefxCache(Cache):
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.seq_len = 0  # host copy of `length`
         self.batch = 0  # rows in use by the current request
+        # The token ids each row's cached keys and values are of: a generate() that continues this cache must
+        # begin with them (the model has this one cache, and a generate() without it starts another sequence)
+        self.tokens = torch.zeros((max_batch, max_seq_len), dtype=torch.long)
         v_head_dim = v_head_dim or head_dim
         layers = [
             TilefxCacheLayer(
@@ -138,9 +141,25 @@ class TilefxCache(Cache):
         self.length.zero_()
         self.seq_len, self.batch = 0, batch
 
-    def advance(self, tokens: int) -> None:
+    def advance(self, tokens: int, input_ids: torch.Tensor | None = None) -> None:
+        """The next ``tokens`` positions are written; ``input_ids`` ``[batch, tokens]``: the tokens they hold."""
+        if input_ids is not None:
+            self.tokens[: input_ids.shape[0], self.seq_len : self.seq_len + tokens] = input_ids
         self.length.add_(tokens)
         self.seq_len += tokens
+
+    def check_continues(self, input_ids: torch.Tensor) -> None:
+        """Raise ValueError unless ``input_ids`` begin with the sequences this cache holds (what generate() given
+        this cache computes only the rest of)."""
+        batch, length = input_ids.shape
+        if batch != self.batch or length < self.seq_len or not torch.equal(
+                input_ids[:, : self.seq_len].cpu(), self.tokens[:batch, : self.seq_len]):
+            raise ValueError(
+                f"the cache passed to generate() holds {self.batch} sequence(s) of {self.seq_len} tokens that "
+                f"input_ids {tuple(input_ids.shape)} do not begin with. A tilefx model has one KV cache, and each "
+                "generate() without it starts a new sequence there: continue only the last sequence generated "
+                "(its output ids, then the new ones), or pass the whole conversation without a cache"
+            )
 
     def reset(self) -> None:
         self.start(0)
@@ -167,6 +186,7 @@ class TilefxCache(Cache):
         if moved.numel() == 0 or self.seq_len == 0:
             return
         sources = beam_idx[moved]
+        self.tokens[moved, : self.seq_len] = self.tokens[sources, : self.seq_len]
         for layer in self.layers:
             for buffer in (layer.keys, layer.values):
                 prefix = buffer[:, :, : self.seq_len]

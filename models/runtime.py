@@ -160,6 +160,9 @@ class TilefxRuntime:
             raise ValueError(f"logits_to_keep must be a count of last rows (an int >= 0), got {logits_to_keep!r}")
         self._check_threads()
         cache = self.cache
+        if given_cache is not None and given_cache is not cache and int(given_cache.get_seq_length()) > 0:
+            raise ValueError(f"a tilefx-compiled model continues only its own KV cache (the `cache` its outputs "
+                             f"return), not a {type(given_cache).__name__} holding tokens")
         batch, seq = input_ids.shape
         continuing = given_cache is cache and cache.seq_len > 0
         cache.check_fits(batch, seq, continuing=continuing)
@@ -212,7 +215,7 @@ class TilefxRuntime:
                 logits = self.loaded[call](arguments)
             else:
                 logits = self._dynamo_forward(call, "prefill" if seq > 1 else "decode", arguments)
-        cache.advance(seq)
+        cache.advance(seq, input_ids)
         return logits
 
     def _check_threads(self) -> None:
@@ -270,4 +273,7 @@ class TilefxRuntime:
         batch *= max(config.num_return_sequences or 1, config.num_beams or 1)  # each beam is a row
         new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
         self.cache.check_fits(batch, prompt + new, continuing=False)
+        given_cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if given_cache is self.cache and self.cache.seq_len > 0:  # a conversation's next turn
+            self.cache.check_continues(input_ids)
         return self.eager_generate(inputs, generation_config=generation_config, **kwargs)

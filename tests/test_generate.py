@@ -283,6 +283,42 @@ def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
     assert [graph.phase for graph in compiled_draft.tilefx.report.graphs] == ["prefill", "decode"]
 
 
+def test_a_conversations_next_turn_continues_its_cache(pair, monkeypatch):
+    """transformers' multi-turn pattern: the next generate() gets the last one's output ids plus the new turn and
+    its cache, and computes only what the cache lacks. The tokens equal the reference's over the whole text."""
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(9, 11)])
+    first = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                              return_dict_in_generate=True)
+    turn = torch.cat([first.sequences, torch.tensor([_prompt(4, 12)])], dim=1)
+    calls = _graph_calls(compiled, monkeypatch)
+    second = compiled.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=6, do_sample=False,
+                               cache=first.cache)
+    assert calls[0] == 5  # the last token of the first turn (never fed back) and the 4 new ones
+    assert_greedy_matches(reference, turn, torch.ones_like(turn), second)
+
+
+def test_a_cache_another_request_restarted_is_refused(pair):
+    """One model, one KV cache: a generate() without a cache starts its sequence there. Continuing an earlier
+    conversation's cache after that would read another sequence's keys and values; it is refused, and so is a
+    cache that is not the model's."""
+    reference, compiled = pair
+    ids_a, _ = padded_batch([_prompt(7, 13)])
+    ids_b, _ = padded_batch([_prompt(5, 14)])
+    a = compiled.generate(ids_a, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    b = compiled.generate(ids_b, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    turn = torch.cat([a.sequences, torch.tensor([[7, 8]])], dim=1)
+    with pytest.raises(ValueError, match="do not begin with"):
+        compiled.generate(turn, max_new_tokens=3, do_sample=False, cache=a.cache)
+    # the refusal changed nothing: b's sequence goes on
+    turn_b = torch.cat([b.sequences, torch.tensor([[7, 8]])], dim=1)
+    out = compiled.generate(turn_b, max_new_tokens=3, do_sample=False, cache=b.cache)
+    assert_greedy_matches(reference, turn_b, torch.ones_like(turn_b), out)
+    foreign = reference.generate(ids_a, max_new_tokens=2, do_sample=False, return_dict_in_generate=True).cache
+    with pytest.raises(ValueError, match="only its own KV cache"):
+        compiled.generate(torch.cat([ids_a, torch.tensor([[7, 8]])], dim=1), max_new_tokens=3, cache=foreign)
+
+
 def test_beam_search_scores_each_beam_as_the_reference_does(pair):
     """Beam search reorders the cache's rows every step (``reorder_cache``). Each beam's score, as the run summed
     it, equals its tokens' log-probs under the reference: a row going on from a wrong prefix would score apart."""

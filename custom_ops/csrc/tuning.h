@@ -66,7 +66,7 @@ void set_mla_expand_budget(int64_t bytes);
 // (AVX512-BF16 or AMX) and sets the faster.
 enum class PrefillGemm : int { path_default = 0, unit = 1, brgemm = 2 };
 bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t rows);
-// `format` bf16 / int8 / fp8; `choice` "default", "unit" or "brgemm".
+// `format` bf16 / int8 / fp8 / int4; `choice` "default", "unit" or "brgemm".
 void set_prefill_gemm(const std::string& format, const std::string& choice);
 std::string get_prefill_gemm(const std::string& format);
 

@@ -94,3 +94,22 @@ def test_reorder_cache_gives_each_row_the_prefix_of_the_row_it_continues():
     assert torch.equal(cache.layers[1].values[:3, :, :5], before[1][1][beams])
     with pytest.raises(ValueError, match="for a batch of 3"):
         cache.reorder_cache(torch.tensor([0, 1]))
+
+
+def test_a_continued_sequence_must_begin_with_the_cached_tokens():
+    """The cache knows which tokens its rows hold (what generate() checks a next turn against), across a crop
+    and a beam reorder."""
+    cache = make()
+    cache.start(2)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    cache.advance(4, ids)
+    cache.check_continues(torch.cat([ids, torch.tensor([[1], [2]])], dim=1))
+    cache.crop(-1)  # the last token forgotten: a continuation may change it
+    cache.check_continues(torch.tensor([[5, 6, 7, 99], [9, 10, 11, 98]]))
+    for wrong in (torch.tensor([[5, 6, 0, 8], [9, 10, 11, 12]]),  # another sequence in a row
+                  ids[:1],  # another batch
+                  ids[:, :2]):  # shorter than what the cache holds
+        with pytest.raises(ValueError, match="do not begin with"):
+            cache.check_continues(wrong)
+    cache.reorder_cache(torch.tensor([1, 1]))  # both beams go on from row 1
+    cache.check_continues(torch.tensor([[9, 10, 11], [9, 10, 11]]))
