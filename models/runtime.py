@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import pathlib
+import threading
 import types
 import warnings
 from collections.abc import Sequence
@@ -83,6 +84,9 @@ class TilefxRuntime:
         # ends and recreates threads each time (docs/PERFORMANCE.md, sixteenth session): warned once.
         self.threads = torch.get_num_threads()
         self._warned_threads = False
+        # One request at a time: the model has one KV cache, which two threads' requests would overwrite in
+        # turn (a server's thread pool calls generate() so). A second caller waits for the first to end.
+        self._lock = threading.RLock()
         # The model is tilefx's: its modules and weights do not change after compile_model (packed
         # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
         # checked before every decode step, are not installed.
@@ -130,8 +134,12 @@ class TilefxRuntime:
     # would hand Dynamo inference tensors, whose dispatch keys differ (Dynamo guards on
     # them): every graph would compile again. Outside inference mode the inputs built
     # below are normal tensors whatever mode the caller is in, and the logits too.
+    def forward(self, *args, **kwargs):
+        with self._lock:
+            return self._forward(*args, **kwargs)
+
     @torch.inference_mode(False)
-    def forward(
+    def _forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -264,6 +272,10 @@ class TilefxRuntime:
 
     # -- generate ----------------------------------------------------------------------
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
+        with self._lock:  # (the whole request: its forwards take the lock again, in this thread)
+            return self._generate(inputs, generation_config, **kwargs)
+
+    def _generate(self, inputs: torch.Tensor | None, generation_config: GenerationConfig | None, **kwargs):
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError("tilefx-compiled generate() needs input_ids")

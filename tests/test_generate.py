@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -317,6 +319,20 @@ def test_a_cache_another_request_restarted_is_refused(pair):
     foreign = reference.generate(ids_a, max_new_tokens=2, do_sample=False, return_dict_in_generate=True).cache
     with pytest.raises(ValueError, match="only its own KV cache"):
         compiled.generate(torch.cat([ids_a, torch.tensor([[7, 8]])], dim=1), max_new_tokens=3, cache=foreign)
+
+
+def test_requests_from_several_threads_each_get_their_own_tokens(pair):
+    """A server's thread pool calls generate() from several threads at once. The model has one KV cache: the
+    requests run one at a time, and each gets what it gets alone (before the lock: every one of them wrong)."""
+    _, compiled = pair
+    if compiled.config.model_type != "llama":
+        pytest.skip("the lock is the runtime's, the same for every family")
+    prompts = [padded_batch([_prompt(length, length)])[0] for length in (5, 9, 13, 7)]
+    alone = [compiled.generate(ids, max_new_tokens=12, do_sample=False) for ids in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda ids: compiled.generate(ids, max_new_tokens=12, do_sample=False), prompts))
+    for want, got in zip(alone, together):
+        assert torch.equal(got, want)
 
 
 def test_beam_search_scores_each_beam_as_the_reference_does(pair):
