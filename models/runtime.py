@@ -108,7 +108,19 @@ class TilefxRuntime:
         # Plain functions carrying HF's signatures: generate() inspects forward's parameters.
         model.forward = functools.wraps(self.eager_forward)(lambda *a, **k: self.forward(*a, **k))
         model.generate = functools.wraps(self.eager_generate)(lambda *a, **k: self.generate(*a, **k))
+        model.save_pretrained = functools.wraps(type(model).save_pretrained)(self.refuse_save)
         model.tilefx = self
+
+    @staticmethod
+    def refuse_save(*args, **kwargs):
+        """Packed weights are the only copy: a packed parameter's data is its weight in packed order (bf16) or
+        zeros (quantized formats), so transformers would write a checkpoint of wrong values."""
+        raise ValueError(
+            "save_pretrained: a tilefx-compiled model holds its linear weights packed for this CPU (quantized where "
+            "weights= asked), so its parameters no longer hold the checkpoint's values. Save the model before "
+            "tilefx.compile_model, or keep the checkpoint: compile_model(path) reads it again, and tilefx's graph "
+            "cache makes that start warm"
+        )
 
     def keep_only_packed_weights(self) -> None:
         """After warm-up: weights the graphs packed (those the loader did not) give up their unpacked
