@@ -22,6 +22,7 @@ import pathlib
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -91,10 +92,12 @@ class TilefxRuntime:
         # weights are graph inputs made once). Guards on the modules' attributes, thousands of them
         # checked before every decode step, are not installed.
         guard_options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.compiled_forward = torch.compile(
-            _private_frame(self.eager_forward), backend=self.backend, fullgraph=options.fullgraph, dynamic=False,
-            options=guard_options,
-        )
+        frame = _private_frame(self.eager_forward)
+        self.compiled_forward = torch.compile(frame, backend=self.backend, fullgraph=options.fullgraph, dynamic=False,
+                                              options=guard_options)
+        # Dynamo keeps the graphs it compiled for a code object on the code object, and a cycle through them
+        # outlives the model: without this, a deleted model's packed weights (the graphs' inputs) stayed in memory.
+        weakref.finalize(model, torch._dynamo.reset_code, frame.__code__).atexit = False
         # Prefill, decode (and prefill with full logits), for batch 1 and for the dynamic batch:
         # stay under Dynamo's per-frame limit, past which a frame silently runs eagerly.
         needed = 8

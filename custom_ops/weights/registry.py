@@ -97,11 +97,39 @@ def _current(key: tuple, packed: PackedWeight, index: int) -> bool:
     return source is not None and _key(source) == key
 
 
+_dropping = False  # _drop_stale is running
+_drop_again = False  # a source died while it ran
+
+
 def _drop_stale() -> None:
-    for key in list(_registry):
-        _registry[key] = [hit for hit in _registry[key] if _current(key, *hit)]
-        if not _registry[key]:
-            del _registry[key]
+    """Forget the packings of sources gone or changed; a packing no graph holds is freed with its entry."""
+    global _dropping, _drop_again
+    if _dropping:  # a source died during the pass (its weakref's callback): one more pass when this one ends
+        _drop_again = True
+        return
+    _dropping = True
+    try:
+        while True:
+            _drop_again = False
+            for key in list(_registry):
+                hits = _registry.get(key)
+                if hits is None:
+                    continue
+                kept = [hit for hit in hits if _current(key, *hit)]
+                if kept:
+                    _registry[key] = kept
+                else:
+                    del _registry[key]
+            if not _drop_again:
+                return
+    finally:
+        _dropping = False
+
+
+def _source_gone(_ref: weakref.ref) -> None:
+    """A source's weakref callback: a deleted model's packings go with it, not at the next packing (until then
+    the registry held every packed weight of it: a second model compiled after it peaked at twice the memory)."""
+    _drop_stale()
 
 
 def packings_of(weight: torch.Tensor) -> list[tuple[PackedWeight, int]]:
@@ -167,7 +195,7 @@ def pack(layout: str, weights, args: tuple = (), names: tuple[str, ...] = (), fo
                      scales=scales)
     packed = PackedWeight(layout, data, tuple(tuple(w.shape) for w in weights), tuple(names), tuple(args),
                           format=format, scales=scales, shard=shard_of(weights[0]),
-                          _sources=tuple(weakref.ref(w) for w in weights))
+                          _sources=tuple(weakref.ref(w, _source_gone) for w in weights))
     _drop_stale()
     for index, weight in enumerate(weights):
         _registry.setdefault(_key(weight), []).append((packed, index))
@@ -260,4 +288,4 @@ def release_sources(ids: set[int]) -> tuple[int, int]:
 def registered() -> list[PackedWeight]:
     """Every current packed weight (for reports)."""
     _drop_stale()
-    return list({id(p): p for hits in _registry.values() for p, _ in hits}.values())
+    return list({id(p): p for hits in list(_registry.values()) for p, _ in hits}.values())
