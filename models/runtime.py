@@ -145,14 +145,14 @@ class TilefxRuntime:
         self.report.kept_unpacked = kept + len(shared)
 
     # -- forward -----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        with self._lock:  # one request at a time (generate() holds it already, re-entrant)
+            return self._forward(*args, **kwargs)
+
     # The graphs are traced on normal tensors under no_grad. A caller in inference_mode
     # would hand Dynamo inference tensors, whose dispatch keys differ (Dynamo guards on
     # them): every graph would compile again. Outside inference mode the inputs built
     # below are normal tensors whatever mode the caller is in, and the logits too.
-    def forward(self, *args, **kwargs):
-        with self._lock:
-            return self._forward(*args, **kwargs)
-
     @torch.inference_mode(False)
     def _forward(
         self,
