@@ -102,6 +102,24 @@ def assert_draws_from_reference_logits(reference, prompt_ids, prompt_mask, outpu
     assert not outside.any(), f"tokens outside the reference's top {top_k} at {outside.nonzero().tolist()}"
 
 
+@contextlib.contextmanager
+def graph_calls(runtime):
+    """Inside the block, the new tokens of each compiled graph call of ``runtime`` (``TilefxRuntime._run``), in a
+    list the block gets."""
+    calls: list[int] = []
+    run = runtime._run
+
+    def counted(input_ids, *args, **kwargs):
+        calls.append(input_ids.shape[1])
+        return run(input_ids, *args, **kwargs)
+
+    runtime._run = counted
+    try:
+        yield calls
+    finally:
+        del runtime._run  # the class's method again
+
+
 def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -11,7 +11,8 @@ import tilefx
 from tilefx.models.presets import build_model
 
 from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
-                     assert_greedy_matches_on_emulated_avx512, padded_batch, reference_sequence_logprobs)
+                     assert_greedy_matches_on_emulated_avx512, graph_calls, padded_batch,
+                     reference_sequence_logprobs)
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
@@ -199,19 +200,6 @@ def test_forward_logits_match_eager(pair):
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
 
 
-def _graph_calls(compiled, monkeypatch) -> list[int]:
-    """The new tokens of every compiled graph call from now on (``TilefxRuntime._run``)."""
-    runtime, calls = compiled.tilefx, []
-    run = runtime._run
-
-    def counted(input_ids, *args, **kwargs):
-        calls.append(input_ids.shape[1])
-        return run(input_ids, *args, **kwargs)
-
-    monkeypatch.setattr(runtime, "_run", counted)
-    return calls
-
-
 def test_some_rows_logits_come_from_the_graphs_there_are(pair):
     """``logits_to_keep`` between 1 and the prompt (how assisted generation verifies drafts) runs the prompt graph
     and the all-rows one (test_forward_logits_match_eager's), not a graph per count; the rows equal eager's."""
@@ -233,22 +221,23 @@ def test_some_rows_logits_come_from_the_graphs_there_are(pair):
         compiled(input_ids=ids, attention_mask=mask, logits_to_keep=torch.tensor([3, 5]))
 
 
-def test_prompt_lookup_decoding_matches_eager(pair, monkeypatch):
+def test_prompt_lookup_decoding_matches_eager(pair):
     """Assisted generation, its drafts from the prompt: several tokens verified a forward, the rejected ones
     cropped from the cache. Every token is still the reference's greedy choice."""
     reference, compiled = pair
     if compiled.config.model_type != "llama":
         pytest.skip("one family runs the all-positions graph")
     ids, mask = padded_batch([_prompt(6, 4) * 4])  # a repetitive prompt: drafts to find
-    calls = _graph_calls(compiled, monkeypatch)
-    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=4)
+    with graph_calls(compiled.tilefx) as calls:
+        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                prompt_lookup_num_tokens=4)
     assert out.shape == (1, 24 + 24)
     assert_greedy_matches(reference, ids, mask, out)
     assert sum(calls) > 24 + 24  # drafts were verified: more tokens went through the graphs than were kept
     assert len(calls) < 24, calls  # and some accepted: fewer steps than tokens
 
 
-def test_prompt_lookup_with_sampling_draws_from_the_references_distribution(pair, monkeypatch):
+def test_prompt_lookup_with_sampling_draws_from_the_references_distribution(pair):
     """Assisted generation while sampling: transformers keeps a draft token only where the token it draws from the
     compiled logits equals it, and crops the rest from the cache. Each token's logits are the reference's after
     its prefix (a crop that forgot nothing leaves the rejected drafts in the context: 0.2-0.8 nat apart)."""
@@ -257,16 +246,16 @@ def test_prompt_lookup_with_sampling_draws_from_the_references_distribution(pair
         pytest.skip("one family runs the all-positions graph")
     ids, mask = padded_batch([_prompt(6, 4) * 4])
     for seed in range(2):
-        calls = _graph_calls(compiled, monkeypatch)
         torch.manual_seed(seed)
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=3,
-                                prompt_lookup_num_tokens=4, output_logits=True, return_dict_in_generate=True)
+        with graph_calls(compiled.tilefx) as calls:
+            out = compiled.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=3,
+                                    prompt_lookup_num_tokens=4, output_logits=True, return_dict_in_generate=True)
         assert out.sequences.shape == (1, 24 + 20)
         assert_draws_from_reference_logits(reference, ids, mask, out, 3)
         assert max(calls[1:]) > 1  # drafts were verified
 
 
-def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
+def test_an_assistant_model_drafts_for_the_compiled_one(pair):
     """Assisted generation with a draft model of the same vocabulary, eager or compiled (another seed: it drafts
     wrong tokens too, which the compiled model rejects and crops)."""
     reference, compiled = pair
@@ -276,16 +265,17 @@ def test_an_assistant_model_drafts_for_the_compiled_one(pair, monkeypatch):
     compiled_draft = tilefx.compile_model(build_model("tiny-llama", seed=8), max_seq_len=MAX_SEQ_LEN, warmup=False)
     ids, mask = padded_batch([_prompt(7, 5)])
     for draft in (eager_draft, compiled_draft):
-        calls = _graph_calls(compiled, monkeypatch)
-        out = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft,
-                                num_assistant_tokens=3, num_assistant_tokens_schedule="constant")
+        with graph_calls(compiled.tilefx) as calls:
+            out = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                    assistant_model=draft, num_assistant_tokens=3,
+                                    num_assistant_tokens_schedule="constant")
         assert_greedy_matches(reference, ids, mask, out)
         assert max(calls[1:]) > 1  # drafts verified several at a time
     # the draft continues and crops its own cache: its prompt and decode graphs serve every round
     assert [graph.phase for graph in compiled_draft.tilefx.report.graphs] == ["prefill", "decode"]
 
 
-def test_a_conversations_next_turn_continues_its_cache(pair, monkeypatch):
+def test_a_conversations_next_turn_continues_its_cache(pair):
     """transformers' multi-turn pattern: the next generate() gets the last one's output ids plus the new turn and
     its cache, and computes only what the cache lacks. The tokens equal the reference's over the whole text."""
     reference, compiled = pair
@@ -293,9 +283,9 @@ def test_a_conversations_next_turn_continues_its_cache(pair, monkeypatch):
     first = compiled.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                               return_dict_in_generate=True)
     turn = torch.cat([first.sequences, torch.tensor([_prompt(4, 12)])], dim=1)
-    calls = _graph_calls(compiled, monkeypatch)
-    second = compiled.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=6, do_sample=False,
-                               cache=first.cache)
+    with graph_calls(compiled.tilefx) as calls:
+        second = compiled.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=6, do_sample=False,
+                                   cache=first.cache)
     assert calls[0] == 5  # the last token of the first turn (never fed back) and the 4 new ones
     assert_greedy_matches(reference, turn, torch.ones_like(turn), second)
 

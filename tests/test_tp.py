@@ -106,7 +106,7 @@ def test_tp2_greedy_tokens_match_hf_eager(family, checkpoints, tp2):
             assert_draws_from_reference_logits(reference, prompt, torch.ones_like(prompt), lookup, 1, routing_flips=1)
             assert max(rank0["lookup_forwards"][1:]) > 1  # drafts were checked several tokens a forward
             # at first use, the one graph that checks drafts (a prompt's, keeping all rows), on both ranks
-            assert [r["graphs_after_lookup"] for r in (rank0, rank1)] == [1, 1]
+            assert [r["recompiles_after_lookup"] for r in (rank0, rank1)] == [1, 1]
         else:
             assert rank0["two"] is None
     assert rank0["recompiles"] == 0 and rank1["recompiles"] == 0

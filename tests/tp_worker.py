@@ -10,7 +10,6 @@ cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import tilefx
 from tilefx.custom_ops import weights
 
-from helpers import adapter_lookups  # (tests/ is this script's directory: first on sys.path)
+from helpers import adapter_lookups, graph_calls  # (tests/ is this script's directory: first on sys.path)
 
 
 def resident_bytes(address: int, nbytes: int) -> int:
@@ -51,22 +50,6 @@ def resident_weight_bytes(model) -> int:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(resident_bytes(address, nbytes) for address, nbytes in storages.items())
-
-
-@contextlib.contextmanager
-def counting_forwards(runtime, forwards: list[int]):
-    """Appends each compiled forward's new tokens (``TilefxRuntime._run``) to ``forwards`` inside the block."""
-    run = runtime._run
-
-    def counted(input_ids, *args, **kwargs):
-        forwards.append(input_ids.shape[1])
-        return run(input_ids, *args, **kwargs)
-
-    runtime._run = counted
-    try:
-        yield
-    finally:
-        del runtime._run  # the class's method again
 
 
 def main() -> None:
@@ -95,7 +78,7 @@ def main() -> None:
             recompiles = model.tilefx.report.recompiles  # (before the all-rows graph prompt lookup compiles)
             lookup, forwards = None, []
             if rows == 2:  # prompt lookup: a prompt that repeats itself, so drafts are found
-                with counting_forwards(model.tilefx, forwards):
+                with graph_calls(model.tilefx) as forwards:
                     lookup = model.generate(prompt.repeat(1, 2), max_new_tokens=12, do_sample=False,
                                             prompt_lookup_num_tokens=3, output_logits=True,
                                             return_dict_in_generate=True)
@@ -112,7 +95,7 @@ def main() -> None:
             "lookup_forwards": forwards,
             "weight_bytes": resident_weight_bytes(model),
             "recompiles": recompiles,
-            "graphs_after_lookup": len(model.tilefx.report.graphs) - model.tilefx.report.warmup_graphs,
+            "recompiles_after_lookup": model.tilefx.report.recompiles,
             "adapter_lookups": len(lookups),
             "graph_ops": [dict(g.tilefx_ops) for g in model.tilefx.report.graphs],
             "explain": explain,
