@@ -5,7 +5,7 @@
 // pairs (ActivationForm::bf16_pairs), the accumulation and epilogues are fp32.
 //
 // The structure is the AVX2 unit's (linear_avx2.cpp explains the choices; both walk
-// the blocks with linear_walk.h): decode (M <= 2) streams each block once, M = 1 as one or
+// the blocks with linear_walk.h): decode (M <= 2; one_block up to 4 rows) streams each block once, M = 1 as one or
 // two streams per thread with a non-temporal prefetch (both tuned per machine, tuning.h);
 // prefill is a blocked GEMM over an L1-resident panel of one block and kKChunk K pairs, here
 // with micro-tiles of 8 rows x 32 columns (16 zmm accumulators).
@@ -40,6 +40,7 @@ namespace {
 constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a block: two zmm
 constexpr int64_t kKChunk = 128;              // K pairs per L1-resident weight panel (GEMM): 16 KiB
 constexpr int kTileRows = 8;                  // rows of x per GEMM micro-tile (x 2 zmm accumulators)
+constexpr int kDecodeRows = 4;                // rows up to which one_block streams the block as a GEMV (gemv_rows)
 
 static inline __m512bh as_pairs(__m512i v) {
   __m512bh r;
@@ -147,23 +148,25 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
   _mm512_storeu_ps(c_b + 16, b_hi);
 }
 
-// Two rows of x against one block (batch-2 decode): the weight is still read once.
-template <Prefetch P>
-static void gemv_two_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, int64_t ahead,
-                          float* c) {
-  __m512 acc[2][2];
+// 2 to kDecodeRows rows of x against one block (batched decode): the weight is still read
+// once, with the walk's prefetch. A batch of 3 or 4 ran the GEMM's micro-tile before, which
+// has no prefetch: on an Emerald Rapids core that read half the one-row walk's GB/s.
+template <int Rows, Prefetch P>
+static void gemv_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, int64_t ahead,
+                      float* c) {
+  __m512 acc[Rows][2];
   for (auto& row : acc) row[0] = row[1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row = block + p * kPairStride;
     prefetch_ahead<P>(row, ahead);
     const __m512bh lo = load_pairs(row), hi = load_pairs(row + 32);
-    for (int m = 0; m < 2; ++m) {
+    for (int m = 0; m < Rows; ++m) {
       const __m512bh xp = broadcast_pair(x[m * ldp + p]);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], lo, xp);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], hi, xp);
     }
   }
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < Rows; ++m) {
     _mm512_storeu_ps(c + m * kBlockN, acc[m][0]);
     _mm512_storeu_ps(c + m * kBlockN + 16, acc[m][1]);
   }
@@ -711,11 +714,17 @@ struct Avx512Unit {
     });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M > 2) return gemm_block(p, block, c);
+    if (p.M > kDecodeRows) return gemm_block(p, block, c);
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
-      if (p.M == 1) return gemv_row<P>(p.x_pairs(), block, p.K_pairs, p.prefetch_bytes, c);
-      gemv_two_rows<P>(p.x_pairs(), p.ldx / 2, block, p.K_pairs, p.prefetch_bytes, c);
+      const uint32_t* x = p.x_pairs();
+      const int64_t ldp = p.ldx / 2;
+      switch (p.M) {
+        case 1: return gemv_row<P>(x, block, p.K_pairs, p.prefetch_bytes, c);
+        case 2: return gemv_rows<2, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
+        case 3: return gemv_rows<3, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
+        default: return gemv_rows<4, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
+      }
     });
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }

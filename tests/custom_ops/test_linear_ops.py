@@ -28,7 +28,9 @@ SHAPES = [
     ((1,), 33, 7),  # N not a multiple of the block, odd K
     ((1, 1), 1, 130),  # one output column
     ((2,), 200, 96),  # batch-2 decode
-    ((3,), 96, 129),  # smallest GEMM, odd K
+    ((3,), 96, 129),  # batch-3 decode, odd K
+    ((4,), 160, 130),  # batch-4 decode: the most rows a block is streamed for as a GEMV
+    ((5,), 96, 130),  # smallest GEMM
     ((2, 37), 70, 300),  # prefill: rows not a multiple of the tile, K spanning two panels
     ((1, 5), 4096, 64),  # many blocks
 ]
@@ -122,7 +124,9 @@ def _gate_up_problem(rows, width, in_features, seed):
     ((1,), 224, 96),  # decode, 7 output blocks: each thread's range read as two halves, an odd block alone
     ((1,), 32, 7),  # one block, odd K
     ((2,), 96, 130),  # batch-2 decode
-    ((3,), 32, 129),  # smallest GEMM
+    ((3,), 32, 129),  # batch-3 decode
+    ((4,), 96, 130),  # batch-4 decode
+    ((5,), 64, 66),  # smallest GEMM
     ((2, 37), 160, 300),  # prefill: rows not a multiple of the tile, K spanning two panels
 ])
 def test_linear_silu_mul_matches_reference(kernel_path, rows, width, in_features):

@@ -36,7 +36,9 @@ SHAPES = [
     ((1,), 96, 300),  # K over two fp8 scale groups, not a multiple of 128
     ((1,), 64, 130),  # odd K pair count (65): a group's last pair row without its odd partner
     ((2,), 200, 96),  # batch-2 decode
-    ((3,), 96, 129),  # smallest GEMM, odd K just past a scale group
+    ((3,), 96, 129),  # batch-3 decode (a dequantized block streamed as a GEMV), odd K just past a scale group
+    ((4,), 64, 300),  # batch-4 decode
+    ((5,), 96, 129),  # smallest GEMM
     ((2, 37), 70, 300),  # prefill
     ((1,), 4096 + 32, 256),  # many blocks, odd block count (two streams + one left)
     ((1,), 160, 1000),  # N spanning two 128-row scale groups, K over 8
@@ -62,9 +64,9 @@ def test_quantized_linear_matches_dequantized_matmul(kernel_path, format, rows, 
     assert fp32.dtype == torch.float32 and _relative_error(fp32, want) < 1e-2
 
 
-# odd K (a last K pair row alone), odd block counts (two streams + one), 2 rows; 3 rows are a GEMM
+# odd K (a last K pair row alone), odd block counts (two streams + one), 2 rows; 3 and more rows dequantize
 INT8_DECODE_SHAPES = [((1,), 64, 64), ((1,), 33, 7), ((1,), 96, 300), ((2,), 200, 96), ((1,), 4096 + 32, 256),
-                      ((1,), 160, 1000), ((2,), 64, 5), ((3,), 96, 129)]
+                      ((1,), 160, 1000), ((2,), 64, 5), ((3,), 96, 129), ((4,), 64, 130)]
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", INT8_DECODE_SHAPES)
