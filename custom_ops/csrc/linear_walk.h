@@ -62,7 +62,7 @@ int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t blo
 
 // `Unit` supplies, over the activations in the form it reads (LinearProblem::x_form, activations.h):
 //   two_blocks(p, block_a, block_b, c_a, c_b)  M = 1 against two blocks at once (two streams)
-//   one_block(p, block, c)                     every row against one block (GEMV, or GEMM for M > 2)
+//   one_block(p, block, c)                     every row against one block (GEMV; GEMM above 2 rows, 4 on AVX512)
 //   store(p, col0, c)                          bias and the output conversion
 //   store_silu_mul(p, col0, gate, up)          the gate/up epilogue
 // Results are fp32 rows of kBlockN in `scratch` (2 * max(M, 2) * kBlockN floats).
