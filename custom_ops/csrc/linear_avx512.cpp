@@ -110,21 +110,6 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
   return _mm512_div_ps(_mm512_mul_ps(g, u), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-// One row of x against one block, every K pair.
-template <Prefetch P>
-static void gemv_row(const uint32_t* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
-  __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* row = block + p * kPairStride;
-    prefetch_ahead<P>(row, ahead);
-    const __m512bh xp = broadcast_pair(x[p]);
-    lo = _mm512_dpbf16_ps(lo, load_pairs(row), xp);
-    hi = _mm512_dpbf16_ps(hi, load_pairs(row + 32), xp);
-  }
-  _mm512_storeu_ps(c, lo);
-  _mm512_storeu_ps(c + 16, hi);
-}
-
 // One row of x against two blocks at once (two streams).
 template <Prefetch P>
 static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
@@ -148,9 +133,10 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
   _mm512_storeu_ps(c_b + 16, b_hi);
 }
 
-// 2 to kDecodeRows rows of x against one block (batched decode): the weight is still read
-// once, with the walk's prefetch. A batch of 3 or 4 ran the GEMM's micro-tile before, which
-// has no prefetch: on an Emerald Rapids core that read half the one-row walk's GB/s.
+// 1 to kDecodeRows rows of x against one block, every K pair (decode, one stream): the weight
+// is read once, with the walk's prefetch, however many rows. A batch of 3 or 4 ran the GEMM's
+// micro-tile before, which has no prefetch: on an Emerald Rapids core that read half the
+// one-row walk's GB/s.
 template <int Rows, Prefetch P>
 static void gemv_rows(const uint32_t* x, int64_t ldp, const uint16_t* block, int64_t pairs, int64_t ahead,
                       float* c) {
@@ -720,7 +706,7 @@ struct Avx512Unit {
       const uint32_t* x = p.x_pairs();
       const int64_t ldp = p.ldx / 2;
       switch (p.M) {
-        case 1: return gemv_row<P>(x, block, p.K_pairs, p.prefetch_bytes, c);
+        case 1: return gemv_rows<1, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
         case 2: return gemv_rows<2, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
         case 3: return gemv_rows<3, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
         default: return gemv_rows<4, P>(x, ldp, block, p.K_pairs, p.prefetch_bytes, c);
