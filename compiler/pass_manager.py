@@ -21,6 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from tilefx.compiler.options import CompileOptions
 from tilefx.compiler.passes.attention import AttentionPass
+from tilefx.compiler.passes.compute_once import ComputeOncePass
 from tilefx.compiler.passes.base import PassResult, TilefxPass
 from tilefx.compiler.passes.graph_utils import model_parameter
 from tilefx.compiler.passes.linear import LinearPass
@@ -45,6 +46,8 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
         passes.append(PartitionPass(collectives.TP_GROUP, options.tp_world_size))
     if options.linear:
         passes.append(LinearPass(fuse=options.fuse_linears))
+    if options.compute_once:
+        passes.append(ComputeOncePass())
     return passes
 
 

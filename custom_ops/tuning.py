@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from tilefx.custom_ops import isa
+from tilefx.custom_ops import isa, weights
 from tilefx.custom_ops.weights import formats, layouts, memory
 
 STREAMS = (1, 2)
@@ -424,6 +424,8 @@ class AttentionShape:
     kv_heads: int  # mla: 1
     head_dim: int  # mla: kv_lora_rank
     rope_dim: int = 0  # mla: qk_rope_head_dim
+    nope_dim: int = 0  # mla: qk_nope_head_dim (mla_prefill's query part and expanded keys)
+    v_dim: int = 0  # mla: v_head_dim (mla_prefill's values)
 
     def describe(self) -> str:
         if self.family == "mla":
@@ -489,6 +491,14 @@ def _attention_call(shape: AttentionShape, seq: int, past: int):
     end = past + seq
     positions = torch.arange(past, end)
     mask = torch.ones(seq, end, dtype=torch.bool).tril(past)[None, None]
+    if shape.family == "mla" and seq > 1:  # what the prefill graphs run: mla_prefill, expanded where that pays
+        heads, rank, nope = shape.heads, shape.head_dim, shape.nope_dim
+        kv_b = (torch.randn(heads * (nope + shape.v_dim), rank, generator=g) * rank**-0.5).to(torch.bfloat16)
+        w_uk, w_uv = (weights.pack_mla_absorbed_weight_reference(kv_b, heads, nope, value) for value in (False, True))
+        args = (rand(1, heads, seq, nope), rand(1, heads, seq, shape.rope_dim), rand(1, 1, seq, rank),
+                rand(1, 1, seq, shape.rope_dim), rand(1, 1, end, rank), rand(1, 1, end, shape.rope_dim), positions,
+                mask, (nope + shape.rope_dim) ** -0.5, w_uk, w_uv, kv_b)
+        return lambda: torch.ops.tilefx.mla_prefill(*args)
     if shape.family == "mla":
         args = (rand(1, shape.heads, seq, shape.head_dim), rand(1, shape.heads, seq, shape.rope_dim),
                 rand(1, 1, seq, shape.head_dim), rand(1, 1, seq, shape.rope_dim), rand(1, 1, end, shape.head_dim),
@@ -580,7 +590,8 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
                                decode_kernel=isa.native.get_decode_attention(shape.family))
     store = _store(cache)
     saved = _saved(store)
-    key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim)
+    key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim,
+                       shape.nope_dim, shape.v_dim)
     entry = saved.get(key)
     if entry is not None and "decode_kernel" in entry:  # (an entry from before decode was tuned is timed again)
         isa.native.set_prefill_attention(shape.family, entry["kernel"], entry["from_tokens"])

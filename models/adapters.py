@@ -241,8 +241,8 @@ class FamilyAdapter:
         """The shape the prefill attention op sees (``config``: a tensor-parallel rank's local one), for
         tuning; None where the attention is HF's (an MLA family compiled with ``mla=False``)."""
         if self.mla:
-            return AttentionShape("mla", config.num_attention_heads, 1, config.kv_lora_rank,
-                                  config.qk_rope_head_dim) if mla else None
+            return AttentionShape("mla", config.num_attention_heads, 1, config.kv_lora_rank, config.qk_rope_head_dim,
+                                  config.qk_nope_head_dim, config.v_head_dim) if mla else None
         dims = self.attention_dims(config)
         return AttentionShape("extend", dims["q_heads"], dims["kv_heads"], dims["head_dim"])
 

@@ -2,7 +2,7 @@
 
 ``model.forward`` becomes ``TilefxRuntime.forward``: it checks that the request fits,
 starts or continues the tilefx cache, gives the compiled graph inputs of fixed
-shape (a 2-D mask padded to ``max_seq_len``, explicit position ids, the cache), and
+shape (the 4-D attention mask over the whole cache, explicit position ids, the cache), and
 marks the prompt length dynamic, so one graph serves every prefill and one every
 decode step. Batch 1 has graphs of its own (the decode step users wait on stays
 specialized); every batch from 2 to ``max_batch`` shares one pair in which the batch
@@ -85,6 +85,7 @@ class TilefxRuntime:
         # ends and recreates threads each time (docs/PERFORMANCE.md, sixteenth session): warned once.
         self.threads = torch.get_num_threads()
         self._warned_threads = False
+        self._key_slots = torch.arange(options.max_seq_len)  # the cache's slots, for the 4-D mask (_attention_mask)
         # One request at a time: the model has one KV cache, which two threads' requests would overwrite in
         # turn (a server's thread pool calls generate() so). A second caller waits for the first to end.
         self._lock = threading.RLock()
@@ -222,13 +223,14 @@ class TilefxRuntime:
         # but its strides differ, and Dynamo guards on strides.
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
         position_ids = position_ids.clone(memory_format=torch.contiguous_format)
+        allowed = self._attention_mask(mask, cache.seq_len, seq)
         if seq > 1:
-            for tensor in (input_ids, position_ids):
-                torch._dynamo.mark_dynamic(tensor, 1, min=2, max=self.options.max_seq_len)
+            for tensor, dim in ((input_ids, 1), (position_ids, 1), (allowed, 2)):
+                torch._dynamo.mark_dynamic(tensor, dim, min=2, max=self.options.max_seq_len)
         if batch > 1 and self.options.max_batch > 2:  # (2 is the only batch above 1: static)
-            for tensor in (input_ids, position_ids, mask):
+            for tensor in (input_ids, position_ids, allowed):
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.options.max_batch)
-        arguments = dict(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+        arguments = dict(input_ids=input_ids, attention_mask=allowed, position_ids=position_ids,
                          use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs(cache))
         call = self._call_class(batch, seq, logits_to_keep)
         if call not in self.loaded:
@@ -271,6 +273,18 @@ class TilefxRuntime:
             else:
                 self.graph_cache.not_saved(call, graph)
         return out.logits
+
+    def _attention_mask(self, mask: torch.Tensor, start: int, seq: int) -> torch.Tensor:
+        """The mask transformers builds for the next ``seq`` tokens (cache slots from ``start``) from the 2-D
+        ``mask`` [B, max_seq_len]: [B, 1, seq, max_seq_len] bool, True where query s may attend key t, that is
+        t <= start + s and ``mask`` keeps t (causal and padding; tilefx refuses sliding windows).
+
+        Built here, with ATen, and passed to the graph 4-D, which transformers takes as it is (masking_utils:
+        a 4-D mask is returned as given). Traced inside the graph, Inductor computed it element by element with
+        64-bit index vectors and wrote one copy of it per layer (each attention op's input): 16 ms of a 1024-token
+        prompt for 2 layers' copies, 16 times that per copy at 4096 tokens (docs/PERFORMANCE.md)."""
+        causal = self._key_slots[None, :] <= torch.arange(start, start + seq)[:, None]  # [seq, max_seq_len]
+        return (causal[None] & mask.bool()[:, None, :]).unsqueeze(1)
 
     def _full_mask(self, attention_mask, batch: int, length: int) -> torch.Tensor:
         mask = torch.zeros(batch, self.options.max_seq_len, dtype=torch.long)

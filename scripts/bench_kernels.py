@@ -317,7 +317,7 @@ def bench_attention(preset: str, contexts, repeats: int, stream_mib: int) -> lis
                          "tilefx_us": t_tilefx * 1e6, "sdpa_us": t_sdpa * 1e6,
                          "brgemm_us": t_brgemm * 1e6 if t_brgemm else None, "kv_gbps": kv_bytes / t_tilefx / 1e9,
                          "stream_gbps": gbps})
-        mla = tuning.AttentionShape("mla", 16, 1, 512, 64)
+        mla = tuning.AttentionShape("mla", 16, 1, 512, 64, 128, 128)
         for context in contexts:
             call = tuning.decode_call(mla, context)
             t_unit = median_seconds(call, repeats)
