@@ -796,10 +796,33 @@ static inline __m256i round_bf16x16(__m512 v) {
 #endif
 }
 
+// Whether mask row `m` allows every one of keys [0, keys), 64 mask bytes a test (the rest one by one).
+static inline bool allows_all(const bool* m, int64_t keys) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  int64_t t = 0;
+  for (; t + 64 <= keys; t += 64) {
+    if (_mm512_test_epi8_mask(_mm512_loadu_si512(m + t), ones) != ~__mmask64{0}) return false;
+  }
+  return std::all_of(m + t, m + keys, [](bool allowed) { return allowed; });
+}
+
+// The 16 lanes' sum as a tree (halves added three times, then the last pair).
+static inline float sum_lanes(__m512 v) {
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+
 // One key block of the flash attention on brgemm tiles, 16 keys a vector: the contract of
 // flash_block_softmax_avx2 (kernels.h), with `ld` a multiple of 16. The first pass masks and
 // takes the max of the raw scores (the scale is positive); the second folds the scale, log2(e)
-// and the max into one FMA before exp2, and sums the weights as rounded to bf16.
+// and the max into one FMA before exp2, and sums the weights as rounded to bf16. A row whose mask
+// allows the whole block (all but the causal diagonal's blocks; checked once per mask row, which
+// `group` rows share) skips the mask: its first pass only reads, its second masks nothing. The
+// lanes are summed as a tree (a sum of 16 lanes in order was a chain of 16 dependent adds a row:
+// with the masking, 30-40% of this function's time on Emerald Rapids).
 void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
                    int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
                    int64_t v_dim) {
@@ -807,12 +830,15 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), floor = _mm512_set1_ps(-126.0f);
   const float log2e_scale = scale * 1.44269504088896341f;
   const __m512 vfactor = _mm512_set1_ps(log2e_scale);
+  bool whole = false;  // mask row r / group allows every key of the block (keys a multiple of 16)
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     uint16_t* w = weights + r * ld;
     const bool* m = mask + (r / group) * mask_stride;
+    if (r % group == 0) whole = keys % 16 == 0 && allows_all(m, keys);
     __m512 vmax = vneg_inf;
-    for (int64_t t = 0; t < keys; t += 16) {
+    for (int64_t t = 0; whole && t < keys; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    for (int64_t t = 0; !whole && t < keys; t += 16) {
       __m128i bytes;  // the mask bytes of keys [t, t + 16), 0 past `keys` (the row may end there)
       if (keys - t >= 16) {
         bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + t));
@@ -837,7 +863,8 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
     int64_t t = 0;
     for (; t < keys; t += 16) {
       const __m512 x = _mm512_loadu_ps(s + t);
-      const __mmask16 live = _mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
+      // masked keys weigh exactly 0
+      const __mmask16 live = whole ? __mmask16(0xffff) : _mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ);
       const __m512 e = _mm512_maskz_mov_ps(live, exp2_for_bf16(_mm512_max_ps(_mm512_fmadd_ps(x, vfactor, vbias), floor)));
       const __m256i rounded = round_bf16x16(e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), rounded);  // ld is a multiple of 16
@@ -846,11 +873,7 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
     }
     std::fill(w + t, w + ld, uint16_t{0});
     const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, vsum);
-    float block_sum = 0.0f;
-    for (const float lane : lanes) block_sum += lane;
-    sum[r] = sum[r] * alpha + block_sum;
+    sum[r] = sum[r] * alpha + sum_lanes(vsum);
     max[r] = new_max;
     if (alpha != 1.0f) {
       float* o = out + r * v_dim;
