@@ -9,26 +9,18 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op
+from helpers import PassTestBackend, count, is_op, run
 from tilefx.compiler.passes.compute_once import ComputeOncePass
 from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
-from tilefx.models.runtime import cache_kwargs
 
 
-def _forward(model, ids, backend, max_seq_len=32):
-    """One forward of ``model`` over an empty tilefx cache, compiled with ``backend``."""
-    batch, seq = ids.shape
-    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=max_seq_len)
-    cache.start(batch)
-    mask = torch.zeros(batch, max_seq_len, dtype=torch.long)
-    mask[:, :seq] = 1
-    positions = torch.arange(seq).expand(batch, seq).contiguous()
-    fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
-    with torch.no_grad():
-        return fn(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **cache_kwargs(cache)).logits
+def _forward(model, ids, backend):
+    """One forward of ``model`` over an empty tilefx cache (helpers.run), compiled with ``backend``."""
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
+    cache.start(ids.shape[0])
+    return run(model, cache, ids, backend)
 
 
 # (family, tables): cos and sin, or DeepSeek-V2's one complex table (torch.polar)
