@@ -202,6 +202,30 @@ def run(model, cache, ids, backend):
 
 
 
+def eager_logits_and_routing_ties(model, ids, router_class: str, top_k: int):
+    """HF eager's logits for ``ids``, and which positions a router near-tie makes ambiguous: those where some
+    layer's router had its k-th and (k+1)-th logits within 2 bf16 ulps (a random tiny MoE has exact bf16 ties),
+    and every later position of the row (attention reads them). There the experts chosen follow the rounding, so
+    a numerically equal computation may choose the other one: the logits are compared elsewhere."""
+    ties = torch.zeros(ids.shape, dtype=torch.bool)
+
+    def record(module, args, out):
+        logits = (out[0] if isinstance(out, tuple) else out).detach().float().view(*ids.shape, -1)
+        top = logits.topk(top_k + 1, dim=-1).values
+        ulp = top[..., top_k - 1].abs() * 2.0**-7
+        ties.logical_or_(top[..., top_k - 1] - top[..., top_k] <= 2 * ulp)
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if type(m).__name__ == router_class]
+    assert hooks, f"no {router_class} in the model"
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, ties.long().cummax(dim=-1).values.bool()
+
+
 def run_script(name: str, argv: list[str]) -> None:
     """Run ``scripts/<name>`` as ``__main__`` with ``argv``; it must exit with status 0."""
     old = sys.argv

@@ -2,7 +2,6 @@
 #include "activations.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -99,7 +98,7 @@ void Activations::write_row(int64_t r, const uint16_t* src, int64_t n) {
 }
 
 Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n,
-                         int64_t src_stride, int64_t ldx, bool every_row_words)
+                         int64_t src_stride, int64_t ldx, const std::vector<RowSpan>* word_spans)
     : Activations(unit, format, count, ldx) {
   const bool already_pairs = reads_pairs(unit) && n == ldx && (src_stride == ldx || count == 1) &&
                              reinterpret_cast<uintptr_t>(src) % alignof(uint32_t) == 0;
@@ -111,38 +110,43 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* s
       for (int64_t r = begin; r < end; ++r) write_row(r, src + r * src_stride, n);
     });
   }
-  make_words(every_row_words);
+  make_words(word_spans);
 }
 
 Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
-                         bool every_row_words)
+                         const std::vector<RowSpan>* word_spans)
     : Activations(unit, format, count, ldx) {
-  if (!reads_pairs(unit)) {
-    rows_ = rows;
-  } else {  // round to bf16 pairs (nearest even), as HF's bf16 experts read their activations
-    base_.resize(count * row_elems());
-    uint16_t* out = reinterpret_cast<uint16_t*>(base_.data());
-    at::parallel_for(0, count, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin * ldx; i < end * ldx; ++i) out[i] = c10::BFloat16(rows[i]).x;
-    });
-  }
-  make_words(every_row_words);
+  TORCH_CHECK(!reads_pairs(unit), "tilefx: fp32 activations are the AVX2 unit's form; ", unit_name(unit),
+              " reads bf16 pairs");
+  rows_ = rows;
+  make_words(word_spans);
 }
 
-void Activations::make_words(bool every_row_words) {
+void Activations::make_words(const std::vector<RowSpan>* word_spans) {
   if (rows_ == nullptr) rows_ = base_.data();
-  if (!reads_words(format_) || (!every_row_words && count_ > kWordRows)) return;
+  if (!reads_words(format_)) return;
+  std::vector<RowSpan> decode;
+  if (word_spans == nullptr) {
+    if (count_ <= kWordRows) decode.push_back({0, count_});
+    word_spans = &decode;
+  }
+  if (word_spans->empty()) return;
+  // Each buffer holds every row, but only the spans' rows are written (and read: the problems of at most
+  // kWordRows rows), so the others' pages are never touched.
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
-  const int64_t groups = int4_groups(ldx_);
+  const int64_t groups = int4_groups(ldx_), spans = static_cast<int64_t>(word_spans->size());
+  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / kWordRows);
   if (activation_form(unit_, format_, 1) == ActivationForm::int8_groups) {
     bytes_.resize(count_ * ldx_);
     byte_scales_.resize(count_ * x_groups(ldx_));
     word_sums_.resize(count_ * groups);
-    at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      quantize_groups(unit_, rows + begin * row_bytes, end - begin, ldx_,
-                      bytes_.data() + begin * ldx_, byte_scales_.data() + begin * x_groups(ldx_),
-                      word_sums_.data() + begin * groups);
+    at::parallel_for(0, spans, spans_per_task, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) {
+        const auto [begin, count] = (*word_spans)[i];
+        quantize_groups(unit_, rows + begin * row_bytes, count, ldx_, bytes_.data() + begin * ldx_,
+                        byte_scales_.data() + begin * x_groups(ldx_), word_sums_.data() + begin * groups);
+      }
     });
     return;
   }
@@ -154,12 +158,15 @@ void Activations::make_words(bool every_row_words) {
     split_.resize(count_ * 2 * ldx_);
     word_sums_.resize(count_ * groups);
   }
-  at::parallel_for(0, count_, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    quantize_words(unit_, rows + begin * row_bytes, end - begin, ldx_, words_.data() + begin * ldw,
-                   word_scales_.data() + begin);
-    if (!split) return;
-    for (int64_t r = begin; r < end; ++r) {
-      split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
+  at::parallel_for(0, spans, spans_per_task, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const auto [begin, count] = (*word_spans)[i];
+      quantize_words(unit_, rows + begin * row_bytes, count, ldx_, words_.data() + begin * ldw,
+                     word_scales_.data() + begin);
+      if (!split) continue;
+      for (int64_t r = begin; r < begin + count; ++r) {
+        split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
+      }
     }
   });
 }

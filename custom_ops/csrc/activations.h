@@ -41,32 +41,37 @@ inline LinearUnit gemm_reader(LinearUnit unit, bool brgemm) {
 // block becomes a bf16 panel first), so at any row count it reads x's base form, as over bf16 weights.
 inline WeightFormat gemm_x_format(WeightFormat format, bool brgemm) { return brgemm ? WeightFormat::bf16 : format; }
 
+// Rows [begin, begin + count) of a batch of activations.
+struct RowSpan {
+  int64_t begin, count;
+};
+
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem
 // of up to kWordRows rows will read words, as words too. A problem's `attach` points it
-// at its rows in the form activation_form gives for its p.M.
+// at its rows in the form activation_form gives for its p.M. Which rows are made words:
+// `word_spans` (fused_moe: the rows of each expert that gets at most kWordRows of them), or
+// with none given, all of them where `count` itself is a decode.
 class Activations {
  public:
-  // From bf16 rows: row r at src + r * src_stride (n values each). `every_row_words`:
-  // problems of any row count may read words (fused_moe, whose experts each take some
-  // rows); otherwise words are made only where `count` itself is a decode.
+  // From bf16 rows: row r at src + r * src_stride (n values each).
   Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n, int64_t src_stride,
-              int64_t ldx, bool every_row_words = false);
+              int64_t ldx, const std::vector<RowSpan>* word_spans = nullptr);
   // From bf16 rows that `row(r)` returns (gathered or strided sources).
   template <class RowOf>
-  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t n, int64_t ldx, bool every_row_words,
-              const RowOf& row)
+  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t n, int64_t ldx,
+              const std::vector<RowSpan>* word_spans, const RowOf& row)
       : Activations(unit, format, count, ldx) {
     base_.resize(count * row_elems());
     at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) write_row(r, row(r), n);
     });
-    make_words(every_row_words);
+    make_words(word_spans);
   }
-  // From fp32 rows [count, ldx] (fused_moe's SiLU-and-mul result): read as they are by the
-  // AVX2 unit, rounded to bf16 pairs for the AVX512-BF16 units.
+  // From fp32 rows [count, ldx] (fused_moe's SiLU-and-mul result on the AVX2 unit, its base form: read as
+  // they are).
   Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
-              bool every_row_words);
+              const std::vector<RowSpan>* word_spans);
 
   // Points p (p.M and p.ldx set) at rows [row, row + p.M).
   void attach(LinearProblem& p, int64_t row) const;
@@ -76,19 +81,21 @@ class Activations {
       : unit_(unit), format_(format), count_(count), ldx_(ldx) {}
   int64_t row_elems() const;  // uint32 elements per base row
   void write_row(int64_t r, const uint16_t* src, int64_t n);
-  void make_words(bool every_row_words);
+  void make_words(const std::vector<RowSpan>* word_spans);
 
   LinearUnit unit_;
   WeightFormat format_;
   int64_t count_, ldx_;
   const void* rows_ = nullptr;   // the base form: base_, or the caller's bf16 rows where they already are pairs
-  AlignedVector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs (brgemm's A)
-  std::vector<uint32_t> words_;   // int16 pairs, ldx / 2 per row
-  std::vector<float> word_scales_;
-  std::vector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
-  std::vector<int8_t> bytes_;     // int4 over int8 x: int8_groups, ldx bytes per row
-  std::vector<float> byte_scales_;  // their scales, x_groups(ldx) per row
-  std::vector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
+  // Each buffer is written before it is read: the base form for every row, the words' forms for the rows
+  // that read them (the others are never touched, so their pages cost nothing).
+  UninitializedAlignedVector<uint32_t> base_;   // fp32 bits (avx2) or bf16 pairs (brgemm's A)
+  UninitializedAlignedVector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
+  UninitializedAlignedVector<float> word_scales_;
+  UninitializedAlignedVector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
+  UninitializedAlignedVector<int8_t> bytes_;     // int4 over int8 x: int8_groups, ldx bytes per row
+  UninitializedAlignedVector<float> byte_scales_;  // their scales, x_groups(ldx) per row
+  UninitializedAlignedVector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
 };
 
 }  // namespace tilefx

@@ -108,7 +108,7 @@ struct LinearProblem {
   uint16_t* y;            // [M, ldy] bf16 bits, or nullptr when yf is set
   int64_t M, N, K_pairs;  // K_pairs = padded K / 2
   int64_t ldx;            // values per row of x (padded K)
-  float* yf;              // [M, ldy] fp32 output instead of y (fused MoE keeps its intermediates fp32)
+  float* yf;              // [M, ldy] fp32 output instead of y (linear_float; fused_moe's act on the AVX2 unit)
   int64_t ldy;
   // Gate/up epilogue: the packed weight interleaves blocks of a gate and an up
   // projection (block 2j = gate columns [32j, 32j + 32), block 2j + 1 = the same

@@ -4,12 +4,15 @@
 // selected expert's weights are read once per step whatever number of its tokens:
 //   1. gather: the rows of x routed to each expert, one after another, in the form the
 //      unit reads (activations.h);
-//   2. gate/up: per expert, silu(x_e @ gate_e^T) * (x_e @ up_e^T) -> act_e (fp32),
-//      the gate/up GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp,
-//      linear_avx512.cpp);
-//   3. down: per expert, act_e @ down_e^T -> out_e (fp32; the AVX512-BF16 unit reads
-//      act rounded to bf16, as HF's bf16 experts compute it);
+//   2. gate/up: per expert, silu(x_e @ gate_e^T) * (x_e @ up_e^T) -> act_e, the gate/up
+//      GEMM with SiLU-and-mul in its epilogue (linear_avx2.cpp, linear_avx512.cpp), written
+//      in the form the down projection reads: bf16 on the AVX512-BF16 units (as HF's bf16
+//      experts compute it), fp32 on AVX2;
+//   3. down: per expert, act_e @ down_e^T -> out_e, rounded to bf16 (as HF's experts return it);
 //   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16.
+// Its buffers are the size of the routed rows (tokens x top_k), hundreds of MB a layer for a
+// long prompt, each a fresh mapping whose pages fault in on first touch: so each is written
+// once, in the narrowest form its reader takes.
 // Steps 2 and 3 hand the threads contiguous chunks of (expert, column block) work
 // units over the active experts only (parallel_chunks: taken on demand), so in decode
 // a thread streams a few experts' weights front to back and experts that no token
@@ -138,42 +141,51 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     row_of_pair[i] = fill[id[i]]++;
   }
   std::vector<ExpertRows> active;
+  std::vector<RowSpan> word_spans;  // int8 / int4 experts: the rows of those that read x as words
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count > 0) active.push_back({e, start[e], count});
+    if (count > 0 && count <= kWordRows) word_spans.push_back({start[e], count});
   }
 
-  // 1. gather the routed rows of x in the form the experts' unit reads (int8 experts: as words too, for
+  // 1. gather the routed rows of x in the form the experts' unit reads (int8 / int4 experts: as words too, for
   // the experts that get at most kWordRows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
-  const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, /*every_row_words=*/true,
+  const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, &word_spans,
                        [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
-  // 2. gate/up with SiLU-and-mul -> act (fp32). Every row is some expert's, and its gate/up writes
-  // columns [0, I); only the columns past I (w2's K padding, which the down projection reads) are
-  // zeroed here. (Zeroing all of it cost ~30 ms a layer for a 4096-token prompt: ~140 MB.)
-  at::Tensor act_tensor = at::empty({pairs, ld_act}, hidden.options().dtype(at::kFloat));
+  // 2. gate/up with SiLU-and-mul -> act, in the form the down projection reads: bf16 pairs on the
+  // AVX512-BF16 units (rounded as HF's bf16 experts compute it), written so by the epilogue, fp32 on AVX2.
+  // Every row is some expert's, and its gate/up writes columns [0, I); only the columns past I (w2's K
+  // padding, which the down projection reads) are zeroed here.
+  const bool act_pairs = reads_pairs(unit);
+  at::Tensor act_tensor = at::empty({pairs, ld_act}, hidden.options().dtype(act_pairs ? at::kBFloat16 : at::kFloat));
   if (ld_act > inter) act_tensor.narrow(1, inter, ld_act - inter).zero_();
-  float* act = act_tensor.data_ptr<float>();
   for_expert_blocks(units, active, inter / kBlockN, [&](const ExpertRows& r) {
-    LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx,
-                    act + r.begin * ld_act, ld_act, /*silu_mul=*/true};
+    LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, inter, h_pairs, ldx, nullptr, ld_act,
+                    /*silu_mul=*/true};
+    if (act_pairs) {
+      p.y = reinterpret_cast<uint16_t*>(act_tensor.data_ptr<at::BFloat16>()) + r.begin * ld_act;
+    } else {
+      p.yf = act_tensor.data_ptr<float>() + r.begin * ld_act;
+    }
     w13_experts.attach(p, r.expert);
     xs.attach(p, r.begin);
     return p;
   });
-  // The down projection reads act as its unit does (the AVX512-BF16 units: rounded to bf16, as HF's
-  // bf16 experts compute it).
-  const Activations act_rows(unit, w2_experts.whole.format, act, pairs, ld_act, /*every_row_words=*/true);
+  const Activations act_rows =
+      act_pairs ? Activations(unit, w2_experts.whole.format, bf16_bits(act_tensor), pairs, ld_act, ld_act, ld_act,
+                              &word_spans)
+                : Activations(unit, w2_experts.whole.format, act_tensor.data_ptr<float>(), pairs, ld_act, &word_spans);
 
-  // 3. down -> out (fp32).
-  at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options().dtype(at::kFloat));
-  float* out = out_tensor.data_ptr<float>();
+  // 3. down -> out, each (token, expert) pair's row rounded to bf16 as HF's experts return it.
+  at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options());
+  at::BFloat16* out = out_tensor.data_ptr<at::BFloat16>();
   for_expert_blocks(units, active, packed_blocks(w2), [&](const ExpertRows& r) {
-    LinearProblem p{nullptr, nullptr, nullptr, nullptr, r.count, hidden_size, i_pairs, ld_act,
-                    out + r.begin * hidden_size, hidden_size, /*silu_mul=*/false};
+    LinearProblem p{nullptr, nullptr, nullptr, reinterpret_cast<uint16_t*>(out + r.begin * hidden_size), r.count,
+                    hidden_size, i_pairs, ld_act, nullptr, hidden_size, /*silu_mul=*/false};
     w2_experts.attach(p, r.expert);
     act_rows.attach(p, r.begin);
     return p;
@@ -188,8 +200,8 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t s = 0; s < top_k; ++s) {
         const float ws = w[t * top_k + s];
-        const float* src = out + row_of_pair[t * top_k + s] * hidden_size;
-        for (int64_t h = 0; h < hidden_size; ++h) acc[h] += ws * src[h];
+        const at::BFloat16* src = out + row_of_pair[t * top_k + s] * hidden_size;
+        for (int64_t h = 0; h < hidden_size; ++h) acc[h] += ws * static_cast<float>(src[h]);
       }
       for (int64_t h = 0; h < hidden_size; ++h) y_data[t * hidden_size + h] = static_cast<at::BFloat16>(acc[h]);
     }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run
+from helpers import PassTestBackend, count, eager_logits_and_routing_ties, is_op, run
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.models.adapters import adapter_for
 from tilefx.models.kv_cache import TilefxCache
@@ -32,8 +32,8 @@ def test_every_moe_block_becomes_router_op_and_fused_moe(family, batch, seq):
     model = build_model(family, seed=3)
     adapter = adapter_for(model.config)
     ids = torch.randint(3, 200, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    with torch.no_grad():
-        want = model(input_ids=ids, use_cache=False).logits
+    dims = adapter.moe_dims(model.config)
+    want, ties = eager_logits_and_routing_ties(model, ids, adapter.moe.router_class, dims["top_k"])
 
     blocks = adapter_for(model.config).moe_blocks(model.config)
     backend = PassTestBackend(MoePass(blocks))
@@ -53,7 +53,9 @@ def test_every_moe_block_becomes_router_op_and_fused_moe(family, batch, seq):
     result = backend.results[0]
     assert result.rewritten == layers and not result.fallbacks
     assert len(result.packed_exclusively) == 2 * layers  # gate_up_proj and down_proj of each block
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert (~ties).sum() >= ties.numel() // 2, f"router ties at {ties.nonzero().tolist()}: pick another input"
+    torch.testing.assert_close(got[~ties].float(), want[~ties].float(), rtol=2e-2,
+                               atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("implementation", ["batched_mm"])
