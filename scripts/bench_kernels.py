@@ -4,6 +4,7 @@
     python scripts/bench_kernels.py                        # every dense preset
     python scripts/bench_kernels.py --presets llama-3.2-1b --json kernels.json
     python scripts/bench_kernels.py --weights int8,fp8     # quantized linears next to bf16 (default)
+    python scripts/bench_kernels.py --presets llama-3.2-1b --moe-presets deepseek-v2-lite --moe-tokens 4096
 
 For each op: relative error against the reference implementation (fresh random
 bf16 inputs), median time, and for memory-bound cases GB/s and the fraction of
@@ -16,13 +17,18 @@ Linears are measured as decode runs them, siblings fused (q/k/v as one weight,
 gate/up with SiLU-and-mul as one op), and also unfused for comparison. Then what a
 decode GEMV costs per call beyond its bytes, at this thread count and at one (the
 intercept of time against bytes over five sizes): on many threads, where a small
-weight's call is short, the share of a step that no bandwidth buys back.
+weight's call is short, the share of a step that no bandwidth buys back. And one MoE
+layer's routed experts per MoE preset: tilefx.fused_moe against HF's experts module
+(transformers' default grouped_mm path, what stock PyTorch runs) on the same random
+routing, for one token (GB/s of the selected experts' weights, a new routing each call)
+and for a prompt (GFLOP/s).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -33,10 +39,13 @@ import torch
 from tilefx.custom_ops import attention as attention_ops
 from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops import linear as linear_ops
+from tilefx.custom_ops import moe as moe_ops
 from tilefx.custom_ops import weights as packed_weights
+from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import get_preset
 
 DENSE_PRESETS = ("llama-3.2-1b", "llama-3.2-3b", "qwen2.5-1.5b", "qwen3-1.7b")
+MOE_PRESETS = ("qwen3-30b-a3b", "deepseek-v2-lite")
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -365,6 +374,82 @@ def bench_inductor_glue(preset: str, steps: int) -> dict:
             "top": [(e.key, e.self_cpu_time_total / steps) for e in sorted(kernels, key=lambda e: -e.self_cpu_time_total)[:5]]}
 
 
+def hf_experts(config):
+    """The family's HF experts module (fused 3-D ``gate_up_proj`` / ``down_proj``) with random bf16 weights, run
+    as transformers runs it by default (``grouped_mm``)."""
+    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    config._experts_implementation = "grouped_mm"
+    experts = getattr(module, adapter_for(config).moe.experts_class)(config)
+    with torch.no_grad():
+        for parameter in (experts.gate_up_proj, experts.down_proj):
+            parameter.copy_(torch.randn(parameter.shape) * parameter.shape[-1] ** -0.5)
+    return experts.to(torch.bfloat16).eval()
+
+
+def random_routing(tokens: int, experts: int, top_k: int, generator):
+    """Each token's ``top_k`` distinct experts, uniformly at random (a random-weight router's routing is as even),
+    with weights summing to 1."""
+    weights, ids = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+def disjoint_routings(experts: int, top_k: int, generator) -> list:
+    """One token's routings that share no expert from one call to the next (call i takes experts ik .. ik + k - 1):
+    cycling through them reads every expert once a cycle, from memory where the layer's experts exceed the
+    last-level cache."""
+    weights, _ = random_routing(1, experts, top_k, generator)
+    return [(weights, torch.arange(i * top_k, (i + 1) * top_k, dtype=torch.int32)[None] % experts)
+            for i in range(max(1, experts // top_k))]
+
+
+def bench_moe(preset: str, tokens: int, repeats: int, stream_mib: int) -> list[dict]:
+    """One MoE layer's routed experts of ``preset``: fused_moe against HF's experts module, at one token (other
+    experts each call, so they come from memory as in decode) and at ``tokens`` (a prompt)."""
+    config = get_preset(preset).build_config(layers=1)
+    dims = adapter_for(config).moe_dims(config)
+    experts, hidden, inter, top_k = dims["num_experts"], dims["hidden"], dims["intermediate"], dims["top_k"]
+    hf = hf_experts(config)
+    w13 = packed_weights.pack_expert_gate_up_weight(hf.gate_up_proj.data)
+    w2 = packed_weights.pack_expert_down_weight(hf.down_proj.data)
+    g = torch.Generator().manual_seed(0)
+    probe = isa.stream_probe(stream_mib)
+    rows = []
+    for n in (1, tokens):
+        x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+        routings = disjoint_routings(experts, top_k, g) if n == 1 else [random_routing(n, experts, top_k, g)]
+        weights, ids = routings[0]
+        want = moe_ops.fused_moe_reference(x, w13, w2, weights, ids)
+        err = relative_error(moe_ops.fused_moe(x, w13, w2, weights, ids), want)
+
+        def per_call(fn):  # median seconds a call, cycling through the routings
+            fn(*routings[0])
+            times = []
+            for i in range(max(repeats, 3) if n == 1 else max(3, repeats // 5)):
+                w, r = routings[i % len(routings)]
+                start = time.perf_counter()
+                fn(w, r)
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        with torch.no_grad():
+            stream = [probe()]
+            t_tilefx = per_call(lambda w, r: moe_ops.fused_moe(x, w13, w2, w, r))
+            stream.append(probe())
+            t_hf = per_call(lambda w, r: hf(x, r.long(), w.to(torch.bfloat16)))
+        pairs = n * top_k
+        flops = 2 * pairs * 3 * inter * hidden
+        expert_bytes = 3 * inter * hidden * 2  # a selected expert's gate, up and down weights, bf16
+        read = min(pairs, experts) * expert_bytes if n == 1 else experts * expert_bytes
+        rows.append({"preset": preset, "tokens": n, "experts": experts, "top_k": top_k, "hidden": hidden,
+                     "intermediate": inter, "rel_err": err, "tilefx_ms": t_tilefx * 1e3, "hf_ms": t_hf * 1e3,
+                     "stream_gbps": statistics.mean(stream),
+                     "tilefx_gbps": read / t_tilefx / 1e9, "hf_gbps": read / t_hf / 1e9,
+                     "tilefx_gflops": flops / t_tilefx / 1e9, "hf_gflops": flops / t_hf / 1e9})
+        print(f"  {preset} experts, {n} token(s): tilefx {t_tilefx * 1e3:.2f} ms, HF grouped_mm {t_hf * 1e3:.2f} ms",
+              flush=True)
+    return rows
+
+
 def quantized_formats(text: str) -> str:
     """``--weights``: the quantized formats to time, comma-separated. bf16 is always timed (the baseline
     every quantized row is compared with), so naming it adds nothing; an unknown format is an error."""
@@ -379,6 +464,9 @@ def quantized_formats(text: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default=",".join(DENSE_PRESETS))
+    parser.add_argument("--moe-presets", default=",".join(MOE_PRESETS),
+                        help="MoE presets whose routed experts are timed (comma-separated; empty: none)")
+    parser.add_argument("--moe-tokens", type=int, default=1024, help="the prompt's tokens for the MoE experts")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prefill-rows", type=int, default=128)
     parser.add_argument("--contexts", default="128,512,2048")
@@ -454,6 +542,24 @@ def main(argv=None) -> int:
         print(f"| {r['op']} | {r['new_tokens']} | {r['context']} | {r['rel_err']:.1e} | {r['tilefx_us']:.0f} "
               f"| {sdpa} | {brgemm} | {r['kv_gbps']:.1f} |")
 
+    moe = [row for preset in args.moe_presets.split(",") if preset
+           for row in bench_moe(preset, args.moe_tokens, args.repeats, args.stream_mib)]
+    if moe:
+        print("\n## MoE routed experts, one layer: tilefx.fused_moe vs HF's experts module (grouped_mm), bf16, random "
+              "routing\n")
+        print("| preset | experts x I, top k | tokens | rel err | tilefx ms | HF ms | speedup | tilefx | HF | stream GB/s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in moe:
+            if r["tokens"] == 1:
+                ours, theirs = f"{r['tilefx_gbps']:.1f} GB/s", f"{r['hf_gbps']:.1f} GB/s"
+            else:
+                ours, theirs = f"{r['tilefx_gflops']:.0f} GFLOP/s", f"{r['hf_gflops']:.0f} GFLOP/s"
+            print(f"| {r['preset']} | {r['experts']} x {r['intermediate']}, {r['top_k']} | {r['tokens']} "
+                  f"| {r['rel_err']:.1e} | {r['tilefx_ms']:.2f} | {r['hf_ms']:.2f} | {r['hf_ms'] / r['tilefx_ms']:.2f}x "
+                  f"| {ours} | {theirs} | {r['stream_gbps']:.1f} |")
+        print("\n(one token: the bytes of the selected experts' weights over the time; a prompt: its experts' "
+              "multiply-adds over the time; the streaming-read probe before and after tilefx's calls, averaged)")
+
     glue = bench_inductor_glue(presets[0], steps=20)
     print(f"\n## left to Inductor: its generated kernels in a tilefx decode step ({presets[0]}, 2 layers)\n")
     print(f"{glue['kernels_per_step']:.0f} kernels per step, {glue['inductor_us_per_step']:.0f} us in all "
@@ -464,7 +570,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"path": isa.current(), "walks": [dataclasses.asdict(w) for w in walks], "linear": linears, "quantized_linear": quantized, "attention": attention,
-                       "gemv_fixed_cost": fixed_cost, "glue": glue}, f, indent=2)
+                       "moe": moe, "gemv_fixed_cost": fixed_cost, "glue": glue}, f, indent=2)
     return 0
 
 

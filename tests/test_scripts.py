@@ -24,7 +24,8 @@ needs_native = pytest.mark.skipif(isa.native is None or not isa.native.cpu_has("
 def test_bench_kernels_reports_every_op(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     run_script("bench_kernels.py", ["--presets", "tiny-llama,tiny-qwen2", "--repeats", "2", "--contexts", "16,40",
-                                    "--prefill-rows", "8", "--stream-mib", "64", "--json", str(out)])
+                                    "--prefill-rows", "8", "--stream-mib", "64", "--moe-presets",
+                                    "tiny-qwen3-moe,tiny-deepseek-v2", "--moe-tokens", "24", "--json", str(out)])
     result = json.loads(out.read_text())
     assert len(result["linear"]) >= 5 and all(r["rel_err"] < 1e-2 for r in result["linear"])
     quantized = result["quantized_linear"]  # the decode linears in int8 and fp8
@@ -38,6 +39,10 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])  # (decode on brgemm's too, where it is timed)
     decode = [r for r in result["attention"] if r["new_tokens"] == 1]
     assert all((r["brgemm_us"] or 0) > 0 for r in decode) == tuning.brgemm_has_kernel()
+    moe = result["moe"]  # each MoE preset's routed experts at one token and at a prompt, against HF's experts
+    assert [(r["preset"], r["tokens"]) for r in moe] == [(p, n) for p in ("tiny-qwen3-moe", "tiny-deepseek-v2")
+                                                         for n in (1, 24)]
+    assert all(r["rel_err"] < 1e-2 and r["tilefx_ms"] > 0 and r["hf_ms"] > 0 for r in moe)
     fixed = result["gemv_fixed_cost"]  # at this thread count and at one: a line through five sizes' times
     assert fixed[-1]["threads"] == 1 and all(len(r["us"]) == 5 and r["slope_gbps"] > 0 for r in fixed)
     assert all(a < b for r in fixed for a, b in zip(r["bytes"], r["bytes"][1:]))
