@@ -403,6 +403,10 @@ def ensure_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path |
 # at a short and a long prompt (brgemm only where it has a compiled kernel). The fastest at the long prompt,
 # if it beats the unit there, takes the prompts from the first length class where it leads the unit (and
 # leads at every longer one): csrc/tuning.h prefill_attention.
+# brgemm is timed in each of its blockings (ATTENTION_TILINGS: query rows a task, keys a step; csrc/tuning.h
+# AttentionTiling): larger ones share each brgemm call's fixed cost and the softmax's per-row work among more
+# scores, at the price of masked work on the causal diagonal. The fastest at the long prompt, where it beats the
+# default by MIN_GAIN, is brgemm's blocking and its times are brgemm's.
 # Decode (one new token over a long context) is timed the same way, the unit against flash decoding on brgemm
 # tiles (csrc/tuning.h decode_attention): brgemm where it has a compiled kernel and beats the unit at every context
 # timed. MLA's 16 heads over one latent head make a tile brgemm fills; GQA's 4 to 8 query heads per KV head
@@ -413,6 +417,7 @@ ATTENTION_KERNELS = ("unit", "sdpa", "brgemm")  # csrc/tuning.h PrefillAttention
 DECODE_ATTENTION_CONTEXTS = (1024, 4096)  # cached tokens a decode step attends, timed
 DECODE_ATTENTION_KERNELS = ("unit", "brgemm")  # csrc/tuning.h DecodeAttention
 _KERNEL_NAMES = {"unit": "the unit's kernel", "sdpa": "PyTorch SDPA", "brgemm": "flash attention on oneDNN brgemm"}
+ATTENTION_TILINGS = ((64, 128), (128, 256), (256, 512))  # (query rows, keys a step); the first is the default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,6 +450,8 @@ class AttentionChoice:
     seconds: float = 0.0  # prefill's and decode's timing together
     decode_kernel: str = "unit"  # one of DECODE_ATTENTION_KERNELS
     decode_ms: dict = dataclasses.field(default_factory=dict)  # kernel -> median ms per DECODE_ATTENTION_CONTEXTS
+    tiling: tuple = ATTENTION_TILINGS[0]  # brgemm's (query rows, keys a step)
+    tiling_ms: dict = dataclasses.field(default_factory=dict)  # tiling -> brgemm's median ms per ATTENTION_LENGTHS
 
     def decode_line(self) -> str:
         what = f"decode attention ({self.shape.describe()}): " + (
@@ -457,7 +464,11 @@ class AttentionChoice:
         return f"{what} ({self.how}: {timed})"
 
     def line(self) -> str:
-        what = _KERNEL_NAMES[self.kernel] + (f" from {self.from_tokens} tokens" if self.kernel != "unit" else "")
+        what = _KERNEL_NAMES[self.kernel]
+        if self.kernel == "brgemm":
+            what += f" ({self.tiling[0]} query rows x {self.tiling[1]} keys a step)"
+        if self.kernel != "unit":
+            what += f" from {self.from_tokens} tokens"
         if self.shape.family == "mla" and self.kernel == "brgemm":  # csrc/attention_ops.cpp mla_prefill_cpu
             what += ", over K/V expanded from the latent where that costs fewer multiply-adds"
         what = f"prefill attention ({self.shape.describe()}): {what}"
@@ -466,6 +477,9 @@ class AttentionChoice:
         kernels = [k for k in ATTENTION_KERNELS if k in self.ms]
         timed = "; ".join(f"{n} tokens " + ", ".join(f"{k} {self.ms[k][i]:.1f} ms" for k in kernels)
                           for i, (n, _) in enumerate(ATTENTION_LENGTHS))
+        if len(self.tiling_ms) > 1:
+            timed += f"; brgemm at {ATTENTION_LENGTHS[-1][0]} tokens " + ", ".join(
+                f"{rows}x{keys} {ms[-1]:.1f} ms" for (rows, keys), ms in self.tiling_ms.items())
         return f"{what} ({self.how}: {timed}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
@@ -473,6 +487,12 @@ def forced_attention(family: str, kernel: str, tokens: int = 2):
     """Run a block with ``family``'s prefill on ``kernel`` from ``tokens`` new tokens on (the unit: every length)."""
     return _temporarily(isa.native.get_prefill_attention, isa.native.set_prefill_attention, (family,),
                         (kernel, tokens))
+
+
+def forced_attention_tiling(family: str, query_rows: int, key_step: int):
+    """Run a block with ``family``'s flash attention on brgemm tiles blocked as given (tests, benchmarks)."""
+    return _temporarily(isa.native.get_attention_tiling, isa.native.set_attention_tiling, (family,),
+                        (query_rows, key_step))
 
 
 def forced_decode_attention(family: str, kernel: str):
@@ -540,6 +560,14 @@ def choose_decode_attention(ms: dict) -> str:
     return "brgemm" if all(b * MIN_GAIN < u for b, u in zip(ms["brgemm"], ms["unit"])) else "unit"
 
 
+def choose_tiling(ms: dict) -> tuple:
+    """brgemm's blocking from each tiling's median ms per ``ATTENTION_LENGTHS`` entry: the fastest at the longest
+    prompt where it beats the default (the first of ``ATTENTION_TILINGS``) there by ``MIN_GAIN``."""
+    default = ATTENTION_TILINGS[0]
+    fastest = min(ms, key=lambda tiling: ms[tiling][-1])
+    return fastest if ms[fastest][-1] * MIN_GAIN < ms[default][-1] else default
+
+
 def prefill_call(shape: AttentionShape, seq: int):
     """A prompt of ``seq`` tokens from position 0 (_attention_call)."""
     return _attention_call(shape, seq, 0)
@@ -565,17 +593,34 @@ def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
     has_brgemm = brgemm_has_kernel()
     kernels = [k for k in ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
     decode_kernels = [k for k in DECODE_ATTENTION_KERNELS if k != "brgemm" or has_brgemm]
+    # brgemm once per blocking: "brgemm@i" is ATTENTION_TILINGS[i]
+    candidates = [k for k in kernels if k != "brgemm"] + [f"brgemm@{i}" for i in range(len(ATTENTION_TILINGS))
+                                                          if "brgemm" in kernels]
+
+    def force(candidate):
+        kernel, _, index = candidate.partition("@")
+        stack = contextlib.ExitStack()
+        stack.enter_context(forced_attention(shape.family, kernel))
+        if index:
+            stack.enter_context(forced_attention_tiling(shape.family, *ATTENTION_TILINGS[int(index)]))
+        return stack
+
     with isa.forced(path), torch.inference_mode():
-        ms = _time_kernels([prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], kernels,
-                           lambda kernel: forced_attention(shape.family, kernel))
+        timed = _time_kernels([prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], candidates, force)
         decode_ms = _time_kernels([decode_call(shape, n) for n in DECODE_ATTENTION_CONTEXTS], decode_kernels,
                                   lambda kernel: forced_decode_attention(shape.family, kernel))
+    tiling_ms = {ATTENTION_TILINGS[int(c.partition("@")[2])]: v for c, v in timed.items() if c.startswith("brgemm")}
+    tiling = choose_tiling(tiling_ms) if tiling_ms else ATTENTION_TILINGS[0]
+    ms = {k: v for k, v in timed.items() if not k.startswith("brgemm")}
+    if tiling_ms:
+        ms["brgemm"] = tiling_ms[tiling]
     kernel, from_tokens = choose_attention(ms)
     decode_kernel = choose_decode_attention(decode_ms)
     isa.native.set_prefill_attention(shape.family, kernel, from_tokens)
+    isa.native.set_attention_tiling(shape.family, *tiling)
     isa.native.set_decode_attention(shape.family, decode_kernel)
     return AttentionChoice(shape, kernel, from_tokens, "tuned", ms, time.perf_counter() - started, decode_kernel,
-                           decode_ms)
+                           decode_ms, tiling, tiling_ms)
 
 
 def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = None,
@@ -587,23 +632,29 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
         return None
     if not enabled:
         return AttentionChoice(shape, *isa.native.get_prefill_attention(shape.family), "untuned",
-                               decode_kernel=isa.native.get_decode_attention(shape.family))
+                               decode_kernel=isa.native.get_decode_attention(shape.family),
+                               tiling=tuple(isa.native.get_attention_tiling(shape.family)))
     store = _store(cache)
     saved = _saved(store)
     key = _machine_key(path, "attention", shape.family, shape.heads, shape.kv_heads, shape.head_dim, shape.rope_dim,
                        shape.nope_dim, shape.v_dim)
     entry = saved.get(key)
-    if entry is not None and "decode_kernel" in entry:  # (an entry from before decode was tuned is timed again)
+    if entry is not None and "tiling" in entry:  # (an entry from before brgemm's blocking was tuned is timed again)
+        tiling = tuple(entry["tiling"])
         isa.native.set_prefill_attention(shape.family, entry["kernel"], entry["from_tokens"])
+        isa.native.set_attention_tiling(shape.family, *tiling)
         isa.native.set_decode_attention(shape.family, entry["decode_kernel"])
         ms = {k: tuple(v) for k, v in entry["ms"].items()}
         decode_ms = {k: tuple(v) for k, v in entry["decode_ms"].items()}
+        tiling_ms = {tuple(t): tuple(v) for t, v in entry["tiling_ms"]}
         return AttentionChoice(shape, entry["kernel"], entry["from_tokens"], "cached", ms,
-                               decode_kernel=entry["decode_kernel"], decode_ms=decode_ms)
+                               decode_kernel=entry["decode_kernel"], decode_ms=decode_ms, tiling=tiling,
+                               tiling_ms=tiling_ms)
     choice = tune_attention(shape, path)
     saved[key] = {"kernel": choice.kernel, "from_tokens": choice.from_tokens,
                   "ms": {k: list(v) for k, v in choice.ms.items()}, "decode_kernel": choice.decode_kernel,
-                  "decode_ms": {k: list(v) for k, v in choice.decode_ms.items()}}
+                  "decode_ms": {k: list(v) for k, v in choice.decode_ms.items()}, "tiling": list(choice.tiling),
+                  "tiling_ms": [[list(t), list(v)] for t, v in choice.tiling_ms.items()]}
     _save(store, saved)
     return choice
 

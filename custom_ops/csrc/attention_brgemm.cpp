@@ -8,7 +8,8 @@
 // another. The keys and values of the valid prefix are first repacked once per call into brgemm's
 // VNNI layout for B, as zeros where no query row may see them (padding, holes: whatever their
 // cache rows hold never reaches a GEMM).
-// Key blocks no row of a tile may see are skipped, as the causal future is.
+// Key blocks no row of a tile may see are skipped, as the causal future is. How many query rows a
+// task takes and how many keys a step multiplies is tuned per CPU and model (tuning.h AttentionTiling).
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -25,8 +26,6 @@
 
 namespace tilefx {
 namespace {
-
-constexpr int64_t kQueryRows = 64;   // query rows per task (fewer positions when a KV head has many query heads)
 
 // The keys one query row may see lie in [first, last) (first == last: none).
 struct KeyRange {
@@ -142,37 +141,39 @@ void pack_values(const UnitEpilogue& epilogue, Packed& packed, int64_t b, int64_
 // scores (brgemm's C) and weights (the value GEMM's A), each row's running max and sum, and the
 // unnormalized output (the value GEMM's C).
 struct TileSoftmax {
-  AlignedVector<float> scores, out;  // [rows][kAttentionKeyBlock], [rows][v_dim]
-  AlignedVector<uint16_t> weights;   // [rows][kAttentionKeyBlock]
+  AlignedVector<float> scores, out;  // [rows][step], [rows][v_dim]
+  AlignedVector<uint16_t> weights;   // [rows][step]
   std::vector<float> max, sum;       // [rows]
+  int64_t step = kAttentionKeyBlock;  // keys a block holds at most: the scores' and weights' row stride
 
-  // `rows` rows of `v_dim` values, no key seen yet; scores for `score_rows` (>= rows) rows, where
-  // whatever fills them writes more (decode's transpose writes its 16-row tiles whole).
-  void start(int64_t rows, int64_t v_dim, int64_t score_rows = 0) {
-    scores.resize(std::max(rows, score_rows) * kAttentionKeyBlock);
-    weights.resize(rows * kAttentionKeyBlock);
+  // `rows` rows of `v_dim` values, no key seen yet, blocks of up to `keys` keys; scores for `score_rows`
+  // (>= rows) rows, where whatever fills them writes more (decode's transpose writes its 16-row tiles whole).
+  void start(int64_t rows, int64_t v_dim, int64_t keys, int64_t score_rows = 0) {
+    step = keys;
+    scores.resize(std::max(rows, score_rows) * step);
+    weights.resize(rows * step);
     out.assign(rows * v_dim, 0.0f);
     max.assign(rows, -std::numeric_limits<float>::infinity());
     sum.assign(rows, 0.0f);
   }
 
   // The block whose `keys` scores are in `scores` (row r masked by mask + (r / group) * mask_stride):
-  // softmax on the unit, then out += weights . values (a block of [kAttentionKeyBlock / 2][v_dim][2]).
-  void add_block(const UnitEpilogue& epilogue, int64_t rows, int64_t keys, const bool* mask, int64_t group,
-                 int64_t mask_stride, float scale, const at::BFloat16* values, int64_t v_dim) {
-    constexpr int64_t block = kAttentionKeyBlock;
-    epilogue.flash_softmax(scores.data(), rows, keys, block, mask, group, mask_stride, scale, max.data(), sum.data(),
+  // softmax on the unit, then out += weights . values (`packed_keys`, a multiple of kAttentionKeyBlock at most
+  // `step`, of [packed_keys / 2][v_dim][2]; the weights past `keys` are zeros).
+  void add_block(const UnitEpilogue& epilogue, int64_t rows, int64_t keys, int64_t packed_keys, const bool* mask,
+                 int64_t group, int64_t mask_stride, float scale, const at::BFloat16* values, int64_t v_dim) {
+    epilogue.flash_softmax(scores.data(), rows, keys, step, mask, group, mask_stride, scale, max.data(), sum.data(),
                            weights.data(), out.data(), v_dim);
-    at::native::cpublas::brgemm(rows, v_dim, block, block, v_dim, v_dim, /*add_C=*/true,
+    at::native::cpublas::brgemm(rows, v_dim, packed_keys, step, v_dim, v_dim, /*add_C=*/true,
                                 reinterpret_cast<const at::BFloat16*>(weights.data()), values, out.data());
   }
 };
 
 // The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
-// s0 + i of query head kv_head * group + g.
+// s0 + i of query head kv_head * group + g; `step` keys (a multiple of kAttentionKeyBlock) a block.
 void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, int64_t h, int64_t s0,
-                 int64_t positions, AlignedVector<uint16_t>& query_rows, TileSoftmax& tile, at::BFloat16* y,
-                 int64_t seq) {
+                 int64_t positions, int64_t step, AlignedVector<uint16_t>& query_rows, TileSoftmax& tile,
+                 at::BFloat16* y, int64_t seq) {
   const AttentionProblem& p = packed.p;
   const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
   const bool* mask = p.mask + b * p.mask_stride_b + s0 * p.mask_stride_s;
@@ -200,18 +201,18 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
       }
     }
   }
-  tile.start(rows, v_dim);
+  tile.start(rows, v_dim, step);
 
   const int64_t bh = b * p.kv_heads + h;
   const auto* keys = reinterpret_cast<const at::BFloat16*>(packed.keys_of(bh));
   const auto* values = reinterpret_cast<const at::BFloat16*>(packed.values_of(bh));
   const auto* q = reinterpret_cast<const at::BFloat16*>(query);
-  constexpr int64_t block = kAttentionKeyBlock;
-  for (int64_t c0 = lo / block * block; c0 < hi; c0 += block) {
-    at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, block, /*add_C=*/false, q, keys + 2 * c0,
+  for (int64_t c0 = lo / kAttentionKeyBlock * kAttentionKeyBlock; c0 < hi; c0 += step) {
+    const int64_t block = std::min(step, packed.padded - c0);  // the keys packed from c0, a multiple of 128
+    at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, step, /*add_C=*/false, q, keys + 2 * c0,
                                 tile.scores.data());
-    tile.add_block(epilogue, rows, std::min(block, packed.end - c0), mask + c0, group, p.mask_stride_s, p.scale,
-                   values + c0 * v_dim, v_dim);
+    tile.add_block(epilogue, rows, std::min(block, packed.end - c0), block, mask + c0, group, p.mask_stride_s,
+                   p.scale, values + c0 * v_dim, v_dim);
   }
 
   for (int64_t i = 0; i < positions; ++i) {
@@ -274,7 +275,7 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
     pairs_as_columns(epilogue, q_rows, rope_rows, k_pairs, pairs - k_pairs, query + r0, n);
   }
   TileSoftmax& tile = scratch.tile;
-  tile.start(rows, v_dim, /*score_rows=*/n);
+  tile.start(rows, v_dim, kAttentionKeyBlock, /*score_rows=*/n);
 
   const uint16_t* k = p.k_cache + b * p.k_stride_b + h * p.k_stride_h;
   const uint16_t* kr = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + h * p.kr_stride_h : nullptr;
@@ -321,14 +322,14 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
       }
       epilogue.transpose_pairs(key_rows, n, reinterpret_cast<uint32_t*>(scores + t), block);
     }
-    tile.add_block(epilogue, rows, keys, mask + c0, group, p.mask_stride_s, p.scale,
+    tile.add_block(epilogue, rows, keys, block, mask + c0, group, p.mask_stride_s, p.scale,
                    reinterpret_cast<const at::BFloat16*>(packed), v_dim);
   }
 }
 }  // namespace
 
 at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
-                            const at::TensorOptions& options) {
+                            AttentionTiling tiling, const at::TensorOptions& options) {
   const UnitEpilogue& epilogue = epilogue_of(unit);
   TORCH_CHECK(p.k_dim % 16 == 0 && p.rope_dim % 16 == 0 && p.v_dim % 16 == 0,
               "tilefx brgemm attention: head dims must be multiples of 16");
@@ -357,7 +358,7 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
 
   at::Tensor y = at::empty({batch, p.q_heads, seq, p.v_dim}, options);
   const int64_t group = p.q_heads / p.kv_heads;
-  const int64_t per_task = std::max<int64_t>(1, kQueryRows / group);  // positions per task
+  const int64_t per_task = std::max<int64_t>(1, tiling.query_rows / group);  // positions per task
   const int64_t tiles = (seq + per_task - 1) / per_task;
   // The last positions see the most keys (causal): they go first, so the threads, taking
   // shrinking chunks as they free up, end together.
@@ -367,8 +368,8 @@ at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t 
     for (int64_t u = begin; u < stop; ++u) {
       const int64_t bh = u % heads, tile = tiles - 1 - u / heads;
       const int64_t s0 = tile * per_task;
-      attend_tile(epilogue, packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0), query_rows,
-                  tile_softmax, y.data_ptr<at::BFloat16>(), seq);
+      attend_tile(epilogue, packed, bh / p.kv_heads, bh % p.kv_heads, s0, std::min(per_task, seq - s0),
+                  tiling.key_step, query_rows, tile_softmax, y.data_ptr<at::BFloat16>(), seq);
     }
     at::native::cpublas::brgemm_release();
   });

@@ -205,7 +205,9 @@ at::Tensor attention_native(const at::Tensor& q_in, const at::Tensor& k, const a
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            q_heads, kv_heads, dim, /*rope_dim=*/0, /*v_dim=*/dim, static_cast<float>(scale)};
   if (decode_tiles) return attention_decode_brgemm(units.linear, p, batch, seq, end, q.options());
-  if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
+  if (kernel == PrefillAttention::brgemm) {
+    return attention_brgemm(units.linear, p, batch, seq, end, attention_tiling(AttentionFamily::extend), q.options());
+  }
   return run_attention(units.attention, p, batch, seq, end, q.options());
 }
 
@@ -275,7 +277,9 @@ at::Tensor mla_attention_native(const at::Tensor& q_latent_in, const at::Tensor&
                            mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                            heads, /*kv_heads=*/1, rank, rope_dim, /*v_dim=*/rank, static_cast<float>(scale)};
   if (decode_tiles) return attention_decode_brgemm(units.linear, p, batch, seq, end, q.options());
-  if (kernel == PrefillAttention::brgemm) return attention_brgemm(units.linear, p, batch, seq, end, q.options());
+  if (kernel == PrefillAttention::brgemm) {
+    return attention_brgemm(units.linear, p, batch, seq, end, attention_tiling(AttentionFamily::mla), q.options());
+  }
   return run_attention(units.attention, p, batch, seq, end, q.options());
 }
 
@@ -327,7 +331,7 @@ at::Tensor mla_expanded(const at::Tensor& q_nope, const at::Tensor& q_rope, cons
                              k + nope, end * n * width, width, n * width,
                              mask.data_ptr<bool>(), mask.stride(0), mask.stride(2),
                              n, /*kv_heads=*/n, nope, rope_dim, v_dim, static_cast<float>(scale)};
-    at::Tensor part = attention_brgemm(unit, p, batch, seq, end, q.options());
+    at::Tensor part = attention_brgemm(unit, p, batch, seq, end, attention_tiling(AttentionFamily::mla), q.options());
     if (n == heads) return part;
     if (!y.defined()) y = at::empty({batch, heads, seq, v_dim}, q.options());
     y.narrow(1, h0, n).copy_(part);

@@ -12,6 +12,7 @@
 
 #include "dispatch.h"
 #include "kernels.h"
+#include "tuning.h"
 
 namespace tilefx {
 
@@ -67,11 +68,11 @@ std::tuple<at::Tensor, at::Tensor> grouped_topk_cpu(const at::Tensor& router_log
 // attention_brgemm.cpp: keys per tile of the flash attention over brgemm tiles (N of its score GEMM,
 // K of its value GEMM); the keys it packs per call are the valid prefix rounded up to a tile.
 constexpr int64_t kAttentionKeyBlock = 128;
-// Prefill attention of `p` over keys [0, end) as a flash attention over
-// oneDNN brgemm tiles, the online softmax on `unit` (the path's linear unit); [batch, q_heads,
+// Prefill attention of `p` over keys [0, end) as a flash attention over oneDNN brgemm tiles blocked
+// as `tiling` says (tuning.h), the online softmax on `unit` (the path's linear unit); [batch, q_heads,
 // seq, v_dim] bf16, rows that may attend no key zero.
 at::Tensor attention_brgemm(LinearUnit unit, const AttentionProblem& p, int64_t batch, int64_t seq, int64_t end,
-                            const at::TensorOptions& options);
+                            AttentionTiling tiling, const at::TensorOptions& options);
 // Decode attention of `p` (seq new tokens times the query heads per KV head: at most
 // kDecodeAttentionRows, kernels.h) over keys [0, end) as flash decoding over brgemm tiles: the keys
 // split across tasks, the cache rows read as they lie (scores^T = K . Q^T); same result as above.

@@ -74,6 +74,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");
   m.def("get_prefill_attention", &tilefx::get_prefill_attention,
         "(kernel, from_tokens) of an attention family's prefill; (unit, 0) when the unit runs every length");
+  m.def("set_attention_tiling", &tilefx::set_attention_tiling,
+        "the blocking of an attention family's (extend, mla) flash attention on brgemm tiles: query rows a task, keys "
+        "a step (a multiple of 128)");
+  m.def("get_attention_tiling", &tilefx::get_attention_tiling, "(query rows, key step) of an attention family");
   m.def("set_decode_attention", &tilefx::set_decode_attention,
         "the kernel an attention family (extend, mla) runs for a few new tokens: unit or brgemm (flash decoding "
         "over oneDNN brgemm tiles)");

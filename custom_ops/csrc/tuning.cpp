@@ -3,6 +3,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "ops.h"
+
 #include <atomic>
 
 namespace tilefx {
@@ -66,6 +68,9 @@ Slot& slot(LinearUnit unit, WeightFormat format) {
 std::atomic<int64_t> prefill_attention_choice[2] = {0, 0};
 constexpr const char* kAttentionKernels[] = {"unit", "sdpa", "brgemm"};
 std::atomic<int> decode_attention_choice[2] = {0, 0};  // DecodeAttention, per AttentionFamily
+// Per AttentionFamily: (query_rows << 32) | key_step, one word so a reader never sees half a tiling.
+constexpr int64_t kDefaultTiling = int64_t{64} << 32 | 128;
+std::atomic<int64_t> attention_tiling_choice[2] = {kDefaultTiling, kDefaultTiling};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
@@ -111,6 +116,25 @@ void set_prefill_attention(const std::string& family, const std::string& kernel,
 std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family) {
   const int64_t choice = prefill_attention_choice[static_cast<int>(parse_family(family))].load();
   return {kAttentionKernels[choice & 3], choice >> 2};
+}
+
+AttentionTiling attention_tiling(AttentionFamily family) {
+  const int64_t choice = attention_tiling_choice[static_cast<int>(family)].load(std::memory_order_relaxed);
+  return {choice >> 32, choice & 0xFFFFFFFF};
+}
+
+void set_attention_tiling(const std::string& family, int64_t query_rows, int64_t key_step) {
+  TORCH_CHECK(query_rows >= 16 && query_rows <= 1024, "tilefx tuning: an attention tile takes 16 to 1024 query rows, got ",
+              query_rows);
+  TORCH_CHECK(key_step >= kAttentionKeyBlock && key_step <= 2048 && key_step % kAttentionKeyBlock == 0,
+              "tilefx tuning: an attention step takes a multiple of ", kAttentionKeyBlock, " keys up to 2048, got ",
+              key_step);
+  attention_tiling_choice[static_cast<int>(parse_family(family))] = query_rows << 32 | key_step;
+}
+
+std::tuple<int64_t, int64_t> get_attention_tiling(const std::string& family) {
+  const AttentionTiling tiling = attention_tiling(parse_family(family));
+  return {tiling.query_rows, tiling.key_step};
 }
 
 DecodeAttention decode_attention(AttentionFamily family, int64_t rows) {

@@ -44,6 +44,21 @@ void set_prefill_attention(const std::string& family, const std::string& kernel,
 // (kernel, from_tokens); ("unit", 0) when the unit runs every length.
 std::tuple<std::string, int64_t> get_prefill_attention(const std::string& family);
 
+// The flash attention on brgemm tiles' blocking (attention_brgemm.cpp), per family: the query rows a
+// task takes and the keys each step of the online softmax multiplies (a multiple of the packing's
+// kAttentionKeyBlock). Larger blocks share each brgemm call's fixed cost (a change of kernel, twice a
+// step, which on AMX loads a new tile configuration) and the softmax's per-row work among more scores,
+// at the price of more masked work on the causal diagonal and a larger working set (SGLang's CPU
+// kernel grows its blocks with the prompt). custom_ops/tuning.py times the candidates per model at
+// load with the prefill kernels; (64, 128) by default.
+struct AttentionTiling {
+  int64_t query_rows, key_step;
+};
+AttentionTiling attention_tiling(AttentionFamily family);
+// `family` "extend" or "mla"; `query_rows` 16 to 1024, `key_step` a multiple of 128 up to 2048.
+void set_attention_tiling(const std::string& family, int64_t query_rows, int64_t key_step);
+std::tuple<int64_t, int64_t> get_attention_tiling(const std::string& family);
+
 // Decode attention (a few new tokens: at most kDecodeAttentionRows query rows per KV head, and
 // below the prefill choice's from_tokens): the path's attention unit (fp32 FMAs, one query row at a
 // time) or flash decoding over oneDNN brgemm tiles (attention_brgemm.cpp: AMX where the CPU has

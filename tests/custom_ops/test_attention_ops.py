@@ -23,14 +23,22 @@ def _op(op_name, kernel_path):
             pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
         return getattr(torch.ops.tilefx, op_name.removesuffix("_tiles")), tuning.forced_decode_attention("extend",
                                                                                                          "brgemm")
-    if op_name.startswith("extend_attention_"):
+    if op_name.startswith("extend_attention_"):  # extend_attention_brgemm@RxK: brgemm blocked R query rows x K keys
         if kernel_path == "reference":
             pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
-        return torch.ops.tilefx.extend_attention, tuning.forced_attention("extend", op_name.rsplit("_", 1)[1])
+        kernel, _, tiling = op_name.rsplit("_", 1)[1].partition("@")
+        context = contextlib.ExitStack()
+        context.enter_context(tuning.forced_attention("extend", kernel))
+        if tiling:
+            context.enter_context(tuning.forced_attention_tiling("extend", *map(int, tiling.split("x"))))
+        return torch.ops.tilefx.extend_attention, context
     return getattr(torch.ops.tilefx, op_name), contextlib.nullcontext()
 
 
-PREFILL_OPS = ("extend_attention", "extend_attention_sdpa", "extend_attention_brgemm", "extend_attention_tiles")
+# brgemm in its default blocking and in each other one tuning may choose
+PREFILL_OPS = ("extend_attention", "extend_attention_sdpa", "extend_attention_brgemm",
+               *(f"extend_attention_brgemm@{rows}x{keys}" for rows, keys in tuning.ATTENTION_TILINGS[1:]),
+               "extend_attention_tiles")
 DECODE_OPS = ("decode_attention", "decode_attention_tiles")
 
 
@@ -76,6 +84,7 @@ CASES = [
     (1, 8, 8, 1, 300, ()),  # decode, one task per KV head walks several key blocks (online softmax across them)
     (2, 4, 4, 5, 279, (0, 141)),  # extend over several key blocks, padded
     (1, 2, 1, 150, 20, ()),  # a long prompt onto a prefix: several query tiles and key blocks of the brgemm kernel
+    (1, 2, 1, 280, 0, ()),  # a prompt past 256 keys: a larger blocking's last step holds fewer keys than its others
 ]
 
 

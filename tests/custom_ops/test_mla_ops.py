@@ -66,14 +66,26 @@ CASES = [
 
 
 def _forced_mla(kernel):
-    """Prefill forced onto PyTorch's SDPA or the flash attention on brgemm tiles, or decode (up to
-    kDecodeAttentionRows rows: every case but the 80-head one) onto flash decoding on brgemm tiles ("tiles")."""
+    """Prefill forced onto PyTorch's SDPA or the flash attention on brgemm tiles (``brgemm@RxK``: blocked R query
+    rows x K keys), or decode (up to kDecodeAttentionRows rows: every case but the 80-head one) onto flash decoding
+    on brgemm tiles ("tiles")."""
     if kernel == "tiles":
         return tuning.forced_decode_attention("mla", "brgemm")
-    return tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext()
+    if kernel == "unit":
+        return contextlib.nullcontext()
+    kernel, _, tiling = kernel.partition("@")
+    context = contextlib.ExitStack()
+    context.enter_context(tuning.forced_attention("mla", kernel))
+    if tiling:
+        context.enter_context(tuning.forced_attention_tiling("mla", *map(int, tiling.split("x"))))
+    return context
 
 
-@pytest.mark.parametrize("kernel", ["unit", "sdpa", "brgemm", "tiles"])
+# brgemm in its default blocking and the largest one tuning may choose
+BRGEMM_LARGE = "brgemm@{}x{}".format(*tuning.ATTENTION_TILINGS[-1])
+
+
+@pytest.mark.parametrize("kernel", ["unit", "sdpa", "brgemm", BRGEMM_LARGE, "tiles"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
 def test_absorbed_mla_equals_unabsorbed(kernel_path, case, kernel):
     """``kernel``: the choices tuning may make (_forced_mla)."""
@@ -136,7 +148,7 @@ def _mla_prefill_call(case, nope=32, v_dim=32):
     return call, want, args, kv_b, w_uk, w_uv
 
 
-@pytest.mark.parametrize("kernel", ["unit", "brgemm"])
+@pytest.mark.parametrize("kernel", ["unit", "brgemm", BRGEMM_LARGE])
 @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"b{c[0]}h{c[1]}s{c[2]}p{c[3]}")
 def test_mla_prefill_equals_unabsorbed(kernel_path, case, kernel):
     """The prefill graphs' op, absorbed (the unit) or expanded / absorbed by the multiply-adds (brgemm), equals HF's
@@ -145,7 +157,7 @@ def test_mla_prefill_equals_unabsorbed(kernel_path, case, kernel):
         pytest.skip("the prefill kernel is a native path's choice")
     batch, heads, seq, past, _ = case
     call, want, args, _, _, _ = _mla_prefill_call(case)
-    with tuning.forced_attention("mla", kernel) if kernel != "unit" else contextlib.nullcontext():
+    with _forced_mla(kernel):
         got = call()
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     rows = args[7][:, 0].any(-1).unsqueeze(1).expand(batch, heads, seq)

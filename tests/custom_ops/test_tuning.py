@@ -332,6 +332,33 @@ def test_decode_attention_choice_is_brgemm_only_where_it_leads_everywhere(ms, wa
     assert tuning.choose_decode_attention(ms) == want
 
 
+@pytest.mark.parametrize("times,want", [
+    ((2.0, 1.0, 1.5), 1),  # the fastest at the longest prompt
+    ((2.0, 1.99, 1.98), 0),  # under MIN_GAIN: the default
+    ((1.0, 3.0, 0.5), 2),  # only the longest prompt decides
+])
+def test_attention_tiling_is_the_fastest_by_min_gain_at_the_longest_prompt(monkeypatch, times, want):
+    tilings = tuning.ATTENTION_TILINGS
+    ms = {tiling: (0.1, t) for tiling, t in zip(tilings, times)}
+    assert tuning.choose_tiling(ms) == tilings[want]
+
+
+def test_attention_tiling_table_takes_what_the_kernel_can_run():
+    before = isa.native.get_attention_tiling("mla") if isa.native else None
+    if before is None:
+        pytest.skip("no native library")
+    try:
+        isa.native.set_attention_tiling("mla", 256, 768)
+        assert tuple(isa.native.get_attention_tiling("mla")) == (256, 768)
+        for rows, keys in ((8, 128), (64, 100), (64, 4096), (2048, 128)):
+            with pytest.raises(RuntimeError, match="tilefx tuning: an attention"):
+                isa.native.set_attention_tiling("mla", rows, keys)
+        with pytest.raises(RuntimeError, match="unknown attention family"):
+            isa.native.set_attention_tiling("gqa", 64, 128)
+    finally:
+        isa.native.set_attention_tiling("mla", *before)
+
+
 def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
     """tune_attention times each prefill and decode kernel through the native table it forces (fake calls charge
     each kernel's ms)."""
@@ -346,12 +373,16 @@ def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
     clock = [0.0]  # perf_counter, advanced by the fake calls: each "takes" its kernel's ms
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
     ms = {"unit": (1, 2, 2), "sdpa": (2, 1.5, 1.5), "brgemm": (2, 1, 1)}
+    # brgemm's blockings: the second is the fastest (its times are brgemm's), the third slower than the default
+    tiling_ms = dict(zip(tuning.ATTENTION_TILINGS, [(2.2, 1.2, 1.3), (2, 1, 1), (2.5, 1.5, 1.5)]))
 
     def fake_call(shape_, seq):
         index = [n for n, _ in tuning.ATTENTION_LENGTHS].index(seq)
 
         def call():
-            clock[0] += ms[isa.native.get_prefill_attention("extend")[0]][index]
+            kernel = isa.native.get_prefill_attention("extend")[0]
+            table = tiling_ms[tuple(isa.native.get_attention_tiling("extend"))] if kernel == "brgemm" else ms[kernel]
+            clock[0] += table[index]
 
         return call
 
@@ -368,15 +399,21 @@ def test_attention_tuning_sets_what_the_timings_choose(monkeypatch):
     monkeypatch.setattr(tuning, "prefill_call", fake_call)
     monkeypatch.setattr(tuning, "decode_call", fake_decode_call)
     before_decode = isa.native.get_decode_attention("extend")
+    before_tiling = isa.native.get_attention_tiling("extend")
     try:
         choice = tuning.tune_attention(shape, path)
         assert (choice.kernel, choice.from_tokens) == ("brgemm", 12)
         assert choice.ms == {k: tuple(1e3 * t for t in v) for k, v in ms.items()}
+        assert choice.tiling == tuning.ATTENTION_TILINGS[1] == tuple(isa.native.get_attention_tiling("extend"))
+        assert choice.tiling_ms.keys() == tiling_ms.keys()
+        assert all(choice.tiling_ms[t] == pytest.approx(tuple(1e3 * x for x in v)) for t, v in tiling_ms.items())
         assert isa.native.get_prefill_attention("extend") == ("brgemm", 12)
-        assert "flash attention on oneDNN brgemm from 12 tokens" in choice.line()
+        rows, keys = tuning.ATTENTION_TILINGS[1]
+        assert f"flash attention on oneDNN brgemm ({rows} query rows x {keys} keys a step) from 12 tokens" in choice.line()
         assert choice.decode_kernel == "brgemm" == isa.native.get_decode_attention("extend")
         assert choice.decode_ms == {k: tuple(1e3 * t for t in v) for k, v in decode_ms.items()}
         assert "flash decoding on oneDNN brgemm" in choice.decode_line()
     finally:
         isa.native.set_prefill_attention("extend", *before)
         isa.native.set_decode_attention("extend", before_decode)
+        isa.native.set_attention_tiling("extend", *before_tiling)
