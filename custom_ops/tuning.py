@@ -495,6 +495,16 @@ def forced_attention_tiling(family: str, query_rows: int, key_step: int):
                         (query_rows, key_step))
 
 
+def forced_prefill(family: str, kernel: str, tiling: tuple | None = None):
+    """Run a block with ``family``'s prefill on ``kernel`` and, for brgemm, blocked as ``tiling`` (query rows, keys a
+    step; None: as it is)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(forced_attention(family, kernel))
+    if tiling is not None:
+        stack.enter_context(forced_attention_tiling(family, *tiling))
+    return stack
+
+
 def forced_decode_attention(family: str, kernel: str):
     """Run a block with ``family``'s decode attention on ``kernel`` ("unit" or "brgemm")."""
     return _temporarily(isa.native.get_decode_attention, isa.native.set_decode_attention, (family,), (kernel,))
@@ -599,11 +609,7 @@ def tune_attention(shape: AttentionShape, path: str) -> AttentionChoice:
 
     def force(candidate):
         kernel, _, index = candidate.partition("@")
-        stack = contextlib.ExitStack()
-        stack.enter_context(forced_attention(shape.family, kernel))
-        if index:
-            stack.enter_context(forced_attention_tiling(shape.family, *ATTENTION_TILINGS[int(index)]))
-        return stack
+        return forced_prefill(shape.family, kernel, ATTENTION_TILINGS[int(index)] if index else None)
 
     with isa.forced(path), torch.inference_mode():
         timed = _time_kernels([prefill_call(shape, seq) for seq, _ in ATTENTION_LENGTHS], candidates, force)

@@ -27,11 +27,8 @@ def _op(op_name, kernel_path):
         if kernel_path == "reference":
             pytest.skip("the reference path runs SDPA already; the choice is the native kernels'")
         kernel, _, tiling = op_name.rsplit("_", 1)[1].partition("@")
-        context = contextlib.ExitStack()
-        context.enter_context(tuning.forced_attention("extend", kernel))
-        if tiling:
-            context.enter_context(tuning.forced_attention_tiling("extend", *map(int, tiling.split("x"))))
-        return torch.ops.tilefx.extend_attention, context
+        tiling = tuple(map(int, tiling.split("x"))) if tiling else None
+        return torch.ops.tilefx.extend_attention, tuning.forced_prefill("extend", kernel, tiling)
     return getattr(torch.ops.tilefx, op_name), contextlib.nullcontext()
 
 

@@ -74,11 +74,7 @@ def _forced_mla(kernel):
     if kernel == "unit":
         return contextlib.nullcontext()
     kernel, _, tiling = kernel.partition("@")
-    context = contextlib.ExitStack()
-    context.enter_context(tuning.forced_attention("mla", kernel))
-    if tiling:
-        context.enter_context(tuning.forced_attention_tiling("mla", *map(int, tiling.split("x"))))
-    return context
+    return tuning.forced_prefill("mla", kernel, tuple(map(int, tiling.split("x"))) if tiling else None)
 
 
 # brgemm in its default blocking and the largest one tuning may choose
