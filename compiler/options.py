@@ -32,6 +32,12 @@ class CompileOptions:
     # many-core CPU, where the step is shorter and the saving weighs more.
     cpp_wrapper: bool = False
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
+    # A prompt longer than this runs as consecutive prefill calls of at most this many tokens, each continuing
+    # the cache (0: in one call). Every intermediate of a prefill call grows with its tokens (the attention mask
+    # with them times max_seq_len, the linears' outputs, fused_moe's routed rows: ~1 GB for a 16k-token prompt of
+    # Llama-3.2-1B): chunks bound it at the cost of reading the weights once more per chunk (docs/PERFORMANCE.md).
+    # The graphs are the same (the prompt length is dynamic), and so is the math (tests/test_generate.py).
+    prefill_chunk: int = 8192
     # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, fp8 for an FP8
     # checkpoint, int4 for a GPTQ / AWQ one), "bf16", "int8" (symmetric per output channel), "fp8" (e4m3, 128 x
     # 128 block scales) or "int4" (RTN with zero points, per output channel and 128 inputs; the lm_head int8),
@@ -51,6 +57,8 @@ class CompileOptions:
             raise ValueError(f"max_seq_len={self.max_seq_len}: expected at least 2")
         if self.max_batch < 1:
             raise ValueError(f"max_batch={self.max_batch}: expected at least 1")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk!r}: expected a token count (0: no chunks)")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={self.weights!r}: expected one of {', '.join(map(repr, WEIGHT_FORMATS))}")
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float16):

@@ -200,18 +200,36 @@ class TilefxRuntime:
         if seq == 1 or logits_to_keep >= seq:
             logits_to_keep = 0 if seq > 1 else 1  # all rows: the same logits whatever the count asked
         if logits_to_keep <= 1:
-            logits = self._run(input_ids, position_ids, mask, logits_to_keep)
+            logits = self._run_prompt(input_ids, position_ids, mask, logits_to_keep)
         else:
             # Some rows' logits but not all (assisted generation verifies draft tokens so): a graph per count
             # would compile again for every draft length. The prefix up to the first row kept runs as a prompt
             # keeping its last row, the rest continues the sequence keeping all of theirs: graphs that exist.
             split = seq - logits_to_keep + 1
-            head = self._run(input_ids[:, :split], position_ids[:, :split], mask, 1)
+            head = self._run_prompt(input_ids[:, :split], position_ids[:, :split], mask, 1)
             rest = 1 if seq - split == 1 else 0
             logits = torch.cat([head, self._run(input_ids[:, split:], position_ids[:, split:], mask, rest)], dim=1)
         if return_dict is False:
             return (logits, cache)
         return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))
+
+    def _run_prompt(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                    logits_to_keep: int) -> torch.Tensor:
+        """``_run`` over new tokens in calls of at most ``options.prefill_chunk`` of them (evened out: no short
+        last call), each continuing the cache: the logits the whole would have (the last row's, or every row's)."""
+        seq, chunk = input_ids.shape[1], self.options.prefill_chunk
+        if not chunk or seq <= chunk:
+            return self._run(input_ids, position_ids, mask, logits_to_keep)
+        calls = -(-seq // chunk)
+        size = -(-seq // calls)
+        kept = []
+        for start in range(0, seq, size):
+            end = min(seq, start + size)
+            logits = self._run(input_ids[:, start:end], position_ids[:, start:end], mask,
+                               logits_to_keep if end - start > 1 else 1)
+            if logits_to_keep == 0 or end == seq:
+                kept.append(logits)
+        return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
 
     def _run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
              logits_to_keep: int) -> torch.Tensor:

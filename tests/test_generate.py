@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 import tilefx
+from tilefx.custom_ops import tuning
 from tilefx.models.presets import build_model
 
 from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
@@ -273,6 +276,49 @@ def test_an_assistant_model_drafts_for_the_compiled_one(pair):
         assert max(calls[1:]) > 1  # drafts verified several at a time
     # the draft continues and crops its own cache: its prompt and decode graphs serve every round
     assert [graph.phase for graph in compiled_draft.tilefx.report.graphs] == ["prefill", "decode"]
+
+
+@contextlib.contextmanager
+def prefill_chunk(runtime, tokens: int):
+    """The compiled model's prompts in calls of at most ``tokens`` (compile_model's prefill_chunk) for a block: the
+    option is the runtime's alone, the graphs take any prompt length."""
+    options = runtime.options
+    runtime.options = dataclasses.replace(options, prefill_chunk=tokens)
+    try:
+        yield
+    finally:
+        runtime.options = options
+
+
+def test_a_long_prompt_runs_in_chunks_with_the_same_results(pair):
+    """A prompt longer than prefill_chunk runs as prefill calls of at most that many tokens (evened out), each
+    continuing the cache: the same greedy tokens and logits as one call (the last row's, and every row's), a padded
+    batch too, and no graph compiled for it."""
+    reference, compiled = pair
+    runtime = compiled.tilefx
+    ids, mask = padded_batch([_prompt(23, 13), _prompt(17, 14)])
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    all_rows = compiled.config.model_type == "llama"  # every row's logits too (one family compiles that graph)
+    # Bit for bit on the unit's attention (and the brgemm kernel's: its key blocks lie where they lie in the cache);
+    # SDPA, where tuning picks it, takes another of its kernels for a prompt that continues a cache. (Positions
+    # off by a chunk moved these tiny models' logits by 0.7-17% of their largest.)
+    with tuning.forced_attention("extend", "unit"):
+        with torch.no_grad():
+            want = compiled(input_ids=ids, attention_mask=mask).logits if all_rows else None
+        whole = compiled.generate(ids, **kwargs)
+        graphs, recompiles = len(runtime.report.graphs), runtime.report.recompiles
+        with prefill_chunk(runtime, 8), graph_calls(runtime) as calls:
+            chunked = compiled.generate(ids, **kwargs)
+        if all_rows:
+            with torch.no_grad(), prefill_chunk(runtime, 6), graph_calls(runtime) as all_calls:
+                got = compiled(input_ids=ids, attention_mask=mask).logits
+            assert all_calls == [6, 6, 6, 5] and torch.equal(got, want)
+    assert calls[:4] == [8, 8, 7, 1]  # 23 tokens: 3 calls of at most 8, then the decode steps
+    assert torch.equal(chunked.sequences, whole.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(chunked.logits, whole.logits))
+    assert_greedy_matches(reference, ids, mask, chunked.sequences)
+    assert (len(runtime.report.graphs), runtime.report.recompiles) == (graphs, recompiles)
 
 
 def test_a_conversations_next_turn_continues_its_cache(pair):

@@ -90,6 +90,12 @@ def test_unknown_option_names_the_options_before_loading():
         tilefx.compile_model("./does/not/exist", fuse_linear=False)
 
 
+@pytest.mark.parametrize("chunk", [-1, 2.5, True])
+def test_a_bad_prefill_chunk_fails_before_loading(chunk):
+    with pytest.raises(ValueError, match=f"prefill_chunk={chunk!r}: expected a token count"):
+        tilefx.compile_model("./does/not/exist", prefill_chunk=chunk)
+
+
 def test_every_preset_family_has_an_adapter():
     for preset in PRESETS.values():
         assert preset.model_type in ADAPTERS
