@@ -38,6 +38,10 @@ class CompileOptions:
     # Llama-3.2-1B): chunks bound it at the cost of reading the weights once more per chunk (docs/PERFORMANCE.md).
     # The graphs are the same (the prompt length is dynamic), and so is the math (tests/test_generate.py).
     prefill_chunk: int = 8192
+    # Keep freed CPU blocks of 1 MiB and more within each forward and hand them to later requests of their size
+    # (custom_ops/buffers.py): each layer of a prefill allocates the same large intermediates, which glibc maps
+    # afresh, and the kernel faults in and zeroes, for every layer. The kept blocks are freed as the forward ends.
+    recycle_buffers: bool = True
     # Weight format of the packed linears and experts: "auto" (what the checkpoint holds: bf16, fp8 for an FP8
     # checkpoint, int4 for a GPTQ / AWQ one), "bf16", "int8" (symmetric per output channel), "fp8" (e4m3, 128 x
     # 128 block scales) or "int4" (RTN with zero points, per output channel and 128 inputs; the lm_head int8),
@@ -64,6 +68,10 @@ class CompileOptions:
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
 
+    # Fields only the runtime reads, between graph calls: the graphs are the same whatever they are.
+    RUNTIME_ONLY = ("prefill_chunk", "recycle_buffers")
+
     def key(self) -> str:
-        """A stable string of every field, for cache keys (uuid())."""
-        return json.dumps({f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)}, sort_keys=True)
+        """A stable string of every field that shapes the graphs, for cache keys (uuid())."""
+        return json.dumps({f.name: str(getattr(self, f.name)) for f in dataclasses.fields(self)
+                           if f.name not in self.RUNTIME_ONLY}, sort_keys=True)

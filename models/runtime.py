@@ -16,6 +16,7 @@ gets an up-front check of the whole request; everything else is transformers' ow
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import pathlib
@@ -31,6 +32,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tilefx.compiler import Backend, CompileOptions, CompileReport
 from tilefx.compiler.graph_cache import GraphCache, Saveable
+from tilefx.custom_ops import buffers
 from tilefx.models.adapters import FamilyAdapter
 from tilefx.models.kv_cache import TilefxCache
 
@@ -199,16 +201,19 @@ class TilefxRuntime:
             cache.start(batch)
         if seq == 1 or logits_to_keep >= seq:
             logits_to_keep = 0 if seq > 1 else 1  # all rows: the same logits whatever the count asked
-        if logits_to_keep <= 1:
-            logits = self._run_prompt(input_ids, position_ids, mask, logits_to_keep)
-        else:
-            # Some rows' logits but not all (assisted generation verifies draft tokens so): a graph per count
-            # would compile again for every draft length. The prefix up to the first row kept runs as a prompt
-            # keeping its last row, the rest continues the sequence keeping all of theirs: graphs that exist.
-            split = seq - logits_to_keep + 1
-            head = self._run_prompt(input_ids[:, :split], position_ids[:, :split], mask, 1)
-            rest = 1 if seq - split == 1 else 0
-            logits = torch.cat([head, self._run(input_ids[:, split:], position_ids[:, split:], mask, rest)], dim=1)
+        with buffers.recycled() if self.options.recycle_buffers else contextlib.nullcontext():
+            if logits_to_keep <= 1:
+                logits = self._run_prompt(input_ids, position_ids, mask, logits_to_keep)
+            else:
+                # Some rows' logits but not all (assisted generation verifies draft tokens so): a graph per count
+                # would compile again for every draft length. The prefix up to the first row kept runs as a
+                # prompt keeping its last row, the rest continues the sequence keeping all of theirs: graphs
+                # that exist.
+                split = seq - logits_to_keep + 1
+                head = self._run_prompt(input_ids[:, :split], position_ids[:, :split], mask, 1)
+                rest = 1 if seq - split == 1 else 0
+                logits = torch.cat([head, self._run(input_ids[:, split:], position_ids[:, split:], mask, rest)],
+                                   dim=1)
         if return_dict is False:
             return (logits, cache)
         return CausalLMOutputWithPast(logits=logits, **cache_kwargs(cache))

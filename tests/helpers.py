@@ -120,6 +120,38 @@ def graph_calls(runtime):
         del runtime._run  # the class's method again
 
 
+def assert_recycling_changes_nothing(compiled, ids, mask, new_tokens: int = 6) -> None:
+    """The runtime holds the buffer recycler around each forward (custom_ops/buffers.py); held here with min_bytes 1,
+    every CPU block a forward frees (these tiny models have none of 1 MiB) is handed to a later request of about its
+    size, not zeroed: the same tokens and logits, bit for bit, as with the recycler off, and nothing kept after."""
+    import dataclasses
+    from unittest import mock
+
+    from tilefx.custom_ops import buffers, isa
+
+    if isa.native is None:
+        pytest.skip("the recycler is the native library's")
+    runtime = compiled.tilefx
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    options = runtime.options
+    runtime.options = dataclasses.replace(options, recycle_buffers=False)
+    try:
+        with mock.patch.object(buffers, "recycled", wraps=buffers.recycled) as holds:
+            plain = compiled.generate(ids, **kwargs)
+        assert holds.call_count == 0
+    finally:
+        runtime.options = options
+    before = buffers.stats()
+    with mock.patch.object(buffers, "recycled", wraps=buffers.recycled) as holds:
+        with buffers.recycled(min_bytes=1):
+            recycled = compiled.generate(ids, **kwargs)
+    assert holds.call_count == 1 + new_tokens  # the test's own hold, the prefill and each decode step but the last
+    assert buffers.stats()["reused"] > before["reused"] and buffers.stats()["kept_blocks"] == 0
+    assert torch.equal(recycled.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(recycled.logits, plain.logits))
+
+
 def random_prompt(length: int, seed: int) -> list[int]:
     return torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

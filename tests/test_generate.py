@@ -14,8 +14,8 @@ from tilefx.custom_ops import tuning
 from tilefx.models.presets import build_model
 
 from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
-                     assert_greedy_matches_on_emulated_avx512, graph_calls, padded_batch,
-                     reference_sequence_logprobs)
+                     assert_greedy_matches_on_emulated_avx512, assert_recycling_changes_nothing, graph_calls,
+                     padded_batch, reference_sequence_logprobs)
 
 FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 MAX_SEQ_LEN = 64
@@ -319,6 +319,12 @@ def test_a_long_prompt_runs_in_chunks_with_the_same_results(pair):
     assert all(torch.equal(a, b) for a, b in zip(chunked.logits, whole.logits))
     assert_greedy_matches(reference, ids, mask, chunked.sequences)
     assert (len(runtime.report.graphs), runtime.report.recompiles) == (graphs, recompiles)
+
+
+def test_recycled_buffers_change_no_token_or_logit(pair):
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(11, 3), _prompt(6, 4)])
+    assert_recycling_changes_nothing(compiled, ids, mask)
 
 
 def test_a_conversations_next_turn_continues_its_cache(pair):

@@ -15,7 +15,8 @@ from tilefx.models.adapters import adapter_for
 from tilefx.models.presets import build_model
 
 from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
-                     assert_greedy_matches_on_emulated_avx512, padded_batch, reference_sequence_logprobs)
+                     assert_greedy_matches_on_emulated_avx512, assert_recycling_changes_nothing, padded_batch,
+                     reference_sequence_logprobs)
 
 # preset -> layers (DeepSeek-V3's first layer is dense: it needs two for a sparse one)
 FAMILIES = {"tiny-qwen2-moe": 1, "tiny-qwen3-moe": 1, "tiny-mixtral": 1, "tiny-deepseek-v2": 1, "tiny-deepseek-v3": 2}
@@ -55,6 +56,13 @@ def test_greedy_on_the_avx512_unit_matches_eager(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
     assert assert_greedy_matches_on_emulated_avx512(reference, compiled, ids, mask, new_tokens=10) >= 16
+
+
+def test_recycled_buffers_change_no_token_or_logit(pair):
+    """fused_moe's routed rows and the attention's packed keys and values come from PyTorch's CPU allocator too."""
+    reference, compiled = pair
+    ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
+    assert_recycling_changes_nothing(compiled, ids, mask)
 
 
 def test_a_sequence_continued_by_several_tokens_matches_eager(pair):

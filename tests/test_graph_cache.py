@@ -108,6 +108,8 @@ def test_key_changes_with_options_shapes_config_and_the_callers_sources(tmp_path
     assert first == key(build_model("tiny-llama", seed=1))  # values: inputs
     assert first != key(options=CompileOptions(max_seq_len=128))
     assert first != key(options=CompileOptions(max_seq_len=64, weights="int8"))
+    # what only the runtime reads between graph calls does not
+    assert first == key(options=CompileOptions(max_seq_len=64, prefill_chunk=16, recycle_buffers=False))
     assert first != key(uuid="another pass manager")
     assert first != key(build_model("tiny-llama", layers=1))
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):  # compiled code differs

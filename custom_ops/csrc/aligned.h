@@ -3,6 +3,8 @@
 // row is one 64-byte line; glibc's malloc aligns large blocks to 16 bytes, so in a plain
 // std::vector every tile row straddles two lines and costs two loads.
 #pragma once
+#include <c10/core/CPUAllocator.h>
+
 #include <cstddef>
 #include <new>
 #include <utility>
@@ -33,8 +35,12 @@ using AlignedVector = std::vector<T, CacheLineAllocator<T>>;
 // element of which is written before it is read: the prefill attention's packed keys and values,
 // ~40 MB a layer for a 4096-token DeepSeek prompt, where zeroing them first cost as much again as
 // packing them.
+//
+// Its storage comes from PyTorch's CPU allocator (64-byte aligned), so that while a forward holds the
+// recycler (recycling.cpp) these buffers, the largest a prefill makes (fused_moe's routed rows: 100 MB a
+// layer at 4096 tokens of DeepSeek-V2-Lite), are reused from layer to layer like the ops' outputs.
 template <class T>
-struct UninitializedCacheLineAllocator : CacheLineAllocator<T> {
+struct UninitializedCacheLineAllocator {
   using value_type = T;
   template <class U>
   struct rebind {
@@ -43,6 +49,13 @@ struct UninitializedCacheLineAllocator : CacheLineAllocator<T> {
   UninitializedCacheLineAllocator() = default;
   template <class U>
   UninitializedCacheLineAllocator(const UninitializedCacheLineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    static_assert(alignof(T) <= kCacheLine);
+    return static_cast<T*>(c10::GetCPUAllocator()->raw_allocate(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t) { c10::GetCPUAllocator()->raw_deallocate(p); }
+  template <class U>
+  bool operator==(const UninitializedCacheLineAllocator<U>&) const { return true; }
   template <class U>
   void construct(U* p) noexcept {
     ::new (static_cast<void*>(p)) U;

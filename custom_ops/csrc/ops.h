@@ -119,6 +119,13 @@ void quantize_blocks_fp8(const at::Tensor& weight, at::Tensor& values, at::Tenso
 void quantize_groups_int4(const at::Tensor& weight, at::Tensor& values, at::Tensor& params);
 double stream_read_gbps(const at::Tensor& buffer, int64_t streams);
 
+// recycling.cpp: large CPU buffers kept for reuse while a hold is open (holds nest; the last release frees
+// what is kept). Stats: (holds, kept blocks, kept bytes, large requests served by a kept block while held,
+// large requests that made a new one while held).
+void hold_recycled_buffers(int64_t min_bytes);
+void release_recycled_buffers();
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> recycled_buffer_stats();
+
 // collectives.cpp: shared-memory groups of tensor-parallel ranks on one host.
 int64_t shm_open_group(const std::vector<std::string>& paths, int64_t rank, int64_t slot_bytes, double timeout_s);
 void shm_close_group(int64_t handle);

@@ -129,5 +129,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shm_name_group", &tilefx::shm_name_group, "bind an op group name to a shared-memory group");
   m.def("set_collective_fallbacks", &tilefx::set_collective_fallbacks,
         "the Python implementations tilefx.all_reduce / all_gather call for groups that are not shared-memory ones");
+  m.def("hold_recycled_buffers", &tilefx::hold_recycled_buffers,
+        "keep freed CPU blocks of at least min_bytes for reuse until the last hold is released (the first hold "
+        "installs the recycler as PyTorch's CPU allocator)");
+  m.def("release_recycled_buffers", &tilefx::release_recycled_buffers, "end a hold; the last one frees the kept blocks");
+  m.def("recycled_buffer_stats", &tilefx::recycled_buffer_stats,
+        "(holds, kept blocks, kept bytes, large requests reused while held, large requests made new while held)");
   m.def("stream_read_gbps", &tilefx::stream_read_gbps, "one streaming-read pass over a buffer, GB/s (AVX2 loads, 1 or 2 streams per thread)");
 }
