@@ -415,6 +415,8 @@ def test_explain_reports_rewrites(pair):
     assert f"tilefx.extend_attention x{layers}" in text
     assert f"tilefx.decode_attention x{layers}" in text
     assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
+    assert "working memory: prompts over 8192 tokens in calls of at most that many; CPU buffers of 1 MiB and more " \
+           "recycled within each forward" in text
     startup = next(line for line in text.splitlines() if line.startswith("startup "))
     assert all(part in startup for part in ("load", "pack", "tune", "trace", "passes", "inductor", "caches: ")), startup
     walks = [line for line in text.splitlines() if line.startswith("decode walk ")]

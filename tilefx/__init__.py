@@ -146,6 +146,19 @@ def _int4_activations_line() -> str:
     return f"decode activations: the int4 linears and experts of up to 2 rows read x as {how}"
 
 
+def _working_memory_line(opts) -> str:
+    from tilefx.custom_ops import buffers
+
+    chunks = f"prompts over {opts.prefill_chunk} tokens in calls of at most that many" if opts.prefill_chunk \
+        else "every prompt in one call"
+    if not opts.recycle_buffers:
+        return f"working memory: {chunks}; CPU buffers not recycled (recycle_buffers=False)"
+    stats = buffers.stats()
+    return (f"working memory: {chunks}; CPU buffers of {buffers.DEFAULT_MIN_BYTES // 2**20} MiB and more recycled "
+            f"within each forward (in this process {stats['reused']} requests served by a kept block, "
+            f"{stats['made']} made anew)")
+
+
 def explain(model) -> str:
     """What tilefx did to ``model``: regions rewritten per pass, fallbacks and why, graphs, recompiles, timing."""
     runtime = getattr(model, "tilefx", None)
@@ -156,6 +169,7 @@ def explain(model) -> str:
         f"tilefx {__version__}: {type(model).__name__} ({model.config.model_type}), dtype {opts.dtype}, "
         f"max_batch {opts.max_batch}, max_seq_len {opts.max_seq_len}",
         f"KV cache: {runtime.cache.nbytes / 2**20:.2f} MiB preallocated",
+        _working_memory_line(opts),
         f"weights: {report.packing.tensors} packed as they loaded ({report.packing.packed_bytes / 2**20:.1f} MiB, "
         f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
