@@ -16,6 +16,7 @@
 #   batch       Llama-3.2-1B at batches 4 and 2 (64-token prompts): stock torch.compile vs tilefx bf16, per step
 #   kernels     bench_kernels.py on Llama-3.2-1B's shapes, bf16/int8/fp8, and the MoE presets' routed experts
 #   mla         DeepSeek-V2-Lite cut to 4 layers, tilefx bf16, a 4096-token prompt (issue 31's 4 s stretch target)
+#   recycle     the same with recycle_buffers off: what the buffer recycler saves where the GEMMs run on AMX
 #   optests     the native ops' tests (tests/custom_ops) on every path this CPU has, amx among them, on
 #               pytest-xdist workers where it is installed (a .whl/ wheel, say)
 #   cppwrapper  tilefx bf16 with Inductor's C++ wrapper against the Python one
@@ -26,7 +27,7 @@ set -uo pipefail
 
 out=${1:?usage: scripts/amx_checks.sh OUT_DIR [BUDGET_S [STEPS]]}
 budget=${2:-540}
-steps=${3:-cpu,build,exceptions,tpot1024,moe,tpot128,batch,kernels,mla,optests,cppwrapper}
+steps=${3:-cpu,build,exceptions,tpot1024,moe,tpot128,batch,kernels,mla,recycle,optests,cppwrapper}
 py=${PYTHON:-python3}
 export TILEFX_QUIET=1  # no progress bars in the logs
 mkdir -p "$out"
@@ -121,6 +122,11 @@ step_kernels() {
 step_mla() {
   "$py" scripts/bench_tpot.py --preset deepseek-v2-lite --layers 4 --modes tilefx --prompt-len 4096 --runs 2 \
     --new-tokens 8 --json "$out/mla.json"
+}
+
+step_recycle() {
+  "$py" scripts/bench_tpot.py --preset deepseek-v2-lite --layers 4 --modes tilefx --prompt-len 4096 --runs 2 \
+    --new-tokens 8 --options '{"recycle_buffers": false}' --json "$out/recycle-off.json"
 }
 
 step_optests() {

@@ -7,6 +7,7 @@
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
     python scripts/bench_tpot.py --modes tilefx --weights int8,int4,int4/x8   # int4/x8: TILEFX_INT4_ACTIVATIONS=int8
     python scripts/bench_tpot.py --modes torch.compile,tilefx --profile   # also: where a decode step's time goes
+    python scripts/bench_tpot.py --modes tilefx --options '{"recycle_buffers": false}'   # compile_model options
     torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
 Each mode runs the same greedy request through transformers' generate(); a streamer
@@ -264,9 +265,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (run under torchrun; tilefx only)")
     parser.add_argument("--cpp-wrapper", action="store_true",
                         help="compile tilefx's graphs with Inductor's C++ wrapper (the cpp_wrapper option)")
+    parser.add_argument("--options", default="{}", metavar="JSON",
+                        help="compile_model options for every tilefx row (fields of CompileOptions), e.g. "
+                             "'{\"recycle_buffers\": false}' to time a runtime option's effect")
     parser.add_argument("--profile", action="store_true",
                         help="also print where each mode's decode step goes, op by op (torch.profiler)")
     args = parser.parse_args(argv)
+    args.compile_options = compile_options(args, parser)
     if args.tp > 1:
         return main_tp(args, parser)
     modes = [m for m in args.modes.split(",") if m]
@@ -288,7 +293,8 @@ def main(argv=None) -> int:
         parser.error("--profile needs --new-tokens of at least 2 (it times the steps after the first token)")
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
     print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch {args.batch}, {args.runs} runs, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads" + (f"; tilefx options {args.options}" if args.options != "{}" else ""),
+          flush=True)
     # A checkpoint directory: transformers' own load for eager / torch.compile (an FP8 checkpoint dequantized, as
     # transformers runs it on a CPU), and each tilefx row compiles the directory itself, as a user would.
     hf_modes = [m for m in modes if not m.startswith("tilefx")]
@@ -312,7 +318,7 @@ def main(argv=None) -> int:
             source = args.path if args.path else model
             with x_form(mode):  # (the walk tuning times int4 in the form it will read)
                 model = tilefx.compile_model(source, max_seq_len=max_seq_len, max_batch=args.batch,
-                                             weights=format.removesuffix("/x8"), cpp_wrapper=args.cpp_wrapper)
+                                             weights=format.removesuffix("/x8"), **args.compile_options)
         models[mode] = model
         print(f"# {mode}: ready in {time.perf_counter() - start:.0f}s", flush=True)
 
@@ -410,7 +416,7 @@ def main(argv=None) -> int:
         with x_form(mode):
             print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))
     result = {"model": name, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batch": args.batch,
-              "runs": args.runs,
+              "runs": args.runs, "tilefx_options": args.compile_options,
               "threads": torch.get_num_threads(), "stream_gbps": gbps, "floor_ms": floor_ms, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
@@ -430,6 +436,19 @@ def main(argv=None) -> int:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
     return 0
+
+
+def compile_options(args, parser) -> dict:
+    """--options as compile_model keywords, with --cpp-wrapper; the ones the bench sets itself are refused."""
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as error:
+        parser.error(f"--options is not JSON: {error}")
+    if not isinstance(options, dict):
+        parser.error(f"--options must be a JSON object of CompileOptions fields, got {args.options}")
+    if taken := sorted(set(options) & {"max_seq_len", "max_batch", "weights", "tp"}):
+        parser.error(f"--options: {', '.join(taken)} are the bench's own (--prompt-len, --batch, --weights, --tp)")
+    return {"cpp_wrapper": args.cpp_wrapper, **options}
 
 
 def main_tp(args, parser) -> int:
@@ -467,7 +486,7 @@ def main_tp(args, parser) -> int:
         for format in formats:
             start = time.perf_counter()
             model = tilefx.compile_model(path[0], tp=args.tp, max_seq_len=max_seq_len, max_batch=1, weights=format,
-                                         cpp_wrapper=args.cpp_wrapper)
+                                         **args.compile_options)
             say(f"# tilefx {format}, tp={args.tp}: ready in {time.perf_counter() - start:.0f}s, "
                 f"{torch.get_num_threads()} threads per rank", flush=True)
             communicator = collectives.group(collectives.TP_GROUP)

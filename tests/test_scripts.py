@@ -88,8 +88,10 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
     out = tmp_path / "tpot.json"
     run_script("bench_tpot.py", ["--preset", "tiny-llama", "--modes", "tilefx", "--weights", "bf16,int8",
                                  "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out),
-                                 "--profile"])
-    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+                                 "--profile", "--options", '{"recycle_buffers": false}'])
+    result = json.loads(out.read_text())
+    assert result["tilefx_options"] == {"cpp_wrapper": False, "recycle_buffers": False}
+    rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"tilefx", "tilefx int8"}
     assert rows["tilefx int8"]["decode_gb"] < 0.75 * rows["tilefx"]["decode_gb"]  # 1-byte values, fp32 scales
     assert all(r["tpot_ms"] > 0 and r["floor_ms"] > 0 for r in rows.values())
@@ -99,6 +101,15 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
         assert linears and all(op["calls"] >= 1 and op["weight_gbps"] > 0 for op in linears), row["profile"]
         assert any(op["op"].startswith("tilefx::decode_attention") for op in row["profile"]["ops"])
         assert row["profile"]["step_ms"] > 0
+
+
+@pytest.mark.parametrize("options, refusal", [("{recycle", "is not JSON"), ("[1]", "must be a JSON object"),
+                                              ('{"weights": "int8"}', "weights are the bench's own")])
+def test_bench_tpot_refuses_bad_options(options, refusal, capsys):
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench_tpot.py"))
+    with pytest.raises(SystemExit) as done:
+        bench["main"](["--preset", "tiny-llama", "--options", options])
+    assert done.value.code == 2 and refusal in capsys.readouterr().err
 
 
 def test_bench_assisted_times_prompt_lookup_on_both_modes(tmp_path):
