@@ -119,14 +119,17 @@ step_kernels() {
   "$py" scripts/bench_kernels.py --presets llama-3.2-1b --weights int8,fp8 --json "$out/kernels.json"
 }
 
+# DeepSeek-V2-Lite cut to 4 layers, tilefx bf16, a 4096-token prompt (8 new tokens: the prompt is the measure)
+deepseek_prompt() {
+  bench_tpot --preset deepseek-v2-lite --layers 4 --modes tilefx --prompt-len 4096 --new-tokens 8 "$@"
+}
+
 step_mla() {
-  "$py" scripts/bench_tpot.py --preset deepseek-v2-lite --layers 4 --modes tilefx --prompt-len 4096 --runs 2 \
-    --new-tokens 8 --json "$out/mla.json"
+  deepseek_prompt --json "$out/mla.json"
 }
 
 step_recycle() {
-  "$py" scripts/bench_tpot.py --preset deepseek-v2-lite --layers 4 --modes tilefx --prompt-len 4096 --runs 2 \
-    --new-tokens 8 --options '{"recycle_buffers": false}' --json "$out/recycle-off.json"
+  deepseek_prompt --options '{"recycle_buffers": false}' --json "$out/recycle-off.json"
 }
 
 step_optests() {
@@ -143,7 +146,7 @@ step_cppwrapper() {
 }
 
 export py out
-export -f bench_tpot exception_check $(compgen -A function step_)  # each step runs in its own bash, under timeout
+export -f bench_tpot deepseek_prompt exception_check $(compgen -A function step_)  # each step runs in its own bash, under timeout
 IFS=, read -ra chosen <<< "$steps"
 for name in "${chosen[@]}"; do
   if ! declare -F "step_$name" > /dev/null; then
