@@ -103,22 +103,19 @@ class Recycler final : public c10::Allocator {
   // A block's deleter (and raw_deleter: raw_allocate's small blocks are the previous allocator's).
   static void release(void* data) { installed->give_back(data); }
   void give_back(void* data) {
-    c10::DataPtr freed;  // destroyed after the lock is let go
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto it = blocks_.find(data);
-      if (it != blocks_.end() && holds_ > 0) {
-        kept_.emplace(it->second.bytes, data);
-        kept_bytes_ += it->second.bytes;
-        return;
-      }
-      if (it != blocks_.end()) {
-        freed = std::move(it->second.block);
-        blocks_.erase(it);
-        return;
-      }
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = blocks_.find(data);
+    if (it == blocks_.end()) {
+      lock.unlock();
+      previous_->raw_deleter()(data);
+    } else if (holds_ > 0) {
+      kept_.emplace(it->second.bytes, data);
+      kept_bytes_ += it->second.bytes;
+    } else {
+      c10::DataPtr freed = std::move(it->second.block);
+      blocks_.erase(it);
+      lock.unlock();  // the previous allocator frees it outside the lock
     }
-    previous_->raw_deleter()(data);
   }
 
   c10::Allocator* const previous_;
