@@ -77,18 +77,25 @@ class GlooCommunicator:
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.calls, self.seconds = 0, 0.0
+        # The last exchange's tensors, kept until the next one starts. Gloo's worker thread drops its references
+        # to a collective's tensors just after the caller sees it done; where the tensors' Python objects died
+        # first, that thread needs the GIL to free them, and a thread that gets it only once the interpreter is
+        # finalizing (the last collective before exit) aborts the process. Kept here, they die on this thread.
+        self._exchanged: tuple = ()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
+        start, self._exchanged = time.perf_counter(), ()
         total = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, group=self.group)
+        self._exchanged = (total,)
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        start, self._exchanged = time.perf_counter(), ()
+        parts, mine = [torch.empty_like(x) for _ in range(self.world_size)], x.contiguous()
+        dist.all_gather(parts, mine, group=self.group)
+        self._exchanged = (*parts, mine)
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
         return torch.cat(parts, dim=-1)
 

@@ -11,6 +11,7 @@ cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import pathlib
@@ -109,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # an abort prints every thread's Python stack to the test's stderr
     main()
