@@ -12,7 +12,7 @@ from tilefx.compiler.passes.base import PassResult
 
 if TYPE_CHECKING:
     from tilefx.custom_ops.collectives import GlooCommunicator, ShmCommunicator
-    from tilefx.custom_ops.tuning import AttentionChoice, DecodeGemmChoice, GemmChoice, Tuned
+    from tilefx.custom_ops.tuning import AttentionChoice, DecodeGemmChoice, GemmChoice, GemmTilingChoice, Tuned
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ class CompileReport:
     caches: dict[str, int] = dataclasses.field(default_factory=dict)  # cache counters moved by compile_model
     walks: list[Tuned] = dataclasses.field(default_factory=list)  # the decode walks' tuning (custom_ops/tuning.py)
     # the linear ops' GEMM per phase and format (tuning.py)
-    gemms: list[GemmChoice | DecodeGemmChoice] = dataclasses.field(default_factory=list)
+    gemms: list[GemmChoice | DecodeGemmChoice | GemmTilingChoice] = dataclasses.field(default_factory=list)
     attention: AttentionChoice | None = None  # prefill and decode attention's choices (custom_ops/tuning.py)
     placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
     collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator

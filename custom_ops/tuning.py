@@ -52,6 +52,14 @@ SCOUT_BYTES = 1024
 # the two alone) finds it this much faster: the fastest of many noisy candidates looks faster than it is.
 MIN_GAIN = 1.03
 CONFIRM_ROUNDS = 7
+
+
+def fastest_by_min_gain(seconds: dict, default):
+    """The choice of least ``seconds`` where it beats ``default``'s by ``MIN_GAIN``; else ``default``."""
+    fastest = min(seconds, key=seconds.get)
+    return fastest if seconds[fastest] * MIN_GAIN < seconds[default] else default
+
+
 # One decode-like layer (hidden 2048, Llama-3.2-1B's shapes: q/k/v, o, gate/up, down), repeated until the
 # pass reads more than the last-level cache holds several times over, so every sample reads DRAM.
 LAYER_SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))
@@ -573,9 +581,7 @@ def choose_decode_attention(ms: dict) -> str:
 def choose_tiling(ms: dict) -> tuple:
     """brgemm's blocking from each tiling's median ms per ``ATTENTION_LENGTHS`` entry: the fastest at the longest
     prompt where it beats the default (the first of ``ATTENTION_TILINGS``) there by ``MIN_GAIN``."""
-    default = ATTENTION_TILINGS[0]
-    fastest = min(ms, key=lambda tiling: ms[tiling][-1])
-    return fastest if ms[fastest][-1] * MIN_GAIN < ms[default][-1] else default
+    return fastest_by_min_gain({tiling: times[-1] for tiling, times in ms.items()}, ATTENTION_TILINGS[0])
 
 
 def prefill_call(shape: AttentionShape, seq: int):
@@ -679,6 +685,14 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
 GEMM_SHAPES = ((3072, 2048), (2048, 8192))  # Llama-3.2-1B's q/k/v and down projections
 GEMM_ROWS = (128, 1024)
 GEMM_ROUNDS = 3
+# The linear ops' blocking on brgemm (csrc/tuning.h GemmTiling: rows of x a call multiplies, K pairs a chunk), timed
+# where brgemm runs a format's prefill (tune_gemm_tiling). One tiling serves every format: a quantized block is
+# dequantized whole before either applies. On a 2-core Zen 4 (oneDNN's AVX512-BF16 kernels) the rows moved nothing
+# and chunks of 512 pairs or fewer cost 15-20% (docs/PERFORMANCE.md); AMX's tiles take 16 rows of x at a time, and
+# its GEMM rate makes the caches' traffic a larger share, so there the answer may differ.
+GEMM_TILING_DEFAULT = (64, 1024)
+GEMM_TILING_PAIRS = (512, 1024, 2048)
+GEMM_TILING_ROWS = (32, 64, 128, 256)
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -700,6 +714,23 @@ class GemmChoice:
             return f"{what} (not tuned)"
         return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
                 f"{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTilingChoice:
+    """The linear ops' blocking on brgemm, and where it came from."""
+
+    tiling: tuple  # (rows of x a call, K pairs a chunk)
+    how: str  # "tuned", "cached", "untuned"
+    gflops: dict = dataclasses.field(default_factory=dict)  # (rows, pairs) -> GFLOP/s of the tuning pass
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        what = f"prefill GEMM tiling: {self.tiling[0]} rows x {self.tiling[1]} K pairs a brgemm call"
+        if self.how == "untuned":
+            return f"{what} (not tuned)"
+        rates = ", ".join(f"{rows}x{pairs} {g:.0f}" for (rows, pairs), g in sorted(self.gflops.items()))
+        return f"{what} ({self.how}: GFLOP/s {rates}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,23 +769,67 @@ def forced_decode_gemm(format: str, gemm: str, from_rows: int = 1):
     return _temporarily(isa.native.get_decode_gemm, isa.native.set_decode_gemm, (format,), (gemm, from_rows))
 
 
+def _gemm_pass(format: str):
+    """Random packings of ``GEMM_SHAPES`` in ``format`` and x at each of ``GEMM_ROWS`` rows: (tensors, inputs,
+    flops of one pass)."""
+    tensors = [_random_packing(n, k, format) for n, k in GEMM_SHAPES]
+    inputs = [{k: torch.randn(rows, k).to(torch.bfloat16) for _, k in GEMM_SHAPES} for rows in GEMM_ROWS]
+    return tensors, inputs, sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
+
+
+def _gemm_medians(tensors, inputs, choices, force) -> dict:
+    """Median seconds of one pass over ``tensors`` at every row count of ``inputs`` per choice, run under
+    ``force(choice)``, the choices interleaved over ``GEMM_ROUNDS`` rounds after one dropped (it warms up and
+    JIT-compiles brgemm)."""
+    times = {choice: [] for choice in choices}
+    for _ in range(GEMM_ROUNDS + 1):
+        for choice in choices:
+            with force(choice):
+                times[choice].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
+    return {choice: statistics.median(t[1:]) for choice, t in times.items()}
+
+
 def tune_gemm(format: str, path: str) -> GemmChoice:
     """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` at each of ``GEMM_ROWS`` rows in ``format``,
     interleaved over ``GEMM_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``."""
     started = time.perf_counter()
-    tensors = [_random_packing(n, k, format) for n, k in GEMM_SHAPES]
-    inputs = [{k: torch.randn(rows, k).to(torch.bfloat16) for _, k in GEMM_SHAPES} for rows in GEMM_ROWS]
-    flops = sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
-    times: dict[str, list[float]] = {"unit": [], "brgemm": []}
+    tensors, inputs, flops = _gemm_pass(format)
     with isa.forced(path), torch.inference_mode():
-        for _ in range(GEMM_ROUNDS + 1):  # the first round warms up (and JIT-compiles brgemm) and is dropped
-            for gemm in times:
-                with forced_gemm(format, gemm):
-                    times[gemm].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
-    unit, brgemm = (statistics.median(times[g][1:]) for g in ("unit", "brgemm"))
+        seconds = _gemm_medians(tensors, inputs, ("unit", "brgemm"), lambda gemm: forced_gemm(format, gemm))
+    unit, brgemm = seconds["unit"], seconds["brgemm"]
     gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
     isa.native.set_prefill_gemm(format, gemm)
     return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started)
+
+
+def forced_gemm_tiling(rows: int, pairs: int):
+    """Run a block with the linear ops' brgemm blocking forced: ``rows`` of x a call, K in chunks of ``pairs``."""
+    return _temporarily(isa.native.get_gemm_tiling, isa.native.set_gemm_tiling, (), (rows, pairs))
+
+
+def tune_gemm_tiling(path: str) -> GemmTilingChoice:
+    """Time brgemm's blockings on the prefill GEMM pass in bf16, each step's candidates interleaved over
+    ``GEMM_ROUNDS`` rounds: the K chunk (``GEMM_TILING_PAIRS``) at the default rows, then the rows
+    (``GEMM_TILING_ROWS``) at the chunk kept, each step keeping a candidate only where it beats the one before
+    by ``MIN_GAIN``; a winner other than the default must beat it again head to head. Set the result."""
+    started = time.perf_counter()
+    tensors, inputs, flops = _gemm_pass("bf16")
+    default = GEMM_TILING_DEFAULT
+
+    def medians(tilings):
+        return _gemm_medians(tensors, inputs, tilings, lambda tiling: forced_gemm_tiling(*tiling))
+
+    with isa.forced(path), torch.inference_mode(), forced_gemm("bf16", "brgemm"):
+        seconds = medians([(default[0], pairs) for pairs in GEMM_TILING_PAIRS])
+        _, pairs = fastest_by_min_gain(seconds, default)
+        tiles = medians([(rows, pairs) for rows in GEMM_TILING_ROWS])
+        seconds.update(tiles)
+        tiling = fastest_by_min_gain(tiles, (default[0], pairs))
+        if tiling != default:  # the fastest of several noisy candidates looks faster than it is
+            tiling = fastest_by_min_gain(medians([default, tiling]), default)
+    isa.native.set_gemm_tiling(*tiling)
+    gflops = {t: flops / s / 1e9 for t, s in seconds.items()}
+    return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started)
 
 
 def choose_decode_gemm(gbps: dict[int, tuple[float, float]]) -> int:
@@ -820,20 +895,42 @@ def _tuned_decode_gemm(format: str, path: str, saved: dict) -> tuple[DecodeGemmC
     return choice, True
 
 
+def _tuned_gemm_tiling(path: str, saved: dict) -> tuple[GemmTilingChoice, bool]:
+    """The brgemm blocking from ``saved``, else timed and put there; (choice, whether timed)."""
+    key = _machine_key(path, "gemm_tiling")
+    entry = saved.get(key)
+    if entry is not None:
+        tiling = tuple(entry["tiling"])
+        isa.native.set_gemm_tiling(*tiling)
+        gflops = {tuple(int(v) for v in t.split("x")): g for t, g in entry["gflops"].items()}
+        return GemmTilingChoice(tiling, "cached", gflops), False
+    choice = tune_gemm_tiling(path)
+    saved[key] = {"tiling": list(choice.tiling), "gflops": {f"{r}x{p}": g for (r, p), g in choice.gflops.items()}}
+    return choice, True
+
+
+def prefill_runs_brgemm(gemm: str, path: str) -> bool:
+    """Whether a format's prefill GEMM choice (``GemmChoice.gemm``) runs brgemm on ``path``."""
+    return gemm == "brgemm" or (gemm == "default" and isa.kernel_units(path).get("linear", "").startswith("brgemm"))
+
+
 def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.Path | None = None,
-                      enabled: bool = True) -> list[GemmChoice | DecodeGemmChoice]:
-    """The linear ops' decode GEMM (bf16's) and prefill GEMM of each format in ``formats_used``: read from the
-    cache file, else timed (``tune_decode_gemm``, ``tune_gemm``) and saved; set in the native table. Nothing is
-    timed where brgemm has no compiled kernel (the defaults stay) or with ``enabled=False``. Call after
-    ``ensure_tuned``: decode's unit candidate is the tuned walk."""
+                      enabled: bool = True) -> list[GemmChoice | DecodeGemmChoice | GemmTilingChoice]:
+    """The linear ops' decode GEMM (bf16's) and prefill GEMM of each format in ``formats_used``, and brgemm's
+    blocking where some format's prefill runs it: read from the cache file, else timed (``tune_decode_gemm``,
+    ``tune_gemm``, ``tune_gemm_tiling``) and saved; set in the native table. Nothing is timed where brgemm has no
+    compiled kernel (the defaults stay) or with ``enabled=False``. Call after ``ensure_tuned``: decode's unit
+    candidate is the tuned walk."""
     path = path or isa.current()
     if isa.native is None or path == "reference" or not brgemm_has_kernel():
         return []
     used = sorted(set(formats_used))
     decode = [f for f in used if f in DECODE_GEMM_FORMATS]
     if not enabled:
-        return [*(DecodeGemmChoice(f, isa.native.get_decode_gemm(f)[1], "untuned") for f in decode),
-                *(GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in used)]
+        prefill = [GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in used]
+        tiling = [GemmTilingChoice(tuple(isa.native.get_gemm_tiling()), "untuned")
+                  for _ in prefill[:1] if any(prefill_runs_brgemm(c.gemm, path) for c in prefill)]
+        return [*(DecodeGemmChoice(f, isa.native.get_decode_gemm(f)[1], "untuned") for f in decode), *prefill, *tiling]
     store = _store(cache)
     saved = _saved(store)
     results, changed = [], False
@@ -843,6 +940,10 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
         changed |= timed
     for format in used:
         choice, timed = _tuned_prefill_gemm(format, path, saved)
+        results.append(choice)
+        changed |= timed
+    if any(isinstance(c, GemmChoice) and prefill_runs_brgemm(c.gemm, path) for c in results):
+        choice, timed = _tuned_gemm_tiling(path, saved)
         results.append(choice)
         changed |= timed
     if changed:
@@ -860,6 +961,7 @@ def untuned():
             stack.enter_context(forced_gemm(format, "default"))
             stack.enter_context(forced_decode_gemm(format, "unit", 0))
             stack.enter_context(forced_split(format, 0))
+        stack.enter_context(forced_gemm_tiling(*GEMM_TILING_DEFAULT))
         for family in ("extend", "mla"):
             stack.enter_context(forced_attention(family, "unit"))
             stack.enter_context(forced_decode_attention(family, "unit"))

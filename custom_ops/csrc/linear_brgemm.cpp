@@ -19,15 +19,18 @@
 #include "kernels.h"
 #include "layout.h"
 #include "ops.h"
+#include "tuning.h"
 
 namespace tilefx {
 namespace {
 
-// One brgemm call multiplies kBrgemmRows rows of x by kBrgemmPairs K pairs of a block, adding
-// to the previous chunk's result: x's part (256 KiB) and the block's (128 KiB) stay in L2 while
-// brgemm walks them, where a whole K of 8192 read both from L3 (docs/PERFORMANCE.md).
-constexpr int64_t kBrgemmRows = 64;
-constexpr int64_t kBrgemmPairs = 1024;
+// One brgemm call multiplies a tile of x's rows by a chunk of K pairs of a block, adding to the
+// previous chunk's result (tuning.h GemmTiling: 64 rows and 1024 pairs by default, where x's part,
+// 256 KiB, and the block's, 128 KiB, stay in L2 while brgemm walks them; a whole K of 8192 read both
+// from L3, docs/PERFORMANCE.md). Scratch holds the largest tile, so a tiling set meanwhile is safe.
+// Decode's rows (1 to kGemvRows) take K in chunks of kDecodeGemmPairs whatever the tiling.
+constexpr int64_t kDecodeGemmPairs = 1024;
+
 // Work units are taken in groups whose bf16 weights (the blocks, or their dequantized panels) fill
 // at most kGroupBytes, and each row tile of x meets the whole group before the next tile: x is read
 // once per group rather than once per block. x of 1024 rows at K 2048 is 4 MiB, past an L2, so
@@ -72,7 +75,7 @@ const UnitEpilogue& epilogue_of(LinearUnit unit) {
 }
 
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
-  const int64_t tile = std::min(p.M, kBrgemmRows);
+  const int64_t tile = std::min(p.M, kMaxGemmRows);
   // the quantized group's bf16 panels, in floats
   const int64_t panels = p.format == WeightFormat::bf16
                              ? 0
@@ -86,10 +89,11 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   TORCH_CHECK(reinterpret_cast<uintptr_t>(scratch) % kCacheLine == 0, "tilefx brgemm: scratch must be cache-line aligned");
   const UnitEpilogue& epilogue = epilogue_of(unit);
   const int64_t block_elems = block_values(p.K_pairs);
-  const int64_t tile = std::min(p.M, kBrgemmRows);
+  const GemmTiling tiling = p.M > kGemvRows ? gemm_tiling() : GemmTiling{kGemvRows, kDecodeGemmPairs};
+  const int64_t tile = std::min(p.M, tiling.rows);
   const int64_t per_unit = blocks_per_unit(p);
-  float* results[2] = {scratch, scratch + tile * kBlockN};
-  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * tile * kBlockN);
+  float* results[2] = {scratch, scratch + std::min(p.M, kMaxGemmRows) * kBlockN};
+  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * std::min(p.M, kMaxGemmRows) * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
 
   // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
@@ -100,8 +104,8 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
     return reinterpret_cast<const at::BFloat16*>(panel);
   };
   auto multiply = [&](const at::BFloat16* b, int64_t block, int64_t row, int64_t rows, float* c) {
-    for (int64_t q = 0; q < p.K_pairs; q += kBrgemmPairs) {
-      const int64_t pairs = std::min(kBrgemmPairs, p.K_pairs - q);
+    for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
+      const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
       at::native::cpublas::brgemm(rows, kBlockN, 2 * pairs, p.ldx, kBlockN, kBlockN, /*add_C=*/q > 0,
                                   x + row * p.ldx + 2 * q, b + block_values(q), c);
     }

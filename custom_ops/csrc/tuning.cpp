@@ -71,6 +71,8 @@ std::atomic<int> decode_attention_choice[2] = {0, 0};  // DecodeAttention, per A
 // Per AttentionFamily: (query_rows << 32) | key_step, one word so a reader never sees half a tiling.
 constexpr int64_t kDefaultTiling = int64_t{64} << 32 | 128;
 std::atomic<int64_t> attention_tiling_choice[2] = {kDefaultTiling, kDefaultTiling};
+// (rows << 32) | pairs, one word so a reader never sees half a tiling.
+std::atomic<int64_t> gemm_tiling_choice{int64_t{64} << 32 | 1024};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
@@ -135,6 +137,24 @@ void set_attention_tiling(const std::string& family, int64_t query_rows, int64_t
 std::tuple<int64_t, int64_t> get_attention_tiling(const std::string& family) {
   const AttentionTiling tiling = attention_tiling(parse_family(family));
   return {tiling.query_rows, tiling.key_step};
+}
+
+GemmTiling gemm_tiling() {
+  const int64_t choice = gemm_tiling_choice.load(std::memory_order_relaxed);
+  return {choice >> 32, choice & 0xFFFFFFFF};
+}
+
+void set_gemm_tiling(int64_t rows, int64_t pairs) {
+  TORCH_CHECK(rows >= 16 && rows <= kMaxGemmRows && rows % 16 == 0, "tilefx tuning: a GEMM tile takes 16 to ",
+              kMaxGemmRows, " rows of x, a multiple of 16, got ", rows);
+  TORCH_CHECK(pairs >= 64 && pairs <= 8192 && pairs % 64 == 0,
+              "tilefx tuning: a GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, got ", pairs);
+  gemm_tiling_choice = rows << 32 | pairs;
+}
+
+std::tuple<int64_t, int64_t> get_gemm_tiling() {
+  const GemmTiling tiling = gemm_tiling();
+  return {tiling.rows, tiling.pairs};
 }
 
 DecodeAttention decode_attention(AttentionFamily family, int64_t rows) {

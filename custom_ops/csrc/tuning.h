@@ -85,6 +85,22 @@ bool prefill_on_brgemm(const KernelUnits& units, WeightFormat format, int64_t ro
 void set_prefill_gemm(const std::string& format, const std::string& choice);
 std::string get_prefill_gemm(const std::string& format);
 
+// The linear ops' blocking on brgemm (linear_brgemm.cpp): the rows of x one brgemm call multiplies by
+// a block (at most kMaxGemmRows) and the K pairs of the block it takes at once, each later chunk adding
+// to the first's result. More rows share each of the block's loads among more of x's (what AMX's tiles
+// need, with their small register file); fewer pairs keep both operands' parts in L2. Which is best
+// depends on the CPU's GEMM rate against its caches, so custom_ops/tuning.py times the candidates where
+// brgemm runs prefill; (64, 1024) by default. One tiling for every weight format (a quantized block is
+// dequantized whole before either).
+struct GemmTiling {
+  int64_t rows, pairs;
+};
+constexpr int64_t kMaxGemmRows = 256;
+GemmTiling gemm_tiling();
+// `rows` 16 to kMaxGemmRows, a multiple of 16; `pairs` 64 to 8192, a multiple of 64.
+void set_gemm_tiling(int64_t rows, int64_t pairs);
+std::tuple<int64_t, int64_t> get_gemm_tiling();
+
 // Decode linears (1 to kGemvRows rows): the unit's GEMV walk or oneDNN's brgemm over the same
 // packed blocks, per weight format: brgemm from a row count on (its AMX tiles make 4 rows cost
 // what 1 does, where the unit's GEMV does 4 times the work per byte), the unit below it; the unit

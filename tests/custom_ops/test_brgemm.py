@@ -50,15 +50,19 @@ def _linear_ops(format, rows, in_features, out_features, intermediate):
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90)],
                          ids=["5x300", "70x301-odd", "3x256", "70x64-groups"])
-def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features, blocks):
+@pytest.mark.parametrize("tiling", [tuning.GEMM_TILING_DEFAULT, (16, 64), (256, 2048)],
+                         ids=["64x1024", "16x64", "256x2048"])
+def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features, blocks, tiling):
     """linear (with bias), linear_float and linear_silu_mul over more rows than one brgemm tile (70 > 64), an odd
     K (padded pair) and a ragged last block; 90 blocks make chunks of several groups of blocks (a row tile meets a
-    group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced."""
+    group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced. In each tiling
+    tuning may choose: 16 rows x 64 pairs takes x in several row tiles and K in chunks with a ragged last one
+    (150 and 151 pairs), 256 x 2048 all of both at once."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
     # a ragged last block; gate/up take whole blocks
     run, want, want_gated = _linear_ops(format, rows, in_features, blocks * 32 + 7, blocks * 32)
-    with tuning.forced_gemm(format, "brgemm"):
+    with tuning.forced_gemm(format, "brgemm"), tuning.forced_gemm_tiling(*tiling):
         got, got_float, gated = run()
     assert got.dtype == torch.bfloat16 and got_float.dtype == torch.float32
     assert _relative_error(got, want) < 1e-2
@@ -84,6 +88,61 @@ def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
             assert "brgemm" not in units["linear"]
 
 
+def test_gemm_tiling_is_checked_and_defaults_to_64_rows_x_1024_pairs():
+    for rows, pairs in ((8, 1024), (48 + 1, 1024), (512, 1024), (64, 32), (64, 100), (64, 16384)):
+        with pytest.raises(RuntimeError, match="GEMM (tile|chunk)"):
+            isa.native.set_gemm_tiling(rows, pairs)
+    with tuning.untuned():
+        assert tuple(isa.native.get_gemm_tiling()) == tuning.GEMM_TILING_DEFAULT == (64, 1024)
+        with tuning.forced_gemm_tiling(128, 2048):
+            assert tuple(isa.native.get_gemm_tiling()) == (128, 2048)
+        assert tuple(isa.native.get_gemm_tiling()) == (64, 1024)
+
+
+def test_decode_on_brgemm_keeps_its_blocking_whatever_the_tiling(kernel_path):
+    """1 to 4 rows are not prefill: a tiling tuned on prefill shapes leaves decode's brgemm as it was timed (the
+    same bits under any tiling; fp32 sums in other chunks would differ)."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    run = _linear_ops("bf16", 4, 8200, 96, 64)[0]
+    with tuning.untuned(), tuning.forced_decode_gemm("bf16", "brgemm"):
+        default = run()
+        with tuning.forced_gemm_tiling(16, 64):
+            small = run()
+    assert all(torch.equal(a, b) for a, b in zip(default, small))
+
+
+@pytest.mark.parametrize("chunks,tiles,confirm,want", [
+    # the chunk at 64 rows, then the rows at the chunk kept, then the winner against the default head to head
+    ({512: 1.2, 1024: 1.0, 2048: 1.0}, {32: 1.0, 64: 1.0, 128: 1.0, 256: 1.0}, None, (64, 1024)),  # all level
+    ({512: 1.2, 1024: 1.0, 2048: 0.9}, {32: 1.0, 64: 0.9, 128: 0.8, 256: 0.85}, (1.0, 0.8), (128, 2048)),
+    ({512: 1.2, 1024: 1.0, 2048: 0.99}, {32: 1.0, 64: 1.0, 128: 0.9, 256: 1.0}, (1.0, 0.9), (128, 1024)),
+    ({512: 1.2, 1024: 1.0, 2048: 1.0}, {32: 1.0, 64: 1.0, 128: 0.9, 256: 1.0}, (1.0, 0.99), (64, 1024)),  # unconfirmed
+])
+def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeypatch, chunks, tiles, confirm, want):
+    if isa.native is None:
+        pytest.skip("native library not built")
+    steps = []
+
+    def medians(tensors, inputs, tilings, force):
+        tilings = list(tilings)
+        steps.append(tilings)
+        if all(rows == 64 for rows, _ in tilings) and len(tilings) == len(tuning.GEMM_TILING_PAIRS):
+            return {t: chunks[t[1]] for t in tilings}
+        if len(tilings) == len(tuning.GEMM_TILING_ROWS):
+            return {t: tiles[t[0]] for t in tilings}
+        return dict(zip(tilings, confirm))
+
+    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
+    with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
+        choice = tuning.tune_gemm_tiling(isa.current())
+        assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
+    assert len(steps) == (2 if confirm is None else 3)
+    assert set(choice.gflops) == {*steps[0], *steps[1]}
+    assert choice.line().startswith(f"prefill GEMM tiling: {want[0]} rows x {want[1]} K pairs a brgemm call (tuned")
+
+
 def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     path = isa.current()
     if path == "reference" or not tuning.brgemm_has_kernel():
@@ -91,20 +150,32 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "GEMM_SHAPES", ((96, 128),))
     monkeypatch.setattr(tuning, "GEMM_ROWS", (8, 16))
     monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
-    before = isa.native.get_prefill_gemm("int8")
+    monkeypatch.setattr(tuning, "GEMM_TILING_ROWS", (32, 64))
+    before, tiling = isa.native.get_prefill_gemm("int8"), tuple(isa.native.get_gemm_tiling())
     try:
         first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
-        assert [c.how for c in first] == ["tuned"] and first[0].gemm in ("unit", "brgemm")
+        assert first[0].how == "tuned" and first[0].gemm in ("unit", "brgemm")
         assert first[0].unit_gflops > 0 and first[0].brgemm_gflops > 0
         assert isa.native.get_prefill_gemm("int8") == first[0].gemm
+        # brgemm's blocking is tuned where a format's prefill runs it
+        on_brgemm = tuning.prefill_runs_brgemm(first[0].gemm, path)
+        assert [type(c).__name__ for c in first[1:]] == (["GemmTilingChoice"] if on_brgemm else [])
+        if on_brgemm:
+            assert first[1].how == "tuned" and tuple(isa.native.get_gemm_tiling()) == first[1].tiling
+            assert set(first[1].gflops) == {(64, 512), (64, 1024), (64, 2048), (32, first[1].tiling[1])}
         isa.native.set_prefill_gemm("int8", "default")
+        isa.native.set_gemm_tiling(32, 64)
         again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
-        assert [c.how for c in again] == ["cached"] and isa.native.get_prefill_gemm("int8") == first[0].gemm
+        assert [c.how for c in again] == ["cached"] * len(first) and isa.native.get_prefill_gemm("int8") == first[0].gemm
         assert "prefill GEMM int8" in again[0].line()
-        assert [c.how for c in tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path, enabled=False)] == [
-            "untuned"]
+        if on_brgemm:
+            assert again[1].tiling == first[1].tiling == tuple(isa.native.get_gemm_tiling())
+            assert again[1].gflops == pytest.approx(first[1].gflops)
+        assert {c.how for c in tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path, enabled=False)} == {
+            "untuned"}
     finally:
         isa.native.set_prefill_gemm("int8", before)
+        isa.native.set_gemm_tiling(*tiling)
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8", "int4"])
@@ -194,7 +265,8 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         assert decode[0].line().startswith("decode GEMM bf16: ") and "4 row(s) unit walk" in decode[0].line()
         isa.native.set_decode_gemm("bf16", "unit", 0)
         again = tuning.ensure_gemm_tuned(["bf16"], path=path, cache=tmp_path)
-        assert [(type(c).__name__, c.how) for c in again] == [("DecodeGemmChoice", "cached"), ("GemmChoice", "cached")]
+        assert [(type(c).__name__, c.how) for c in again][:2] == [("DecodeGemmChoice", "cached"),
+                                                                  ("GemmChoice", "cached")]
         assert again[0].gbps == decode[0].gbps and tuple(isa.native.get_decode_gemm("bf16"))[1] == decode[0].from_rows
         calls = []
         monkeypatch.setattr(tuning, "_time_pass", lambda *a: calls.append(isa.native.get_decode_gemm("bf16")) or 1.0)
