@@ -35,9 +35,11 @@ class CompileOptions:
     # A prompt longer than this runs as consecutive prefill calls of at most this many tokens, each continuing
     # the cache (0: in one call). Every intermediate of a prefill call grows with its tokens (the attention mask
     # with them times max_seq_len, the linears' outputs, fused_moe's routed rows: ~1 GB for a 16k-token prompt of
-    # Llama-3.2-1B): chunks bound it at the cost of reading the weights once more per chunk (docs/PERFORMANCE.md).
+    # Llama-3.2-1B): chunks bound it at the cost of reading the weights once more per chunk. 4096 rather than 8192
+    # halved a 16k-token prompt's peak above the idle model (Llama-3.2-1B, Qwen3-30B-A3B, DeepSeek-V2-Lite at 8k,
+    # 4 layers each) at the same TTFT within 1-2% (docs/PERFORMANCE.md, thirty-fourth session).
     # The graphs are the same (the prompt length is dynamic), and so is the math (tests/test_generate.py).
-    prefill_chunk: int = 8192
+    prefill_chunk: int = 4096
     # Keep freed CPU blocks of 1 MiB and more within each forward and hand them to later requests of their size
     # (custom_ops/buffers.py): each layer of a prefill allocates the same large intermediates, which glibc maps
     # afresh, and the kernel faults in and zeroes, for every layer. The kept blocks are freed as the forward ends.

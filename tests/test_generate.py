@@ -415,7 +415,7 @@ def test_explain_reports_rewrites(pair):
     assert f"tilefx.extend_attention x{layers}" in text
     assert f"tilefx.decode_attention x{layers}" in text
     assert f"recompiles since warm-up {compiled.tilefx.report.recompiles}" in text
-    assert "working memory: prompts over 8192 tokens in calls of at most that many; CPU buffers of 1 MiB and more " \
+    assert "working memory: prompts over 4096 tokens in calls of at most that many; CPU buffers of 1 MiB and more " \
            "recycled within each forward" in text
     startup = next(line for line in text.splitlines() if line.startswith("startup "))
     assert all(part in startup for part in ("load", "pack", "tune", "trace", "passes", "inductor", "caches: ")), startup
@@ -427,6 +427,10 @@ def test_explain_reports_rewrites(pair):
         gemms = [line for line in text.splitlines() if " GEMM bf16: " in line]  # decode's first (the walk's after)
         assert [line.split(" GEMM")[0] for line in gemms] == ["decode", "prefill"], gemms
         assert all("tuned" in line or "cached" in line for line in gemms), gemms
+        tiling = [line for line in text.splitlines() if line.startswith("prefill GEMM tiling: ")]
+        # brgemm's blocking, tuned where prefill runs brgemm
+        assert len(tiling) == (1 if ": brgemm (" in gemms[1] else 0), (gemms, tiling)
+        assert all("tuned" in line or "cached" in line for line in tiling), tiling
     config = compiled.config
     attention = [line for line in text.splitlines() if line.startswith("prefill attention ")]
     assert len(attention) == 1 and ("tuned" in attention[0] or "cached" in attention[0]), attention
