@@ -84,7 +84,8 @@ class GlooCommunicator:
         self._exchanged: tuple = ()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        start, self._exchanged = time.perf_counter(), ()
+        self._exchanged = ()
+        start = time.perf_counter()
         total = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         dist.all_reduce(total, group=self.group)
         self._exchanged = (total,)
@@ -92,7 +93,8 @@ class GlooCommunicator:
         return total.to(x.dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        start, self._exchanged = time.perf_counter(), ()
+        self._exchanged = ()
+        start = time.perf_counter()
         parts, mine = [torch.empty_like(x) for _ in range(self.world_size)], x.contiguous()
         dist.all_gather(parts, mine, group=self.group)
         self._exchanged = (*parts, mine)

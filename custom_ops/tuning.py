@@ -928,8 +928,8 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
     decode = [f for f in used if f in DECODE_GEMM_FORMATS]
     if not enabled:
         prefill = [GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in used]
-        tiling = [GemmTilingChoice(tuple(isa.native.get_gemm_tiling()), "untuned")
-                  for _ in prefill[:1] if any(prefill_runs_brgemm(c.gemm, path) for c in prefill)]
+        tiling = [GemmTilingChoice(tuple(isa.native.get_gemm_tiling()), "untuned")] \
+            if any(prefill_runs_brgemm(c.gemm, path) for c in prefill) else []
         return [*(DecodeGemmChoice(f, isa.native.get_decode_gemm(f)[1], "untuned") for f in decode), *prefill, *tiling]
     store = _store(cache)
     saved = _saved(store)

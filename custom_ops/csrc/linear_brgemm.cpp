@@ -92,8 +92,9 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const GemmTiling tiling = p.M > kGemvRows ? gemm_tiling() : GemmTiling{kGemvRows, kDecodeGemmPairs};
   const int64_t tile = std::min(p.M, tiling.rows);
   const int64_t per_unit = blocks_per_unit(p);
-  float* results[2] = {scratch, scratch + std::min(p.M, kMaxGemmRows) * kBlockN};
-  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * std::min(p.M, kMaxGemmRows) * kBlockN);
+  const int64_t widest = std::min(p.M, kMaxGemmRows);  // the tile scratch holds (brgemm_scratch_floats)
+  float* results[2] = {scratch, scratch + widest * kBlockN};
+  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * widest * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
 
   // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
