@@ -5,9 +5,9 @@ One binary serves every x86-64 CPU: ISA-specific units carry their own
 ``#pragma GCC target`` and the ops call them only where CPUID says they run
 (csrc/dispatch.cpp holds the table of which unit each op family runs on each path).
 
-Where simde-py (SIMDe's headers) is installed, the AVX512-BF16 unit is also built on
-SIMDe's portable intrinsics (linear_avx512_emulated.cpp), so the tests check its code
-on CPUs without AVX512; without it that unit is left out and its tests skip.
+Where simde-py (SIMDe's headers) is installed, the AVX512-BF16 units are also built on
+SIMDe's portable intrinsics (linear_avx512_emulated.cpp, attention_avx512_emulated.cpp), so the
+tests check their code on CPUs without AVX512; without it those units are left out and their tests skip.
 """
 
 import glob
@@ -20,10 +20,10 @@ try:
 except ImportError:
     simde_py = None
 
-EMULATED = "custom_ops/csrc/linear_avx512_emulated.cpp"
+EMULATED = ("custom_ops/csrc/linear_avx512_emulated.cpp", "custom_ops/csrc/attention_avx512_emulated.cpp")
 sources = sorted(glob.glob("custom_ops/csrc/*.cpp"))
 if simde_py is None:
-    sources.remove(EMULATED)
+    sources = [source for source in sources if source not in EMULATED]
 
 native = CppExtension(
     name="tilefx.custom_ops._C",

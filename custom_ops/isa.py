@@ -7,9 +7,9 @@ call) and read the current path: by default the fastest this CPU supports. One
 table in ``csrc/dispatch.cpp`` says which unit each op family runs on each path
 (``kernel_units(path)`` reads it): on amx, the linear ops and experts of more than 4 rows
 run oneDNN's brgemm on AMX tiles by default (``tuning`` may choose brgemm on other
-AVX512-BF16 CPUs too) and everything else the AVX512-BF16 unit every AMX CPU also has;
-attention has AVX2 kernels only and runs them on every native path (a prompt: or PyTorch's
-SDPA where tuning finds it faster); ``reference``
+AVX512-BF16 CPUs too) and everything else, attention included, the AVX512-BF16 units every
+AMX CPU also has (attention: or its brgemm kernels or PyTorch's SDPA where tuning finds them
+faster); ``reference``
 runs the ``*_portable`` ops written in PyTorch.
 ``TILEFX_ISA=<path>`` forces a path for the whole process, ``forced(path)`` for a
 block (tests and benchmarks).
@@ -20,7 +20,7 @@ int4 decode reads x as 15-bit words by default. ``TILEFX_INT4_ACTIVATIONS=int8``
 instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a trained model
 (docs/PERFORMANCE.md).
 
-``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 unit built on
+``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 units built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
 code runs, slowly, on CPUs without AVX512. It is never chosen by default.
 """

@@ -205,20 +205,11 @@ void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, 
   const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, qdim = k_dim + rope_dim, v_dim = p.v_dim;
   const bool* allowed = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  // Masked keys at either end (the causal future of a prompt row, left padding) cost nothing.
-  while (key_begin < key_end && !allowed[key_begin]) ++key_begin;
-  while (key_end > key_begin && !allowed[key_end - 1]) --key_end;
-  const int64_t keys = key_end - key_begin;
-  if (keys == 0) {
-    for (int64_t g = 0; g < group; ++g) {
-      part.max[g] = neg_inf;
-      part.sum[g] = 0.0f;
-    }
-    return;
-  }
-  // Inside the trimmed range a decode row has no masked key; a padded batch row may.
-  bool dense = true;
-  for (int64_t t = key_begin; t < key_end && dense; ++t) dense = allowed[t];
+  const TaskKeys attended = attended_keys(allowed, key_begin, key_end);
+  if (attended.begin == attended.end) return no_keys(group, part);
+  key_begin = attended.begin;
+  const int64_t keys = attended.end - attended.begin;
+  const bool dense = attended.dense;
 
   // Scratch: scaled fp32 queries padded with zero heads to a multiple of kHeadTile,
   // then running max, sum and output per head, then one block's scores.

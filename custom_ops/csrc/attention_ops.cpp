@@ -63,6 +63,12 @@ void attention_task(AttentionUnit unit, const AttentionProblem& p, int64_t b, in
                     int64_t key_begin, int64_t key_end, const AttentionPartial& part) {
   switch (unit) {
     case AttentionUnit::avx2: return attention_task_avx2(p, b, kv_head, s, key_begin, key_end, part);
+    case AttentionUnit::avx512: return attention_task_avx512(p, b, kv_head, s, key_begin, key_end, part);
+    case AttentionUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return attention_task_avx512_emulated(p, b, kv_head, s, key_begin, key_end, part);
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
   }
 }
 

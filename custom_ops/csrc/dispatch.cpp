@@ -52,7 +52,8 @@ bool cpu_has(const std::string& feature) {
 KernelUnits units_for(Path path) {
   constexpr LinearUnit avx2 = LinearUnit::avx2, avx512 = LinearUnit::avx512;
   constexpr LinearUnit emulated = LinearUnit::avx512_emulated;
-  constexpr AttentionUnit attention_avx2 = AttentionUnit::avx2;
+  constexpr AttentionUnit attention_avx2 = AttentionUnit::avx2, attention_avx512 = AttentionUnit::avx512;
+  constexpr AttentionUnit attention_emulated = AttentionUnit::avx512_emulated;
   switch (path) {
     //                                       native brgemm      linear    per_head  moe       attention
     // PyTorch references only; the units are never read.
@@ -60,12 +61,12 @@ KernelUnits units_for(Path path) {
     // Every family on its AVX2 unit (linear_avx2.cpp, attention_avx2.cpp).
     case Path::avx2:                 return {true,  false,      avx2,     avx2,     avx2,     attention_avx2};
     // brgemm (AMX tiles) for prefill-sized linears and experts; every AMX CPU also has
-    // AVX512-BF16, which runs the decode GEMVs, the per-head linear and the epilogues.
-    case Path::amx:                  return {true,  true,       avx512,   avx512,   avx512,   attention_avx2};
-    // The column-block linears on vdpbf16ps (linear_avx512.cpp); attention has no AVX512 unit.
-    case Path::avx512_bf16:          return {true,  false,      avx512,   avx512,   avx512,   attention_avx2};
-    // The AVX512-BF16 unit on SIMDe: set_path refuses this path in builds without it.
-    case Path::avx512_bf16_emulated: return {true,  false,      emulated, emulated, emulated, attention_avx2};
+    // AVX512-BF16, which runs the decode GEMVs, the per-head linear, attention and the epilogues.
+    case Path::amx:                  return {true,  true,       avx512,   avx512,   avx512,   attention_avx512};
+    // Every family on vdpbf16ps (linear_avx512.cpp, attention_avx512.cpp).
+    case Path::avx512_bf16:          return {true,  false,      avx512,   avx512,   avx512,   attention_avx512};
+    // The AVX512-BF16 units on SIMDe: set_path refuses this path in builds without it.
+    case Path::avx512_bf16_emulated: return {true,  false,      emulated, emulated, emulated, attention_emulated};
   }
   TORCH_CHECK(false, "tilefx: unknown kernel path ", static_cast<int>(path));
 }
@@ -84,6 +85,8 @@ const char* unit_name(LinearUnit unit) {
 const char* unit_name(AttentionUnit unit) {
   switch (unit) {
     case AttentionUnit::avx2: return "avx2";
+    case AttentionUnit::avx512: return "avx512_bf16";
+    case AttentionUnit::avx512_emulated: return "avx512_bf16_emulated";
   }
   return "unknown";
 }

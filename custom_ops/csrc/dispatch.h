@@ -32,7 +32,7 @@ bool cpu_has(const std::string& feature);
 enum class LinearUnit { avx2, avx512, avx512_emulated };
 
 // The unit that runs one attention task (kernels.h).
-enum class AttentionUnit { avx2 };
+enum class AttentionUnit { avx2, avx512, avx512_emulated };
 
 // Up to this many rows a linear is a GEMV, bound by reading its weight: the column-block
 // units stream it at the memory's speed, while brgemm's tile setup and per-call

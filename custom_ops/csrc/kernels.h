@@ -7,6 +7,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace tilefx {
 
@@ -265,20 +266,51 @@ struct AttentionPartial {
 // small enough that a block's value rows stay in L1 across the passes over the
 // value slices, and that MLA's latent rows are read from memory once for all head
 // tiles rather than once per tile.
+constexpr int64_t kMaxAttentionKeyBlock = 128;
 inline int64_t attention_key_block(const AttentionProblem& p) {
   const int64_t row_bytes = 2 * (p.k_dim + p.rope_dim + (p.v_cache == p.k_cache ? 0 : p.v_dim));
   const int64_t block = 32768 / row_bytes;
-  return (block < 16 ? 16 : block > 128 ? 128 : block) & ~int64_t{1};
+  return (block < 16 ? 16 : block > kMaxAttentionKeyBlock ? kMaxAttentionKeyBlock : block) & ~int64_t{1};
 }
 
-// Per-thread scratch of attention_task_avx2, in floats.
+// Per-thread scratch of an attention task, in floats: enough for either unit (the AVX2 unit's fp32
+// queries; the AVX512 unit's per-lane softmax state, bf16 weights and a zero row).
 inline int64_t attention_scratch_floats(const AttentionProblem& p) {
   const int64_t padded_group = (p.q_heads / p.kv_heads + kAttentionHeadTile - 1) / kAttentionHeadTile * kAttentionHeadTile;
-  return padded_group * (p.k_dim + p.rope_dim + p.v_dim + 2) + 4 * attention_key_block(p);
+  const int64_t row = p.k_dim + p.rope_dim + p.v_dim + 64;
+  return padded_group * row + 8 * (attention_key_block(p) + 4) + row;
 }
 
+// The keys a task attends of [begin, end): masked keys at either end (the causal future of a
+// prompt row, left padding) trimmed, and whether any key inside is masked (a padded batch row's may be).
+struct TaskKeys {
+  int64_t begin, end;
+  bool dense;  // no masked key in [begin, end)
+};
+inline TaskKeys attended_keys(const bool* allowed, int64_t begin, int64_t end) {
+  while (begin < end && !allowed[begin]) ++begin;
+  while (end > begin && !allowed[end - 1]) --end;
+  bool dense = true;
+  for (int64_t t = begin; t < end && dense; ++t) dense = allowed[t];
+  return {begin, end, dense};
+}
+
+// The partial result of a task with no key to attend: every head's max -inf and sum 0 (its output is not read).
+inline void no_keys(int64_t group, const AttentionPartial& part) {
+  for (int64_t g = 0; g < group; ++g) {
+    part.max[g] = -std::numeric_limits<float>::infinity();
+    part.sum[g] = 0.0f;
+  }
+}
+
+// One attention task of `p` on a unit: the query heads of `kv_head` for query row `s` of batch row
+// `b`, over keys [key_begin, key_end) as the mask row allows, into `part`.
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
                          int64_t key_end, const AttentionPartial& part);
+void attention_task_avx512(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
+                           int64_t key_end, const AttentionPartial& part);
+void attention_task_avx512_emulated(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s,
+                                    int64_t key_begin, int64_t key_end, const AttentionPartial& part);
 
 // One key block of the flash attention over brgemm tiles (attention_brgemm.cpp), for `rows`
 // query rows whose raw scores q.k are at `scores` (row stride `ld`): row r's mask row (its

@@ -10,7 +10,7 @@
 // prefill is a blocked GEMM over an L1-resident panel of one block and kKChunk K pairs, here
 // with micro-tiles of 8 rows x 32 columns (16 zmm accumulators).
 //
-// The same source builds twice: for the CPU (the `#pragma` below; the ops (dispatch.h)
+// The same source builds twice: for the CPU (the `#pragma` in vec_avx512.h; the ops (dispatch.h)
 // call it only where CPUID reports AVX512F and AVX512-BF16), and, as
 // linear_avx512_emulated.cpp, on SIMDe's portable implementations of the same
 // intrinsics, so that the tests check this unit's logic on CPUs without AVX512.
@@ -21,16 +21,7 @@
 #include <cstring>
 #include <limits>
 
-#ifdef TILEFX_AVX512_EMULATED
-#define SIMDE_ENABLE_NATIVE_ALIASES
-#include <simde/x86/avx512.h>
-#include <simde/x86/gfni.h>
-#define TILEFX_AVX512_ENTRY(name) name##_avx512_emulated
-#else
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx512vbmi,avx512vnni,gfni,fma,f16c")
-#include <immintrin.h>
-#define TILEFX_AVX512_ENTRY(name) name##_avx512
-#endif
+#include "vec_avx512.h"
 #include "bf16_scalar.h"
 #include "linear_walk.h"
 
@@ -41,12 +32,6 @@ constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a b
 constexpr int64_t kKChunk = 128;              // K pairs per L1-resident weight panel (GEMM): 16 KiB
 constexpr int kTileRows = 8;                  // rows of x per GEMM micro-tile (x 2 zmm accumulators)
 constexpr int kDecodeRows = 4;                // rows up to which one_block streams the block as a GEMV (gemv_rows)
-
-static inline __m512bh as_pairs(__m512i v) {
-  __m512bh r;
-  std::memcpy(&r, &v, sizeof r);
-  return r;
-}
 
 // 16 columns x one K pair of a block.
 static inline __m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_loadu_si512(p)); }
@@ -63,45 +48,10 @@ static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
   prefetch<P>(line + 64);
 }
 
-static inline __m512 load_bf16x16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // The values of `live` (the others 0), read only where it is set.
 static inline __m512 load_bf16x16_masked(const uint16_t* p, __mmask16 live) {
   const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16).
-static inline void store_bf16x16(uint16_t* p, __m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  // packus packs within 128-bit lanes; the first quadword of each lane holds its 4 values.
-  const __m512i packed = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 7, 7, 7, 6, 4, 2, 0),
-                                                  _mm512_packus_epi32(bits, bits));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(packed));
-}
-
-// exp(x) as the AVX2 unit computes it (Cephes expf polynomial; relative error ~2e-7).
-static inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.37626f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
 }
 
 // silu(g) * u = g * u / (1 + exp(-g)).
@@ -769,32 +719,6 @@ void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64
 }
 
 namespace {
-
-// 2^t for t >= -126 (finite), to ~3e-6 relative: 2^round(t) (scalef) times a degree-4 polynomial
-// of the fraction in [-0.5, 0.5] (fitted to the relative error): the softmax's weights are rounded
-// to bf16 (8 bits) right after, where exp512's degree-7 accuracy buys nothing.
-static inline __m512 exp2_for_bf16(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 y = _mm512_set1_ps(0.009560520f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.05591712f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.24024981f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.69312197f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.99999917f));
-  return _mm512_scalef_ps(y, n);
-}
-
-// 16 fp32 -> 16 bf16 bits, round to nearest even (store_bf16x16's rounding; one instruction where
-// the CPU has AVX512-BF16, which SIMDe's emulation does not provide).
-static inline __m256i round_bf16x16(__m512 v) {
-#ifdef TILEFX_AVX512_EMULATED
-  alignas(32) uint16_t bits[16];
-  store_bf16x16(bits, v);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
-#else
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#endif
-}
 
 // Whether mask row `m` allows every one of keys [0, keys), 64 mask bytes a test (the rest one by one).
 static inline bool allows_all(const bool* m, int64_t keys) {

@@ -179,6 +179,22 @@ def test_brgemm_kernels_take_head_dims_past_their_vector_steps(kernel_path, op_n
     assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 80, 144])
+@pytest.mark.parametrize("seq", [1, 3], ids=["decode", "prompt"])
+def test_unit_takes_head_dims_past_its_vector_steps(kernel_path, seq, head_dim):
+    """The attention unit over heads that are not a multiple of its steps (the AVX512 unit: scores 32 values a
+    product, then 16; values 64 a pass, in 32-value chunks, then 16), a group padded to its head tile (3 of 4)
+    and an odd number of keys (its key pairs and tiles of 4), decode and a short prompt, padded batch rows."""
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 6, 2, seq, 147, head_dim=head_dim, left_pad=(0, 9),
+                                                         seed=head_dim)
+    want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, 0.15)
+    op = torch.ops.tilefx.decode_attention if seq == 1 else torch.ops.tilefx.extend_attention
+    context = tuning.forced_attention("extend", "unit", 2) if kernel_path != "reference" else contextlib.nullcontext()
+    with context:
+        got = op(q, k, v, k_cache, v_cache, positions, mask, 0.15)
+    assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
+
+
 def test_prefill_attention_choice_refuses_bad_input():
     if isa.native is None:
         pytest.skip("native library not built")

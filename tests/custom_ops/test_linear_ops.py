@@ -204,7 +204,7 @@ def test_kernel_path_decides_what_runs(path):
 def test_dispatch_table_rows():
     """One native table maps path to unit per op family. On AMX CPUs (which all have AVX512-BF16) the linear
     ops of more than 4 rows take brgemm by default (tuning may choose per format, tests/custom_ops/test_brgemm.py);
-    decode GEMVs, the per-head linear and the experts' GEMVs run the AVX512-BF16 unit, not AVX2. The table is read
+    decode GEMVs, the per-head linear, the experts' GEMVs and attention run the AVX512-BF16 units, not AVX2. The table is read
     on any CPU; the amx row runs only where AMX exists."""
     from tilefx.custom_ops import isa
 
@@ -217,7 +217,7 @@ def test_dispatch_table_rows():
     avx512 = isa.kernel_units("avx512_bf16")
     assert {avx512[f] for f in ("linear", "linear_float", "linear_per_head", "fused_moe")} == {"avx512_bf16"}
     assert set(isa.kernel_units("avx2").values()) == {"avx2"}
-    assert {row["attention"] for row in (amx, avx512)} == {"avx2"}
+    assert {row["attention"] for row in (amx, avx512)} == {"avx512_bf16"}
     with pytest.raises(ValueError, match="unknown kernel path"):
         isa.kernel_units("avx1024")
 

@@ -1,0 +1,304 @@
+// Attention over the KV cache on AVX512-BF16: the AVX2 unit's task (attention_avx2.cpp: one
+// (batch row, KV head, query row, key split), the query heads of the KV head together, the
+// keys in blocks with an online softmax, MLA's key in two parts), with both products on
+// vdpbf16ps over the bf16 cache as it is, no widening:
+// - scores: each key row times each query row in 32-value chunks, 16 fp32 partial sums a
+//   vector; the vectors of 4 keys x 4 heads are summed by one transposing tree (45 shuffles
+//   and adds for 16 scores), so no score pays a horizontal sum of its own;
+// - values: two keys at a time, their value rows interleaved into (key t, key t + 1) pairs by
+//   one permute per 16 values, times the two keys' weights broadcast as a bf16 pair.
+// The weights are rounded to bf16 and the softmax sums them as rounded (as the flash attention
+// on brgemm tiles does). Per key this is about a third of the AVX2 unit's instructions, which
+// leaves decode attention bound by reading the cache rather than by arithmetic.
+//
+// The same source builds twice, as linear_avx512.cpp does: for the CPU, and as
+// attention_avx512_emulated.cpp on SIMDe, so the tests run this code on any CPU.
+#include <algorithm>
+#include <limits>
+
+#include "kernels.h"
+#include "vec_avx512.h"
+
+namespace tilefx {
+namespace {
+
+constexpr int kHeadTile = kAttentionHeadTile;
+constexpr int kKeyTile = 4;     // keys per score tree: kKeyTile x kHeadTile scores fill 16 lanes
+constexpr int kQueryChunk = 32;  // bf16 values per vdpbf16ps: the query parts are zero-padded to it
+constexpr int kValueVecs = 4;   // 16-value output vectors per head per pass over a block's values
+
+// The lane of key k (of a tile of kKeyTile) and head h in a tile's scores: [key pair][head][key
+// of the pair], so that the weights rounded to bf16 are (key t, key t + 1) pairs per head as they
+// stand, which the values' product broadcasts. Lanes j, j ^ 1 and j ^ 8 hold one head.
+constexpr int lane_of(int key, int head) { return (key / 2) * 8 + head * 2 + key % 2; }
+
+constexpr __mmask16 lanes_of_key(int key) {
+  __mmask16 lanes = 0;
+  for (int h = 0; h < kHeadTile; ++h) lanes |= __mmask16(1u << lane_of(key, h));
+  return lanes;
+}
+
+// 16 vectors -> one: lane j holds the sum of v[j]'s lanes. Pairs of vectors are combined
+// within 128-bit lanes (unpack ps, then pd), then the 128-bit lanes (shuffle_f32x4) twice.
+static inline __m512 sum_tree(__m512 (&v)[16]) {
+  __m512 pairs[8], quads[4], octets[2];
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    octets[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(octets[0], octets[1], 0x88),
+                       _mm512_shuffle_f32x4(octets[0], octets[1], 0xDD));
+}
+
+// Every lane gets the max / sum of the lanes of its head (lane_of).
+static inline __m512 head_max(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+}
+static inline __m512 head_sum(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+}
+
+// Adds to acc[lane_of(k, h)] the products of `len` values of key rows rows[k] with the query
+// rows of the tile's heads (q, row stride `q_stride`, zero-padded to kQueryChunk): `len` is a
+// multiple of 16, and a last chunk of 16 reads only 16 values of each key row.
+static inline void add_products(const uint16_t* const (&rows)[kKeyTile], const uint16_t* q, int64_t q_stride,
+                                int64_t len, __m512 (&acc)[16]) {
+  for (int64_t d = 0; d < len; d += kQueryChunk) {
+    const __mmask32 live = len - d >= kQueryChunk ? ~__mmask32{0} : __mmask32{0xFFFF};
+    __m512bh keys[kKeyTile];
+    for (int k = 0; k < kKeyTile; ++k) keys[k] = as_pairs(_mm512_maskz_loadu_epi16(live, rows[k] + d));
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      const __m512bh query = as_pairs(_mm512_loadu_si512(q + h * q_stride + d));
+      for (int k = 0; k < kKeyTile; ++k) acc[lane_of(k, h)] = _mm512_dpbf16_ps(acc[lane_of(k, h)], query, keys[k]);
+    }
+  }
+}
+
+// What one task holds while it walks its keys, laid out in its scratch (attention_scratch_floats).
+struct TaskState {
+  uint16_t* query;    // [padded group][q_stride] bf16: each head's k_dim then rope_dim values, zero-padded
+  int64_t q_stride;   // k_part + rope_part
+  int64_t k_part;     // k_dim rounded up to kQueryChunk
+  float* max;         // [head tiles][16]: a tile's running max (scaled scores), per lane (lane_of)
+  float* sum;         // [head tiles][16]: its running sum of the weights as rounded
+  float* acc;         // [padded group][v_dim]: unnormalized output
+  float* scores;      // [block / kKeyTile][16]: one block's raw scores of one head tile
+  uint32_t* weights;  // [block / 2][kHeadTile]: their weights, a bf16 (key t, key t + 1) pair per head
+  const uint16_t* zero;  // a zero row, read for the block's padding keys and the masked keys' values
+};
+
+// The scores of keys [0, keys) of a block (rows at k / k_rope) for the head tile whose queries are
+// at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`.
+void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* const* k_rows,
+                  const uint16_t* const* rope_rows, const bool* allowed, bool dense, int64_t keys,
+                  const uint16_t* q) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < keys; t += kKeyTile) {
+    __m512 acc[16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const uint16_t* rows[kKeyTile];
+    __mmask16 live = 0;
+    for (int k = 0; k < kKeyTile; ++k) {
+      const bool in_block = t + k < keys;
+      rows[k] = in_block ? k_rows[t + k] : st.zero;
+      if (in_block && (dense || allowed[t + k])) live |= lanes_of_key(k);
+    }
+    add_products(rows, q, st.q_stride, p.k_dim, acc);
+    if (p.rope_dim) {
+      for (int k = 0; k < kKeyTile; ++k) rows[k] = t + k < keys ? rope_rows[t + k] : st.zero;
+      add_products(rows, q + st.k_part, st.q_stride, p.rope_dim, acc);
+    }
+    // a masked key's row may hold anything, NaN included: its score is replaced, not added to
+    _mm512_storeu_ps(st.scores + t / kKeyTile * 16, _mm512_mask_mov_ps(neg_inf, live, sum_tree(acc)));
+  }
+}
+
+// Online softmax over one block's scores (`tiles` of 16 lanes) of a head tile: writes the weights
+// exp(scale * score - max') rounded to bf16, updates the tile's running max and sum, and returns
+// per lane the factor exp(max - max') its head's accumulated output must be scaled by. A head with
+// no allowed key yet keeps max -inf and weights 0.
+__m512 softmax_block(const TaskState& st, int64_t tiles, float scale, float* max, float* sum) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 block_max = neg_inf;
+  for (int64_t i = 0; i < tiles; ++i) block_max = _mm512_max_ps(block_max, _mm512_loadu_ps(st.scores + 16 * i));
+  const __m512 old_max = _mm512_loadu_ps(max);
+  const __m512 new_max = _mm512_max_ps(old_max, _mm512_mul_ps(head_max(block_max), _mm512_set1_ps(scale)));
+  // old -inf: nothing accumulated yet, the factor is 0 (and -inf - -inf would be NaN)
+  const __m512 alpha =
+      _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old_max, neg_inf, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(old_max, new_max)));
+  const __m512 factor = _mm512_set1_ps(scale * 1.44269504088896341f);
+  const __m512 bias = _mm512_mul_ps(new_max, _mm512_set1_ps(-1.44269504088896341f));
+  const __m512 floor = _mm512_set1_ps(-126.0f);
+  __m512 block_sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < tiles; ++i) {
+    const __m512 x = _mm512_loadu_ps(st.scores + 16 * i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);  // masked keys weigh exactly 0
+    const __m512 e = _mm512_maskz_mov_ps(live, exp2_for_bf16(_mm512_max_ps(_mm512_fmadd_ps(x, factor, bias), floor)));
+    const __m256i rounded = round_bf16x16(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(st.weights + 8 * i), rounded);
+    block_sum = _mm512_add_ps(block_sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+  }
+  _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), alpha, head_sum(block_sum)));
+  _mm512_storeu_ps(max, new_max);
+  return alpha;
+}
+
+// Value pairs of two rows: word 2i of a result is `first`'s value, word 2i + 1 `second`'s. Per 32
+// values, unpacked within 128-bit lanes: `low` holds values 0-3, 8-11, 16-19 and 24-27 of the
+// chunk, `high` the others (kLowLanes / kHighLanes say which; the accumulators keep that order
+// while a block's keys are added). A last 16 values are one permute, in natural order.
+alignas(64) constexpr int32_t kLowLanes[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+alignas(64) constexpr int32_t kHighLanes[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+// and back: the chunk's first and second 16 values from (low, high)
+alignas(64) constexpr int32_t kFirstHalf[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t kSecondHalf[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+alignas(64) constexpr uint16_t kInterleave16[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+
+// acc[h] = acc[h] * alpha[h] + sum over the block's key pairs of their weights times their value
+// rows, for kVecs x 16 values from `d` (the block's value rows stay in L1 across the slices).
+template <int kVecs>
+void block_values(const TaskState& st, const uint16_t* const* v_rows, int64_t pairs, __m512 alpha, int64_t d,
+                  int64_t v_dim, float* acc) {
+  constexpr int kChunks = kVecs / 2;  // 32-value chunks; then one 16-value vector where kVecs is odd
+  const __m512i low_lanes = _mm512_load_si512(kLowLanes), high_lanes = _mm512_load_si512(kHighLanes);
+  __m512 out[kHeadTile][kVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeadTile; ++h) {
+    const __m512 a = _mm512_permutexvar_ps(_mm512_set1_epi32(lane_of(0, h)), alpha);
+    const float* row = acc + h * v_dim + d;
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512 first = _mm512_loadu_ps(row + 32 * c), second = _mm512_loadu_ps(row + 32 * c + 16);
+      out[h][2 * c] = _mm512_mul_ps(a, _mm512_permutex2var_ps(first, low_lanes, second));
+      out[h][2 * c + 1] = _mm512_mul_ps(a, _mm512_permutex2var_ps(first, high_lanes, second));
+    }
+    if (kVecs % 2) out[h][kVecs - 1] = _mm512_mul_ps(a, _mm512_loadu_ps(row + 32 * kChunks));
+  }
+  const __m512i interleave16 = _mm512_load_si512(kInterleave16);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const uint16_t* first = v_rows[2 * i] + d;
+    const uint16_t* second = v_rows[2 * i + 1] + d;
+    __m512bh values[kVecs];
+    for (int c = 0; c < kChunks; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + 32 * c), b = _mm512_loadu_si512(second + 32 * c);
+      values[2 * c] = as_pairs(_mm512_unpacklo_epi16(a, b));
+      values[2 * c + 1] = as_pairs(_mm512_unpackhi_epi16(a, b));
+    }
+    if (kVecs % 2) {
+      const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 32 * kChunks)));
+      const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 32 * kChunks)));
+      values[kVecs - 1] = as_pairs(_mm512_permutex2var_epi16(a, interleave16, b));
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      const __m512bh w = as_pairs(_mm512_set1_epi32(static_cast<int>(st.weights[i * kHeadTile + h])));
+      for (int j = 0; j < kVecs; ++j) out[h][j] = _mm512_dpbf16_ps(out[h][j], values[j], w);
+    }
+  }
+  const __m512i first_half = _mm512_load_si512(kFirstHalf), second_half = _mm512_load_si512(kSecondHalf);
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeadTile; ++h) {
+    float* row = acc + h * v_dim + d;
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_storeu_ps(row + 32 * c, _mm512_permutex2var_ps(out[h][2 * c], first_half, out[h][2 * c + 1]));
+      _mm512_storeu_ps(row + 32 * c + 16, _mm512_permutex2var_ps(out[h][2 * c], second_half, out[h][2 * c + 1]));
+    }
+    if (kVecs % 2) _mm512_storeu_ps(row + 32 * kChunks, out[h][kVecs - 1]);
+  }
+}
+
+void all_values(const TaskState& st, const uint16_t* const* v_rows, int64_t pairs, __m512 alpha, int64_t v_dim,
+                float* acc) {
+  for (int64_t d = 0; d < v_dim; d += 16 * kValueVecs) {
+    switch (std::min<int64_t>(kValueVecs, (v_dim - d) / 16)) {
+      case 1: block_values<1>(st, v_rows, pairs, alpha, d, v_dim, acc); break;
+      case 2: block_values<2>(st, v_rows, pairs, alpha, d, v_dim, acc); break;
+      case 3: block_values<3>(st, v_rows, pairs, alpha, d, v_dim, acc); break;
+      default: block_values<kValueVecs>(st, v_rows, pairs, alpha, d, v_dim, acc); break;
+    }
+  }
+}
+
+}  // namespace
+
+void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s,
+                                         int64_t key_begin, int64_t key_end, const AttentionPartial& part) {
+  const int64_t group = p.q_heads / p.kv_heads, v_dim = p.v_dim;
+  const bool* allowed = p.mask + b * p.mask_stride_b + s * p.mask_stride_s;
+  const TaskKeys keys = attended_keys(allowed, key_begin, key_end);
+  if (keys.begin == keys.end) return no_keys(group, part);
+
+  // the scratch, in the order attention_scratch_floats counts it
+  const int64_t padded_group = (group + kHeadTile - 1) / kHeadTile * kHeadTile, head_tiles = padded_group / kHeadTile;
+  const int64_t block = attention_key_block(p);  // even
+  TaskState st;
+  st.k_part = (p.k_dim + kQueryChunk - 1) / kQueryChunk * kQueryChunk;
+  st.q_stride = st.k_part + (p.rope_dim + kQueryChunk - 1) / kQueryChunk * kQueryChunk;
+  st.max = part.scratch;
+  st.sum = st.max + head_tiles * 16;
+  st.acc = st.sum + head_tiles * 16;
+  st.scores = st.acc + padded_group * v_dim;
+  st.weights = reinterpret_cast<uint32_t*>(st.scores + (block + kKeyTile) * kHeadTile);
+  uint16_t* zero = reinterpret_cast<uint16_t*>(st.weights + (block + kKeyTile) / 2 * kHeadTile);
+  const int64_t zero_len = std::max(st.q_stride, v_dim);
+  std::fill(zero, zero + zero_len, uint16_t{0});
+  st.zero = zero;
+  st.query = zero + zero_len;
+  std::fill(st.query, st.query + padded_group * st.q_stride, uint16_t{0});
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = kv_head * group + g;
+    const uint16_t* q = p.q + b * p.q_stride_b + head * p.q_stride_h + s * p.q_stride_s;
+    std::copy(q, q + p.k_dim, st.query + g * st.q_stride);
+    if (p.rope_dim) {
+      const uint16_t* q_rope = p.q_rope + b * p.qr_stride_b + head * p.qr_stride_h + s * p.qr_stride_s;
+      std::copy(q_rope, q_rope + p.rope_dim, st.query + g * st.q_stride + st.k_part);
+    }
+  }
+  std::fill(st.max, st.max + head_tiles * 16, -std::numeric_limits<float>::infinity());
+  std::fill(st.sum, st.sum + head_tiles * 16, 0.0f);
+  std::fill(st.acc, st.acc + padded_group * v_dim, 0.0f);
+
+  const uint16_t* k_first = p.k_cache + b * p.k_stride_b + kv_head * p.k_stride_h;
+  const uint16_t* rope_first = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h : nullptr;
+  const uint16_t* v_first = p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h;
+  const uint16_t* k_rows[kMaxAttentionKeyBlock];
+  const uint16_t* rope_rows[kMaxAttentionKeyBlock];
+  const uint16_t* v_rows[kMaxAttentionKeyBlock];
+  for (int64_t t0 = keys.begin; t0 < keys.end; t0 += block) {
+    const int64_t n = std::min(block, keys.end - t0), pairs = (n + 1) / 2;
+    const bool* block_allowed = allowed + t0;
+    for (int64_t t = 0; t < 2 * pairs; ++t) {
+      const int64_t key = t0 + t;
+      const bool in_block = t < n;
+      k_rows[t] = k_first + key * p.k_stride_t;
+      if (rope_first) rope_rows[t] = rope_first + key * p.kr_stride_t;
+      // a masked key's value row may hold NaN, which a weight of 0 would not cancel
+      v_rows[t] = in_block && (keys.dense || block_allowed[t]) ? v_first + key * p.v_stride_t : st.zero;
+    }
+    for (int64_t tile = 0; tile < head_tiles; ++tile) {
+      block_scores(p, st, k_rows, rope_rows, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride);
+      const __m512 alpha =
+          softmax_block(st, (n + kKeyTile - 1) / kKeyTile, p.scale, st.max + tile * 16, st.sum + tile * 16);
+      all_values(st, v_rows, pairs, alpha, v_dim, st.acc + tile * kHeadTile * v_dim);
+    }
+  }
+
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t at = g / kHeadTile * 16 + lane_of(0, g % kHeadTile);
+    part.sum[g] = st.sum[at];
+    part.max[g] = st.sum[at] > 0.0f ? st.max[at] : -std::numeric_limits<float>::infinity();
+    std::copy(st.acc + g * v_dim, st.acc + (g + 1) * v_dim, part.out + g * v_dim);
+  }
+}
+
+}  // namespace tilefx
