@@ -76,14 +76,16 @@ struct KeyRows {
 
 // Scores of keys [0, keys) of a block for the kHeadTile heads at q0, laid out
 // [key][head] (one 4-lane store per key; softmax then runs on 8-lane vectors of
-// two keys). Masked keys score -inf.
+// two keys). Masked keys score -inf. Prefetches as `ahead` says (kernels.h).
 template <bool kDense>
-void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, const float* q0, float* scores) {
+void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, const float* q0, float* scores,
+                  const AttentionPrefetch& ahead) {
   const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, qdim = k_dim + rope_dim;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
   if (kDense) {
     for (; t + 2 <= keys; t += 2) {
+      prefetch_ahead(ahead, p, t, 2);
       __m256 a[kHeadTile], c[kHeadTile];
 #pragma GCC unroll 4
       for (int h = 0; h < kHeadTile; ++h) a[h] = c[h] = _mm256_setzero_ps();
@@ -97,6 +99,7 @@ void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, 
     }
   }
   for (; t < keys; ++t) {
+    prefetch_ahead(ahead, p, t, 1);
     if (!kDense && !rows.allowed[t]) {
       _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
       continue;
@@ -189,8 +192,9 @@ void attend_blocks(const AttentionProblem& p, const KeyRows& first, int64_t keys
   for (int64_t t0 = 0; t0 < keys; t0 += block) {
     const int64_t n = keys - t0 < block ? keys - t0 : block;
     const KeyRows rows = advance(first, t0);
+    const AttentionPrefetch ahead = attention_prefetch(p, rows.k, rows.k_rope, rows.v, keys - t0);
     for (int64_t g0 = 0; g0 < padded_group; g0 += kHeadTile) {
-      block_scores<kDense>(p, rows, n, query + g0 * qdim, scores);
+      block_scores<kDense>(p, rows, n, query + g0 * qdim, scores, g0 == 0 ? ahead : AttentionPrefetch{});
       const __m128 alpha = softmax_block(scores, n + (n & 1), max + g0, sum + g0);
       block_values<kDense>(p, rows, n, scores, alpha, acc + g0 * v_dim);
     }

@@ -98,12 +98,13 @@ struct TaskState {
 };
 
 // The scores of keys [0, keys) of a block (rows at k / k_rope) for the head tile whose queries are
-// at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`.
+// at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`; prefetches as `ahead` says (kernels.h).
 void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* const* k_rows,
                   const uint16_t* const* rope_rows, const bool* allowed, bool dense, int64_t keys,
-                  const uint16_t* q) {
+                  const uint16_t* q, const AttentionPrefetch& ahead) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < keys; t += kKeyTile) {
+    prefetch_ahead(ahead, p, t, kKeyTile);
     __m512 acc[16];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const uint16_t* rows[kKeyTile];
@@ -285,8 +286,12 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
       // a masked key's value row may hold NaN, which a weight of 0 would not cancel
       v_rows[t] = in_block && (keys.dense || block_allowed[t]) ? v_first + key * p.v_stride_t : st.zero;
     }
+    const AttentionPrefetch ahead = attention_prefetch(p, k_first + t0 * p.k_stride_t,
+                                                       rope_first ? rope_first + t0 * p.kr_stride_t : nullptr,
+                                                       v_first + t0 * p.v_stride_t, keys.end - t0);
     for (int64_t tile = 0; tile < head_tiles; ++tile) {
-      block_scores(p, st, k_rows, rope_rows, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride);
+      block_scores(p, st, k_rows, rope_rows, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride,
+                   tile == 0 ? ahead : AttentionPrefetch{});
       const __m512 alpha =
           softmax_block(st, (n + kKeyTile - 1) / kKeyTile, p.scale, st.max + tile * 16, st.sum + tile * 16);
       all_values(st, v_rows, pairs, alpha, v_dim, st.acc + tile * kHeadTile * v_dim);

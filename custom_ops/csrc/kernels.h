@@ -303,6 +303,49 @@ inline void no_keys(int64_t group, const AttentionPartial& part) {
   }
 }
 
+// Software prefetch of an attention task (either unit), issued while the first head tile scores a
+// block: the key (rope key, value) rows kAttentionPrefetchBytes of key rows past the keys being
+// scored, across the block's end (a KV head's rows are contiguous), within the task's keys, into L2
+// (prefetcht2). A task computes long enough per row that its own
+// loads keep few misses in flight, and the hardware prefetchers restart at every page: without it a
+// decode task read its cache cold at well under half of the memory's speed (docs/PERFORMANCE.md,
+// thirty-fifth session: into L2 beat L1 and non-temporal there, and 4-12 KiB ahead measured alike).
+constexpr int64_t kAttentionPrefetchBytes = 8192;
+
+struct AttentionPrefetch {
+  const uint16_t* k = nullptr;     // the block's first key row; nullptr: prefetch nothing
+  const uint16_t* rope = nullptr;  // its first rope key row, or nullptr
+  const uint16_t* v = nullptr;     // its first value row, or nullptr (MLA: the values are the key rows)
+  int64_t keys = 0;                // keys from the block's first that the task attends
+  int64_t ahead = 0;               // keys ahead of the ones being scored
+};
+
+// What a task whose block starts at key row `k` (rope key `rope`, value `v`; rows of `p`) with
+// `keys` keys left prefetches.
+inline AttentionPrefetch attention_prefetch(const AttentionProblem& p, const uint16_t* k, const uint16_t* rope,
+                                            const uint16_t* v, int64_t keys) {
+  const int64_t ahead = std::max<int64_t>(4, kAttentionPrefetchBytes / (2 * p.k_dim) / 4 * 4);
+  return {k, rope, p.v_cache == p.k_cache ? nullptr : v, keys, ahead};
+}
+
+// prefetcht2 as a volatile asm: GCC 12 at -O2 deleted loops of __builtin_prefetch here as having no effect.
+inline void prefetch_values(const uint16_t* row, int64_t values) {
+  for (int64_t at = 0; at < values; at += 32) asm volatile("prefetcht2 %0" : : "m"(row[at]));
+}
+
+// Prefetches the rows of `count` keys `a.ahead` past key `t` of the block (none past the task's keys).
+inline void prefetch_ahead(const AttentionPrefetch& a, const AttentionProblem& p, int64_t t, int64_t count) {
+  if (!a.k) return;
+  const int64_t k_stride = p.k_stride_t, rope_stride = p.kr_stride_t, v_stride = p.v_stride_t;
+  const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, v_dim = p.v_dim;
+  const int64_t end = std::min(t + a.ahead + count, a.keys);
+  for (int64_t key = t + a.ahead; key < end; ++key) {
+    prefetch_values(a.k + key * k_stride, k_dim);
+    if (a.rope) prefetch_values(a.rope + key * rope_stride, rope_dim);
+    if (a.v) prefetch_values(a.v + key * v_stride, v_dim);
+  }
+}
+
 // One attention task of `p` on a unit: the query heads of `kv_head` for query row `s` of batch row
 // `b`, over keys [key_begin, key_end) as the mask row allows, into `part`.
 void attention_task_avx2(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s, int64_t key_begin,
