@@ -6,10 +6,11 @@
 //   vector; the vectors of 4 keys x 4 heads are summed by one transposing tree (45 shuffles
 //   and adds for 16 scores), so no score pays a horizontal sum of its own;
 // - values: two keys at a time, their value rows interleaved into (key t, key t + 1) pairs by
-//   one permute per 16 values, times the two keys' weights broadcast as a bf16 pair.
+//   one unpack per 32 values, times the two keys' weights broadcast as a bf16 pair.
 // The weights are rounded to bf16 and the softmax sums them as rounded (as the flash attention
-// on brgemm tiles does). Per key this is about a third of the AVX2 unit's instructions, which
-// leaves decode attention bound by reading the cache rather than by arithmetic.
+// on brgemm tiles does). Per key this is under a third of the AVX2 unit's instructions; where
+// 512-bit instructions issue at half rate (Zen 4) it still computes about as long as the memory
+// takes to deliver the rows, so the rows ahead are prefetched (kernels.h AttentionPrefetch).
 //
 // The same source builds twice, as linear_avx512.cpp does: for the CPU, and as
 // attention_avx512_emulated.cpp on SIMDe, so the tests run this code on any CPU.
