@@ -98,11 +98,11 @@ struct TaskState {
   const uint16_t* zero;  // a zero row, read for the block's padding keys and the masked keys' values
 };
 
-// The scores of keys [0, keys) of a block (rows at k / k_rope) for the head tile whose queries are
-// at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`; prefetches as `ahead` says (kernels.h).
-void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* const* k_rows,
-                  const uint16_t* const* rope_rows, const bool* allowed, bool dense, int64_t keys,
-                  const uint16_t* q, const AttentionPrefetch& ahead) {
+// The scores of keys [0, keys) of a block (first key row `k`, rope key row `k_rope`) for the head tile
+// whose queries are at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`; prefetches as
+// `ahead` says (kernels.h).
+void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* k, const uint16_t* k_rope,
+                  const bool* allowed, bool dense, int64_t keys, const uint16_t* q, const AttentionPrefetch& ahead) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < keys; t += kKeyTile) {
     prefetch_ahead(ahead, p, t, kKeyTile);
@@ -110,14 +110,14 @@ void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t
     for (auto& a : acc) a = _mm512_setzero_ps();
     const uint16_t* rows[kKeyTile];
     __mmask16 live = 0;
-    for (int k = 0; k < kKeyTile; ++k) {
-      const bool in_block = t + k < keys;
-      rows[k] = in_block ? k_rows[t + k] : st.zero;
-      if (in_block && (dense || allowed[t + k])) live |= lanes_of_key(k);
+    for (int j = 0; j < kKeyTile; ++j) {
+      const bool in_block = t + j < keys;
+      rows[j] = in_block ? k + (t + j) * p.k_stride_t : st.zero;
+      if (in_block && (dense || allowed[t + j])) live |= lanes_of_key(j);
     }
     add_products(rows, q, st.q_stride, p.k_dim, acc);
     if (p.rope_dim) {
-      for (int k = 0; k < kKeyTile; ++k) rows[k] = t + k < keys ? rope_rows[t + k] : st.zero;
+      for (int j = 0; j < kKeyTile; ++j) rows[j] = t + j < keys ? k_rope + (t + j) * p.kr_stride_t : st.zero;
       add_products(rows, q + st.k_part, st.q_stride, p.rope_dim, acc);
     }
     // a masked key's row may hold anything, NaN included: its score is replaced, not added to
@@ -273,25 +273,19 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
   const uint16_t* k_first = p.k_cache + b * p.k_stride_b + kv_head * p.k_stride_h;
   const uint16_t* rope_first = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h : nullptr;
   const uint16_t* v_first = p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h;
-  const uint16_t* k_rows[kMaxAttentionKeyBlock];
-  const uint16_t* rope_rows[kMaxAttentionKeyBlock];
   const uint16_t* v_rows[kMaxAttentionKeyBlock];
   for (int64_t t0 = keys.begin; t0 < keys.end; t0 += block) {
     const int64_t n = std::min(block, keys.end - t0), pairs = (n + 1) / 2;
     const bool* block_allowed = allowed + t0;
+    // a masked key's value row may hold NaN, which a weight of 0 would not cancel: the zero row instead
     for (int64_t t = 0; t < 2 * pairs; ++t) {
-      const int64_t key = t0 + t;
-      const bool in_block = t < n;
-      k_rows[t] = k_first + key * p.k_stride_t;
-      if (rope_first) rope_rows[t] = rope_first + key * p.kr_stride_t;
-      // a masked key's value row may hold NaN, which a weight of 0 would not cancel
-      v_rows[t] = in_block && (keys.dense || block_allowed[t]) ? v_first + key * p.v_stride_t : st.zero;
+      v_rows[t] = t < n && (keys.dense || block_allowed[t]) ? v_first + (t0 + t) * p.v_stride_t : st.zero;
     }
-    const AttentionPrefetch ahead = attention_prefetch(p, k_first + t0 * p.k_stride_t,
-                                                       rope_first ? rope_first + t0 * p.kr_stride_t : nullptr,
-                                                       v_first + t0 * p.v_stride_t, keys.end - t0);
+    const uint16_t* k = k_first + t0 * p.k_stride_t;
+    const uint16_t* k_rope = rope_first ? rope_first + t0 * p.kr_stride_t : nullptr;
+    const AttentionPrefetch ahead = attention_prefetch(p, k, k_rope, v_first + t0 * p.v_stride_t, keys.end - t0);
     for (int64_t tile = 0; tile < head_tiles; ++tile) {
-      block_scores(p, st, k_rows, rope_rows, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride,
+      block_scores(p, st, k, k_rope, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride,
                    tile == 0 ? ahead : AttentionPrefetch{});
       const __m512 alpha =
           softmax_block(st, (n + kKeyTile - 1) / kKeyTile, p.scale, st.max + tile * 16, st.sum + tile * 16);
