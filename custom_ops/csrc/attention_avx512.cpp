@@ -148,7 +148,7 @@ __m512 softmax_block(const TaskState& st, int64_t tiles, float scale, float* max
     const __m512 e = _mm512_maskz_mov_ps(live, exp2_for_bf16(_mm512_max_ps(_mm512_fmadd_ps(x, factor, bias), floor)));
     const __m256i rounded = round_bf16x16(e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(st.weights + 8 * i), rounded);
-    block_sum = _mm512_add_ps(block_sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+    block_sum = _mm512_add_ps(block_sum, widen_bf16x16(rounded));
   }
   _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), alpha, head_sum(block_sum)));
   _mm512_storeu_ps(max, new_max);

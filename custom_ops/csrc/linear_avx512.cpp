@@ -50,8 +50,7 @@ static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
 
 // The values of `live` (the others 0), read only where it is set.
 static inline __m512 load_bf16x16_masked(const uint16_t* p, __mmask16 live) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(live, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen_bf16x16(_mm256_maskz_loadu_epi16(live, p));
 }
 
 // silu(g) * u = g * u / (1 + exp(-g)).
@@ -793,7 +792,7 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
       const __m256i rounded = round_bf16x16(e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), rounded);  // ld is a multiple of 16
       // the sum of what the GEMM multiplies: the weights as rounded
-      vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+      vsum = _mm512_add_ps(vsum, widen_bf16x16(rounded));
     }
     std::fill(w + t, w + ld, uint16_t{0});
     const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);

@@ -29,9 +29,12 @@ static inline __m512bh as_pairs(__m512i v) {
 }
 
 // 16 bf16 -> 16 fp32 (bf16 is the top half of an fp32).
+static inline __m512 widen_bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 static inline __m512 load_bf16x16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16).
