@@ -85,7 +85,7 @@ void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, 
   int64_t t = 0;
   if (kDense) {
     for (; t + 2 <= keys; t += 2) {
-      prefetch_ahead(ahead, p, t, 2);
+      prefetch_attention_rows(ahead, p, t, 2);
       __m256 a[kHeadTile], c[kHeadTile];
 #pragma GCC unroll 4
       for (int h = 0; h < kHeadTile; ++h) a[h] = c[h] = _mm256_setzero_ps();
@@ -99,7 +99,7 @@ void block_scores(const AttentionProblem& p, const KeyRows& rows, int64_t keys, 
     }
   }
   for (; t < keys; ++t) {
-    prefetch_ahead(ahead, p, t, 1);
+    prefetch_attention_rows(ahead, p, t, 1);
     if (!kDense && !rows.allowed[t]) {
       _mm_storeu_ps(scores + t * kHeadTile, _mm_set1_ps(neg_inf));
       continue;

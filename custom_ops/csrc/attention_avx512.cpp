@@ -105,7 +105,7 @@ void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t
                   const bool* allowed, bool dense, int64_t keys, const uint16_t* q, const AttentionPrefetch& ahead) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < keys; t += kKeyTile) {
-    prefetch_ahead(ahead, p, t, kKeyTile);
+    prefetch_attention_rows(ahead, p, t, kKeyTile);
     __m512 acc[16];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const uint16_t* rows[kKeyTile];

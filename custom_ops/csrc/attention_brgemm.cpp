@@ -236,12 +236,6 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
 // attends the same rows with fp32 FMAs (AVX2); here the two GEMMs run on AMX tiles or oneDNN's
 // AVX512-BF16 code.
 
-// Asks for the `values` bf16 values at `row` to be brought into the caches.
-void prefetch_row(const uint16_t* row, int64_t values) {
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t at = 0; at < values * 2; at += 64) __builtin_prefetch(bytes + at, 0, 2);
-}
-
 // Per-thread buffers of a decode task besides its TileSoftmax; `n` is the task's query rows rounded up to 16.
 struct DecodeScratch {
   AlignedVector<uint32_t> query;   // [qdim / 2][n] bf16 pairs: B of scores^T = K . Q^T (zero past the rows)
@@ -298,9 +292,9 @@ void decode_task(const UnitEpilogue& epilogue, const AttentionProblem& p, int64_
     uint16_t* packed = scratch.values.data();
     for (int64_t t = 0; t < block; t += 2) {
       for (int64_t j = c0 + block + t; j < c0 + block + t + 2 && j < t1; ++j) {
-        prefetch_row(k + j * p.k_stride_t, p.k_dim);
-        if (p.rope_dim) prefetch_row(kr + j * p.kr_stride_t, p.rope_dim);
-        if (!keys_are_values) prefetch_row(v + j * p.v_stride_t, v_dim);
+        prefetch_row<1>(k + j * p.k_stride_t, p.k_dim);
+        if (p.rope_dim) prefetch_row<1>(kr + j * p.kr_stride_t, p.rope_dim);
+        if (!keys_are_values) prefetch_row<1>(v + j * p.v_stride_t, v_dim);
       }
       const uint16_t* v0 = t < keys && visible[t] ? v + (c0 + t) * p.v_stride_t : nullptr;
       const uint16_t* v1 = t + 1 < keys && visible[t + 1] ? v + (c0 + t + 1) * p.v_stride_t : nullptr;

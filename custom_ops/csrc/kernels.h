@@ -328,21 +328,29 @@ inline AttentionPrefetch attention_prefetch(const AttentionProblem& p, const uin
   return {k, rope, p.v_cache == p.k_cache ? nullptr : v, keys, ahead};
 }
 
-// prefetcht2 as a volatile asm: GCC 12 at -O2 deleted loops of __builtin_prefetch here as having no effect.
-inline void prefetch_values(const uint16_t* row, int64_t values) {
-  for (int64_t at = 0; at < values; at += 32) asm volatile("prefetcht2 %0" : : "m"(row[at]));
+// Asks for the `values` bf16 values at `row` to be brought into the caches: prefetcht1 (kHint 1) or
+// prefetcht2 (kHint 2). A volatile asm: GCC 12 at -O2 deleted loops of __builtin_prefetch as having no effect.
+template <int kHint>
+inline void prefetch_row(const uint16_t* row, int64_t values) {
+  static_assert(kHint == 1 || kHint == 2, "prefetcht1 or prefetcht2");
+  for (int64_t at = 0; at < values; at += 32) {
+    if constexpr (kHint == 1) {
+      asm volatile("prefetcht1 %0" : : "m"(row[at]));
+    } else {
+      asm volatile("prefetcht2 %0" : : "m"(row[at]));
+    }
+  }
 }
 
 // Prefetches the rows of `count` keys `a.ahead` past key `t` of the block (none past the task's keys).
-inline void prefetch_ahead(const AttentionPrefetch& a, const AttentionProblem& p, int64_t t, int64_t count) {
+inline void prefetch_attention_rows(const AttentionPrefetch& a, const AttentionProblem& p, int64_t t,
+                                    int64_t count) {
   if (!a.k) return;
-  const int64_t k_stride = p.k_stride_t, rope_stride = p.kr_stride_t, v_stride = p.v_stride_t;
-  const int64_t k_dim = p.k_dim, rope_dim = p.rope_dim, v_dim = p.v_dim;
   const int64_t end = std::min(t + a.ahead + count, a.keys);
   for (int64_t key = t + a.ahead; key < end; ++key) {
-    prefetch_values(a.k + key * k_stride, k_dim);
-    if (a.rope) prefetch_values(a.rope + key * rope_stride, rope_dim);
-    if (a.v) prefetch_values(a.v + key * v_stride, v_dim);
+    prefetch_row<2>(a.k + key * p.k_stride_t, p.k_dim);
+    if (a.rope) prefetch_row<2>(a.rope + key * p.kr_stride_t, p.rope_dim);
+    if (a.v) prefetch_row<2>(a.v + key * p.v_stride_t, p.v_dim);
   }
 }
 
