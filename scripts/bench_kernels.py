@@ -59,6 +59,20 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_median_seconds(fns, rounds: int) -> list[float]:
+    """The median seconds of each of ``fns``, called in turn ``rounds`` times after one warm-up call each: two
+    kernels compared in the same minutes of a shared machine's traffic."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, t in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
 def cold_copies(tensor: torch.Tensor, at_least_bytes: int | None = None,
                 huge_pages: bool = False) -> list[torch.Tensor]:
     """Copies to cycle through, ``at_least_bytes`` in all (default ``tuning.cold_pass_bytes()``: 4x this CPU's
@@ -74,6 +88,11 @@ def cold_copies(tensor: torch.Tensor, at_least_bytes: int | None = None,
     if not huge_pages:
         return [tensor.clone() for _ in range(count)]
     return [packed_weights.huge_page_empty(tuple(tensor.shape), tensor.dtype).copy_(tensor) for _ in range(count)]
+
+
+def prefill_rounds(repeats: int) -> int:
+    """Calls a prefill GEMM is timed over: a 100 ms GEMM's time moves by 10% from call to call here."""
+    return max(5, repeats // 3)
 
 
 def median_seconds_per_copy(fn, copies, repeats: int) -> float:
@@ -196,8 +215,8 @@ def bench_linears(presets, repeats: int, prefill_rows: int, stream_mib: int) -> 
         t_onednn = median_seconds_per_copy(lambda w: onednn_linear(x, w), onednn, repeats) if onednn else None
         del onednn
         xp = torch.randn(prefill_rows, k).to(torch.bfloat16)
-        t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
-        t_prefill_torch = median_seconds(lambda: torch.nn.functional.linear(xp, weight), max(3, repeats // 10))
+        t_prefill, t_prefill_torch = interleaved_median_seconds(
+            [lambda: op(xp, packed), lambda: torch.nn.functional.linear(xp, weight)], prefill_rounds(repeats))
         flops = 2 * prefill_rows * weight.shape[0] * k
         best, gbps = max(tilefx_gbps), max(stream_gbps)
         rows.append({
@@ -241,7 +260,7 @@ def bench_quantized_linears(presets, formats, repeats: int, prefill_rows: int, s
             err = relative_error(op(x, packed), reference(x, packed))
             kernel, stream = paired_gbps(lambda w: op(x, w), cold_copies(packed, huge_pages=True), nbytes, probe,
                                          repeats)
-            t_prefill = median_seconds(lambda: op(xp, packed), max(3, repeats // 10))
+            t_prefill = median_seconds(lambda: op(xp, packed), prefill_rounds(repeats))
             best, gbps = max(kernel), max(stream)
             rows.append({"preset": preset, "linear": case.name, "format": label, "N": packed.shape[0] * packed_weights.BLOCK_N,
                          "K": k, "rel_err": err, "bytes": nbytes, "tilefx_gbps": best, "stream_gbps": gbps,

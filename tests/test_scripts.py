@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import runpy
@@ -43,8 +44,11 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     assert [(r["preset"], r["tokens"]) for r in moe] == [(p, n) for p in ("tiny-qwen3-moe", "tiny-deepseek-v2")
                                                          for n in (1, 24)]
     assert all(r["rel_err"] < 1e-2 and r["tilefx_ms"] > 0 and r["hf_ms"] > 0 for r in moe)
-    fixed = result["gemv_fixed_cost"]  # at this thread count and at one: a line through five sizes' times
-    assert fixed[-1]["threads"] == 1 and all(len(r["us"]) == 5 and r["slope_gbps"] > 0 for r in fixed)
+    # at this thread count and at one: a line through five sizes' times (a tiny preset's GEMVs take 10-60 us, so
+    # a bandwidth change mid-run can tilt the line either way: its slope is reported, not its sign asserted)
+    fixed = result["gemv_fixed_cost"]
+    assert fixed[-1]["threads"] == 1 and all(len(r["us"]) == 5 and min(r["us"]) > 0 for r in fixed)
+    assert all(math.isfinite(r["slope_gbps"]) and math.isfinite(r["fixed_us"]) for r in fixed)
     assert all(a < b for r in fixed for a, b in zip(r["bytes"], r["bytes"][1:]))
     out = capsys.readouterr().out
     assert "slowest M=1 shape" in out and "kernels per step" in out and "fixed us a call" in out
