@@ -312,7 +312,8 @@ void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
     s4 = _mm_hadd_ps(s4, s4);
     s4 = _mm_hadd_ps(s4, s4);
-    const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+    // (a block that leaves the row's max as it was, as most past the first few do, calls no exp)
+    const float alpha = old_max == neg_inf ? 0.0f : old_max == new_max ? 1.0f : std::exp(old_max - new_max);
     sum[r] = sum[r] * alpha + _mm_cvtss_f32(s4);
     max[r] = new_max;
     if (alpha != 1.0f) {

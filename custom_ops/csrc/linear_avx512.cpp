@@ -730,10 +730,8 @@ static inline bool allows_all(const bool* m, int64_t keys) {
 }
 
 // The 16 lanes' sum as a tree (halves added three times, then the last pair).
-static inline float sum_lanes(__m512 v) {
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+static inline float sum_lanes(__m256 v) {
+  __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
@@ -741,11 +739,12 @@ static inline float sum_lanes(__m512 v) {
 // One key block of the flash attention on brgemm tiles, 16 keys a vector: the contract of
 // flash_block_softmax_avx2 (kernels.h), with `ld` a multiple of 16. The first pass masks and
 // takes the max of the raw scores (the scale is positive); the second folds the scale, log2(e)
-// and the max into one FMA before exp2, and sums the weights as rounded to bf16. A row whose mask
-// allows the whole block (all but the causal diagonal's blocks; checked once per mask row, which
-// `group` rows share) skips the mask: its first pass only reads, its second masks nothing. The
-// lanes are summed as a tree (a sum of 16 lanes in order was a chain of 16 dependent adds a row:
-// with the masking, 30-40% of this function's time on Emerald Rapids).
+// and the max into one FMA before exp2, and sums the weights as rounded to bf16 (one `vdpbf16ps` of
+// each 16 against bf16 1.0 pairs, not a widening to fp32 and an add). A row whose mask allows the
+// whole block (all but the causal diagonal's blocks; checked once per mask row, which `group` rows
+// share) skips the mask: its first pass only reads, its second masks and clamps nothing. The lanes
+// are summed as a tree (a sum of 16 lanes in order was a chain of 16 dependent adds a row: with the
+// masking, 30-40% of this function's time on Emerald Rapids).
 void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const bool* mask, int64_t group,
                    int64_t mask_stride, float scale, float* max, float* sum, uint16_t* weights, float* out,
                    int64_t v_dim) {
@@ -753,6 +752,7 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
   const __m512 vneg_inf = _mm512_set1_ps(neg_inf), floor = _mm512_set1_ps(-126.0f);
   const float log2e_scale = scale * 1.44269504088896341f;
   const __m512 vfactor = _mm512_set1_ps(log2e_scale);
+  const __m256bh ones = as_pairs(_mm256_set1_epi16(0x3F80));  // bf16 1.0 pairs
   bool whole = false;  // mask row r / group allows every key of the block (keys a multiple of 16)
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
@@ -782,20 +782,30 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
       continue;
     }
     const __m512 vbias = _mm512_set1_ps(-new_max * 1.44269504088896341f);
-    __m512 vsum = _mm512_setzero_ps();
+    __m256 vsum = _mm256_setzero_ps();
     int64_t t = 0;
-    for (; t < keys; t += 16) {
+    if (whole) {
+      // every key allowed, every score finite: no mask, and no floor (exp2_for_bf16 of any finite t <= 0 is
+      // finite; below 2^-126 it is a subnormal or 0, which the GEMM's bf16 inputs and the sum below read as 0)
+      for (; t < keys; t += 16) {
+        const __m256i rounded = round_bf16x16(exp2_for_bf16(_mm512_fmadd_ps(_mm512_loadu_ps(s + t), vfactor, vbias)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), rounded);  // ld is a multiple of 16
+        // the sum of what the GEMM multiplies, the weights as rounded: pairs of them times bf16 1.0
+        vsum = _mm256_dpbf16_ps(vsum, as_pairs(rounded), ones);
+      }
+    }
+    for (; t < keys; t += 16) {  // (a row with a mask in this block)
       const __m512 x = _mm512_loadu_ps(s + t);
       // masked keys weigh exactly 0
-      const __mmask16 live = whole ? __mmask16(0xffff) : _mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ);
+      const __mmask16 live = _mm512_cmp_ps_mask(x, vneg_inf, _CMP_NEQ_OQ);
       const __m512 e = _mm512_maskz_mov_ps(live, exp2_for_bf16(_mm512_max_ps(_mm512_fmadd_ps(x, vfactor, vbias), floor)));
       const __m256i rounded = round_bf16x16(e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + t), rounded);  // ld is a multiple of 16
-      // the sum of what the GEMM multiplies: the weights as rounded
-      vsum = _mm512_add_ps(vsum, widen_bf16x16(rounded));
+      vsum = _mm256_dpbf16_ps(vsum, as_pairs(rounded), ones);
     }
     std::fill(w + t, w + ld, uint16_t{0});
-    const float alpha = old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+    // (a block that leaves the row's max as it was, as most past the first few do, calls no exp)
+    const float alpha = old_max == neg_inf ? 0.0f : old_max == new_max ? 1.0f : std::exp(old_max - new_max);
     sum[r] = sum[r] * alpha + sum_lanes(vsum);
     max[r] = new_max;
     if (alpha != 1.0f) {

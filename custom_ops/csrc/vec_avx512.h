@@ -28,6 +28,12 @@ static inline __m512bh as_pairs(__m512i v) {
   return r;
 }
 
+static inline __m256bh as_pairs(__m256i v) {
+  __m256bh r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
+
 // 16 bf16 -> 16 fp32 (bf16 is the top half of an fp32).
 static inline __m512 widen_bf16x16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
