@@ -270,6 +270,10 @@ void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t
   const __m256 vneg_inf = _mm256_set1_ps(neg_inf), vscale = _mm256_set1_ps(scale);
   // Lane j of the 8 keys at t is allowed: the mask byte is set and t + j < keys.
   auto allowed8 = [&](const bool* m, int64_t t) {
+    if (m == nullptr) {  // every key allowed: lanes j with t + j < keys
+      return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(keys - t, 8))),
+                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    }
     __m256i bytes;
     if (t + 8 <= keys) {
       bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + t)));
@@ -283,7 +287,7 @@ void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     uint16_t* w = weights + r * ld;
-    const bool* m = mask + (r / group) * mask_stride;
+    const bool* m = mask ? mask + (r / group) * mask_stride : nullptr;
     __m256 vmax = vneg_inf;
     for (int64_t t = 0; t < keys; t += 8) {
       const __m256 x = _mm256_blendv_ps(vneg_inf, _mm256_mul_ps(_mm256_loadu_ps(s + t), vscale), allowed8(m, t));

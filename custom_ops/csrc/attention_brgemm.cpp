@@ -8,7 +8,9 @@
 // another. The keys and values of the valid prefix are first repacked once per call into brgemm's
 // VNNI layout for B, as zeros where no query row may see them (padding, holes: whatever their
 // cache rows hold never reaches a GEMM).
-// Key blocks no row of a tile may see are skipped, as the causal future is. How many query rows a
+// Key blocks no row of a tile may see are skipped, as the causal future is; blocks every row of a
+// tile may see whole (below the causal diagonal, past the padding) go to the softmax with no mask
+// to read (a 4096-token prompt's mask is 16 MiB, read once per KV head). How many query rows a
 // task takes and how many keys a step multiplies is tuned per CPU and model (tuning.h AttentionTiling).
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -27,15 +29,24 @@
 namespace tilefx {
 namespace {
 
-// The keys one query row may see lie in [first, last) (first == last: none).
+// The keys one query row may see lie in [first, last) (first == last: none); `unbroken`: it may see
+// every one of them (no hole), so a key block inside the range needs no look at its mask.
 struct KeyRange {
   int64_t first, last;
+  bool unbroken;
 };
 
 bool none_of_8(const bool* m) {
   uint64_t word;
   std::memcpy(&word, m, sizeof(word));
   return word == 0;
+}
+
+bool all_of_8(const bool* m) {
+  uint64_t word;
+  std::memcpy(&word, m, sizeof(word));
+  constexpr uint64_t kLow = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
+  return ((word - kLow) & ~word & kHigh) == 0;  // no zero byte
 }
 
 // The keys [0, end) mask row `m` allows lie in the returned range (8 mask bytes a step).
@@ -45,7 +56,10 @@ KeyRange allowed_range(const bool* m, int64_t end) {
   while (first < last && !m[first]) ++first;
   while (last - 8 >= first && none_of_8(m + last - 8)) last -= 8;
   while (last > first && !m[last - 1]) --last;
-  return {first, last};
+  int64_t t = first;
+  while (t + 8 <= last && all_of_8(m + t)) t += 8;
+  while (t < last && m[t]) ++t;
+  return {first, last, t == last};
 }
 
 // What the tasks share: the problem, each query row's key range, the packed keys and values
@@ -178,14 +192,17 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
   const int64_t group = p.q_heads / p.kv_heads, rows = positions * group, qdim = packed.qdim, v_dim = p.v_dim;
   const bool* mask = p.mask + b * p.mask_stride_b + s0 * p.mask_stride_s;
 
-  // The keys any row may see: blocks outside [lo, hi) are skipped.
-  int64_t lo = packed.end, hi = 0;
+  // The keys any row may see: blocks outside [lo, hi) are skipped. Every row may see every key of
+  // [all_from, all_to) where each row's range is unbroken: blocks inside it read no mask.
+  int64_t lo = packed.end, hi = 0, all_from = 0, all_to = packed.end;
   for (int64_t i = 0; i < positions; ++i) {
     const KeyRange range = packed.ranges[b * seq + s0 + i];
     if (range.first < range.last) {
       lo = std::min(lo, range.first);
       hi = std::max(hi, range.last);
     }
+    all_from = std::max(all_from, range.first);
+    all_to = range.unbroken ? std::min(all_to, range.last) : 0;
   }
 
   query_rows.resize(rows * qdim);
@@ -211,7 +228,9 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
     const int64_t block = std::min(step, packed.padded - c0);  // the keys packed from c0, a multiple of 128
     at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, step, /*add_C=*/false, q, keys + 2 * c0,
                                 tile.scores.data());
-    tile.add_block(epilogue, rows, std::min(block, packed.end - c0), block, mask + c0, group, p.mask_stride_s,
+    const int64_t keys_in_block = std::min(block, packed.end - c0);
+    const bool all_allowed = all_from <= c0 && c0 + keys_in_block <= all_to;
+    tile.add_block(epilogue, rows, keys_in_block, block, all_allowed ? nullptr : mask + c0, group, p.mask_stride_s,
                    p.scale, values + c0 * v_dim, v_dim);
   }
 

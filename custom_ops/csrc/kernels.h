@@ -365,8 +365,10 @@ void attention_task_avx512_emulated(const AttentionProblem& p, int64_t b, int64_
 
 // One key block of the flash attention over brgemm tiles (attention_brgemm.cpp), for `rows`
 // query rows whose raw scores q.k are at `scores` (row stride `ld`): row r's mask row (its
-// allowed keys from the block's first) is `mask + (r / group) * mask_stride`, keys at or past
-// `keys` are masked too (`ld`, `v_dim` multiples of 8; `keys` <= `ld`). Turns the scores into
+// allowed keys from the block's first) is `mask + (r / group) * mask_stride` (a null `mask`: every
+// row allows every key, as the caller knows for a block inside each row's unbroken run of allowed
+// keys, with no mask byte read), keys at or past `keys` are masked too (`ld`, `v_dim` multiples
+// of 8; `keys` <= `ld`). Turns the scores into
 // bf16 weights exp(scale * score - max') at `weights` (row stride `ld`, 0 where masked, through
 // column `ld`), adds the rounded weights to `sum` after scaling it by exp(max - max'), and
 // scales each row's accumulated output (`v_dim` floats at `out`) by the same factor; `max` /

@@ -757,13 +757,16 @@ void flash_softmax(float* scores, int64_t rows, int64_t keys, int64_t ld, const 
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * ld;
     uint16_t* w = weights + r * ld;
-    const bool* m = mask + (r / group) * mask_stride;
-    if (r % group == 0) whole = keys % 16 == 0 && allows_all(m, keys);
+    const bool* m = mask ? mask + (r / group) * mask_stride : nullptr;
+    if (r % group == 0) whole = keys % 16 == 0 && (m == nullptr || allows_all(m, keys));
     __m512 vmax = vneg_inf;
     for (int64_t t = 0; whole && t < keys; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
     for (int64_t t = 0; !whole && t < keys; t += 16) {
       __m128i bytes;  // the mask bytes of keys [t, t + 16), 0 past `keys` (the row may end there)
-      if (keys - t >= 16) {
+      if (m == nullptr) {  // every key allowed (a block of a length not a multiple of 16)
+        bytes = _mm_cmpgt_epi8(_mm_set1_epi8(static_cast<char>(std::min<int64_t>(keys - t, 16))),
+                               _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      } else if (keys - t >= 16) {
         bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m + t));
       } else {
         alignas(16) bool tail[16] = {};
