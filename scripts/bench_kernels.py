@@ -50,13 +50,7 @@ MOE_PRESETS = ("qwen3-30b-a3b", "deepseek-v2-lite")
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_median_seconds([fn], repeats)[0]
 
 
 def interleaved_median_seconds(fns, rounds: int) -> list[float]:

@@ -729,7 +729,7 @@ static inline bool allows_all(const bool* m, int64_t keys) {
   return std::all_of(m + t, m + keys, [](bool allowed) { return allowed; });
 }
 
-// The 16 lanes' sum as a tree (halves added three times, then the last pair).
+// The 8 lanes' sum as a tree (halves added twice, then the last pair).
 static inline float sum_lanes(__m256 v) {
   __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
