@@ -92,13 +92,17 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
     out = tmp_path / "tpot.json"
     run_script("bench_tpot.py", ["--preset", "tiny-llama", "--modes", "tilefx", "--weights", "bf16,int8",
                                  "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out),
-                                 "--profile", "--options", '{"recycle_buffers": false}'])
+                                 "--profile", "--options", '{"recycle_buffers": false}', "--ttft-prompts", "2"])
     result = json.loads(out.read_text())
     assert result["tilefx_options"] == {"cpp_wrapper": False, "recycle_buffers": False}
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"tilefx", "tilefx int8"}
     assert rows["tilefx int8"]["decode_gb"] < 0.75 * rows["tilefx"]["decode_gb"]  # 1-byte values, fp32 scales
     assert all(r["tpot_ms"] > 0 and r["floor_ms"] > 0 for r in rows.values())
+    # a run's TTFT: the least of its prompts' (the timed request's own, then a one-token request)
+    for (sample,) in (r["samples"] for r in rows.values()):
+        prompts = sample["ttft_prompts_ms"]
+        assert len(prompts) == 2 and all(t > 0 for t in prompts) and sample["ttft_ms"] == min(prompts), sample
     # --profile: the decode steps' ops, tilefx's linears one row per shape with the rate their weight was read at
     for row in rows.values():
         linears = [op for op in row["profile"]["ops"] if op["op"].startswith("tilefx::linear ")]
@@ -107,12 +111,14 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
         assert row["profile"]["step_ms"] > 0
 
 
-@pytest.mark.parametrize("options, refusal", [("{recycle", "is not JSON"), ("[1]", "must be a JSON object"),
-                                              ('{"weights": "int8"}', "weights are the bench's own")])
+@pytest.mark.parametrize("options, refusal", [(["--options", "{recycle"], "is not JSON"),
+                                              (["--options", "[1]"], "must be a JSON object"),
+                                              (["--options", '{"weights": "int8"}'], "weights are the bench's own"),
+                                              (["--ttft-prompts", "0"], "--ttft-prompts must be at least 1")])
 def test_bench_tpot_refuses_bad_options(options, refusal, capsys):
     bench = runpy.run_path(str(ROOT / "scripts" / "bench_tpot.py"))
     with pytest.raises(SystemExit) as done:
-        bench["main"](["--preset", "tiny-llama", "--options", options])
+        bench["main"](["--preset", "tiny-llama", *options])
     assert done.value.code == 2 and refusal in capsys.readouterr().err
 
 
