@@ -21,7 +21,8 @@ of each sample's TPOT over the floor at the mean of the probes around it; the sp
 medians of each run's ratios. (A shared machine's bandwidth drifts within one run:
 against the run's median probe that drift would read as the kernels'.) A run's TTFT is the
 least of ``--ttft-prompts`` prompts (the timed request's, then one-token requests, the modes
-in turn): a prompt is compute-bound, and other tenants' load only ever adds to its time.
+in turn, after the TPOT samples): a prompt is compute-bound, and what disturbs it (other tenants'
+load, the probe just before it) only ever adds to its time.
 
 With ``--tp N`` (under torchrun) every rank compiles the model with ``tp=N`` (a preset is
 written to a temporary checkpoint by rank 0 first) and runs the same requests; rank 0
@@ -355,9 +356,9 @@ def main(argv=None) -> int:
                 bandwidth.append(isa.stream_read_gbps())  # each sample's floor: the probes just before and after it
                 samples[mode].append([ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2, [ttft]])
             # TTFT from more prompts, the modes in turn, after the TPOT samples (so that no probe moves away from
-            # its sample): a prompt is compute-bound, and another tenant's burst of load only adds to its time
-            # (on a shared 2-core Zen 4 a third of 128-token prompts took 15-90% longer than the rest), so a
-            # run keeps its least
+            # its sample). A prompt is compute-bound and what disturbs it only adds to its time: on a shared 2-core
+            # Zen 4 a prompt right after the probe ran ~10% long, and a third of all prompts 15-90% long
+            # (docs/PERFORMANCE.md, thirty-seventh session). So a run keeps its least.
             for _ in range(args.ttft_prompts - 1):
                 for mode in modes:
                     with x_form(mode):
