@@ -149,22 +149,22 @@ def greedy(model, input_ids, new_tokens: int, **kwargs):
     )
 
 
-def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
+def token_times(model, input_ids, new_tokens: int, **kwargs) -> list[float]:
+    """Seconds from the start of a greedy request to each of its new tokens."""
     clock = TokenClock()
     start = time.perf_counter()
     greedy(model, input_ids, new_tokens, streamer=clock, **kwargs)
-    stamps = clock.stamps[1:]  # [0] is the prompt
-    ttft = stamps[0] - start
-    tpot = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-    return ttft, tpot
+    return [stamp - start for stamp in clock.stamps[1:]]  # [0] is the prompt
+
+
+def timed_generate(model, input_ids, new_tokens: int, **kwargs) -> tuple[float, float]:
+    times = token_times(model, input_ids, new_tokens, **kwargs)
+    return times[0], statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
 def time_to_first_token(model, input_ids, **kwargs) -> float:
-    """Seconds from the start of a one-token request to its token: TTFT with no decode step after it."""
-    clock = TokenClock()
-    start = time.perf_counter()
-    greedy(model, input_ids, 1, streamer=clock, **kwargs)
-    return clock.stamps[1] - start  # [0] is the prompt
+    """TTFT of a one-token request: no decode step after it."""
+    return token_times(model, input_ids, 1, **kwargs)[0]
 
 
 class ProfiledTokens(TokenClock):
@@ -285,6 +285,8 @@ def main(argv=None) -> int:
                         help="also print where each mode's decode step goes, op by op (torch.profiler)")
     args = parser.parse_args(argv)
     args.compile_options = compile_options(args, parser)
+    if args.ttft_prompts < 1:
+        parser.error("--ttft-prompts must be at least 1")
     if args.tp > 1:
         return main_tp(args, parser)
     modes = [m for m in args.modes.split(",") if m]
@@ -302,8 +304,6 @@ def main(argv=None) -> int:
 
     if args.batch < 1:
         parser.error("--batch must be at least 1")
-    if args.ttft_prompts < 1:
-        parser.error("--ttft-prompts must be at least 1")
     if args.profile and args.new_tokens < 2:
         parser.error("--profile needs --new-tokens of at least 2 (it times the steps after the first token)")
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
@@ -350,11 +350,12 @@ def main(argv=None) -> int:
         long_samples, bandwidth = [], []
         bandwidth.append(isa.stream_read_gbps())
         for _ in range(args.runs):
+            timed, prompts = {}, {}
             for mode in modes:
                 with x_form(mode):
                     ttft, tpot = timed_generate(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
                 bandwidth.append(isa.stream_read_gbps())  # each sample's floor: the probes just before and after it
-                samples[mode].append([ttft, tpot, (bandwidth[-2] + bandwidth[-1]) / 2, [ttft]])
+                timed[mode], prompts[mode] = (tpot, (bandwidth[-2] + bandwidth[-1]) / 2), [ttft]
             # TTFT from more prompts, the modes in turn, after the TPOT samples (so that no probe moves away from
             # its sample). A prompt is compute-bound and what disturbs it only adds to its time: on a shared 2-core
             # Zen 4 a prompt right after the probe ran ~10% long, and a third of all prompts 15-90% long
@@ -362,9 +363,9 @@ def main(argv=None) -> int:
             for _ in range(args.ttft_prompts - 1):
                 for mode in modes:
                     with x_form(mode):
-                        samples[mode][-1][3].append(time_to_first_token(models[mode], input_ids, **gen_kwargs[mode]))
+                        prompts[mode].append(time_to_first_token(models[mode], input_ids, **gen_kwargs[mode]))
             for mode in modes:
-                samples[mode][-1][0] = min(samples[mode][-1][3])
+                samples[mode].append((min(prompts[mode]), *timed[mode], prompts[mode]))
             if long_context:
                 long_samples.append(timed_generate(models["tilefx"], long_ids, args.new_tokens))
         profiles = {}
@@ -525,11 +526,14 @@ def main_tp(args, parser) -> int:
                 bandwidth.append(isa.stream_read_gbps())
                 dist.barrier()
                 before, wall = communicator.stats(), time.perf_counter()
-                samples.append(timed_generate(model, ids, args.new_tokens))
+                ttft, tpot = timed_generate(model, ids, args.new_tokens)
                 wall, after = time.perf_counter() - wall, communicator.stats()
                 shares.append((after["seconds"] - before["seconds"]) / wall)
                 if after["wait_seconds"] is not None:
                     waits.append((after["wait_seconds"] - before["wait_seconds"]) / wall)
+                # TTFT the least of the run's prompts, as without --tp
+                samples.append((min([ttft] + [time_to_first_token(model, ids) for _ in range(args.ttft_prompts - 1)]),
+                                tpot))
             gbps = statistics.median(bandwidth)
             every_rank = [None] * dist.get_world_size()  # each rank's median waiting share: who waits for whom
             dist.all_gather_object(every_rank, statistics.median(waits) if waits else None)
