@@ -10,7 +10,9 @@
 // The weights are rounded to bf16 and the softmax sums them as rounded (as the flash attention
 // on brgemm tiles does). Per key this is under a third of the AVX2 unit's instructions; where
 // 512-bit instructions issue at half rate (Zen 4) it still computes about as long as the memory
-// takes to deliver the rows, so the rows ahead are prefetched (kernels.h AttentionPrefetch).
+// takes to deliver the rows, so the next block's rows are prefetched while a block computes
+// (kernels.h NextBlockPrefetch). Whole tiles of unmasked keys score at a width fixed when compiled
+// (dense_scores), with no per-key test.
 //
 // The same source builds twice, as linear_avx512.cpp does: for the CPU, and as
 // attention_avx512_emulated.cpp on SIMDe, so the tests run this code on any CPU.
@@ -98,14 +100,66 @@ struct TaskState {
   const uint16_t* zero;  // a zero row, read for the block's padding keys and the masked keys' values
 };
 
-// The scores of keys [0, keys) of a block (first key row `k`, rope key row `k_rope`) for the head tile
-// whose queries are at `q`, tiles of kKeyTile keys, -inf where masked or past `keys`; prefetches as
-// `ahead` says (kernels.h).
+// Adds to acc the products of the rows of kKeyTile keys from `k` (row stride `stride`) with the query
+// rows of the tile's heads, kChunks whole chunks: add_products at a width fixed when compiled, with
+// plain loads and the row pointers computed, not looked up.
+template <int kChunks>
+static inline void add_rows(const uint16_t* k, int64_t stride, const uint16_t* q, int64_t q_stride, __m512 (&acc)[16]) {
+#pragma GCC unroll 16
+  for (int c = 0; c < kChunks; ++c) {
+    __m512bh keys[kKeyTile];
+    for (int j = 0; j < kKeyTile; ++j) keys[j] = as_pairs(_mm512_loadu_si512(k + j * stride + kQueryChunk * c));
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeadTile; ++h) {
+      const __m512bh query = as_pairs(_mm512_loadu_si512(q + h * q_stride + kQueryChunk * c));
+      for (int j = 0; j < kKeyTile; ++j) acc[lane_of(j, h)] = _mm512_dpbf16_ps(acc[lane_of(j, h)], query, keys[j]);
+    }
+  }
+}
+
+// The scores of the first `tiles` whole key tiles of a block none of whose keys is masked (first key
+// row `k`, rope key row `k_rope`) for the head tile whose queries are at `q`, keys kChunks chunks wide
+// and rope keys kRopeChunks: block_scores' common case, a decode step over an unbroken run of keys,
+// with no per-key test. About 1.4x block_scores' time there (docs/PERFORMANCE.md, thirty-eighth session).
+template <int kChunks, int kRopeChunks>
+void dense_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* k, const uint16_t* k_rope,
+                  int64_t tiles, const uint16_t* q, NextBlockPrefetch& next) {
+  for (int64_t i = 0; i < tiles; ++i) {
+    next.step(p);
+    __m512 acc[16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    add_rows<kChunks>(k + i * kKeyTile * p.k_stride_t, p.k_stride_t, q, st.q_stride, acc);
+    if constexpr (kRopeChunks > 0) {
+      add_rows<kRopeChunks>(k_rope + i * kKeyTile * p.kr_stride_t, p.kr_stride_t, q + st.k_part, st.q_stride, acc);
+    }
+    _mm512_storeu_ps(st.scores + i * 16, sum_tree(acc));
+  }
+}
+
+using DenseScores = void (*)(const AttentionProblem&, const TaskState&, const uint16_t*, const uint16_t*, int64_t,
+                             const uint16_t*, NextBlockPrefetch&);
+
+// dense_scores at the widths of `p`'s heads where it is built for them (64, 128 and 256 wide; MLA's
+// 512 + 64), else nullptr.
+DenseScores dense_scores_for(const AttentionProblem& p) {
+  if (p.k_dim % kQueryChunk != 0 || p.rope_dim % kQueryChunk != 0) return nullptr;
+  const int64_t chunks = p.k_dim / kQueryChunk, rope_chunks = p.rope_dim / kQueryChunk;
+  if (rope_chunks == 0 && chunks == 2) return &dense_scores<2, 0>;
+  if (rope_chunks == 0 && chunks == 4) return &dense_scores<4, 0>;
+  if (rope_chunks == 0 && chunks == 8) return &dense_scores<8, 0>;
+  if (rope_chunks == 2 && chunks == 16) return &dense_scores<16, 2>;
+  return nullptr;
+}
+
+// The scores of keys [first, keys) of a block (first key row `k`, rope key row `k_rope`; `first` a
+// multiple of kKeyTile) for the head tile whose queries are at `q`, tiles of kKeyTile keys, -inf where
+// masked or past `keys`; each tile takes its step of `next`.
 void block_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* k, const uint16_t* k_rope,
-                  const bool* allowed, bool dense, int64_t keys, const uint16_t* q, const AttentionPrefetch& ahead) {
+                  const bool* allowed, bool dense, int64_t first, int64_t keys, const uint16_t* q,
+                  NextBlockPrefetch& next) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t t = 0; t < keys; t += kKeyTile) {
-    prefetch_attention_rows(ahead, p, t, kKeyTile);
+  for (int64_t t = first; t < keys; t += kKeyTile) {
+    next.step(p);
     __m512 acc[16];
     for (auto& a : acc) a = _mm512_setzero_ps();
     const uint16_t* rows[kKeyTile];
@@ -274,6 +328,8 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
   const uint16_t* rope_first = p.rope_dim ? p.k_rope_cache + b * p.kr_stride_b + kv_head * p.kr_stride_h : nullptr;
   const uint16_t* v_first = p.v_cache + b * p.v_stride_b + kv_head * p.v_stride_h;
   const uint16_t* v_rows[kMaxAttentionKeyBlock];
+  const DenseScores fast_scores = dense_scores_for(p);
+  NextBlockPrefetch next(p, k_first, rope_first, v_first);
   for (int64_t t0 = keys.begin; t0 < keys.end; t0 += block) {
     const int64_t n = std::min(block, keys.end - t0), pairs = (n + 1) / 2;
     const bool* block_allowed = allowed + t0;
@@ -283,10 +339,14 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
     }
     const uint16_t* k = k_first + t0 * p.k_stride_t;
     const uint16_t* k_rope = rope_first ? rope_first + t0 * p.kr_stride_t : nullptr;
-    const AttentionPrefetch ahead = attention_prefetch(p, k, k_rope, v_first + t0 * p.v_stride_t, keys.end - t0);
+    const int64_t key_tiles = (n + kKeyTile - 1) / kKeyTile;
+    next.ask(t0 + block, std::min(t0 + 2 * block, keys.end), head_tiles * key_tiles);
+    // whole tiles of unmasked keys on the fixed-width path, the rest (a last partial tile, masked keys) tested key by key
+    const int64_t fast_keys = fast_scores && keys.dense ? n / kKeyTile * kKeyTile : 0;
     for (int64_t tile = 0; tile < head_tiles; ++tile) {
-      block_scores(p, st, k, k_rope, block_allowed, keys.dense, n, st.query + tile * kHeadTile * st.q_stride,
-                   tile == 0 ? ahead : AttentionPrefetch{});
+      const uint16_t* q = st.query + tile * kHeadTile * st.q_stride;
+      if (fast_keys > 0) fast_scores(p, st, k, k_rope, fast_keys / kKeyTile, q, next);
+      block_scores(p, st, k, k_rope, block_allowed, keys.dense, fast_keys, n, q, next);
       const __m512 alpha =
           softmax_block(st, (n + kKeyTile - 1) / kKeyTile, p.scale, st.max + tile * 16, st.sum + tile * 16);
       all_values(st, v_rows, pairs, alpha, v_dim, st.acc + tile * kHeadTile * v_dim);

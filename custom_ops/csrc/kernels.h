@@ -303,13 +303,13 @@ inline void no_keys(int64_t group, const AttentionPartial& part) {
   }
 }
 
-// Software prefetch of an attention task (either unit), issued while the first head tile scores a
-// block: the key (rope key, value) rows kAttentionPrefetchBytes of key rows past the keys being
-// scored, across the block's end (a KV head's rows are contiguous), within the task's keys, into L2
-// (prefetcht2). A task computes long enough per row that its own
-// loads keep few misses in flight, and the hardware prefetchers restart at every page: without it a
-// decode task read its cache cold at well under half of the memory's speed (docs/PERFORMANCE.md,
-// thirty-fifth session: into L2 beat L1 and non-temporal there, and 4-12 KiB ahead measured alike).
+// The AVX2 unit's software prefetch, issued while the first head tile scores a block: the key (rope
+// key, value) rows kAttentionPrefetchBytes of key rows past the keys being scored, across the block's
+// end (a KV head's rows are contiguous), within the task's keys, into L2 (prefetcht2). A task computes
+// long enough per row that its own loads keep few misses in flight, and the hardware prefetchers
+// restart at every page: without it a decode task read its cache cold at well under half of the
+// memory's speed (docs/PERFORMANCE.md, thirty-fifth session: into L2 beat L1 and non-temporal there,
+// and 4-12 KiB ahead measured alike).
 constexpr int64_t kAttentionPrefetchBytes = 8192;
 
 struct AttentionPrefetch {
@@ -353,6 +353,42 @@ inline void prefetch_attention_rows(const AttentionPrefetch& a, const AttentionP
     if (a.v) prefetch_row<2>(a.v + key * p.v_stride_t, p.v_dim);
   }
 }
+
+// The AVX512 unit's software prefetch: the rows (key, rope key, value) of the key block after the one
+// being worked, key by key, into L2, a share at each of the block's score steps (every head tile's), so
+// the memory delivers the next block the whole time this one computes. The AVX2 unit's AttentionPrefetch
+// asks only while the first head tile scores, a quarter of a block's time with two head tiles.
+// Measured on both units against it (docs/PERFORMANCE.md, thirty-eighth session, cold caches, 2
+// threads): on the AVX512 unit 1.12-1.15x for Qwen3's heads (two head tiles), 1.18x for MLA's (four),
+// level for Llama's (one); on the AVX2 unit, which computes ~2x as long per key, level or slower.
+struct NextBlockPrefetch {
+  const uint16_t* k;     // the task's key rows, from key 0 of the cache row
+  const uint16_t* rope;  // its rope key rows, or nullptr
+  const uint16_t* v;     // its value rows, or nullptr (MLA: the values are the key rows)
+  int64_t key = 0, end = 0;  // keys [key, end) still to ask for
+  int64_t per_step = 0;      // keys a step asks for
+
+  NextBlockPrefetch(const AttentionProblem& p, const uint16_t* k_rows, const uint16_t* rope_rows,
+                    const uint16_t* v_rows)
+      : k(k_rows), rope(p.rope_dim ? rope_rows : nullptr), v(p.v_cache == p.k_cache ? nullptr : v_rows) {}
+
+  // Keys [first, stop) over the next `steps` steps.
+  void ask(int64_t first, int64_t stop, int64_t steps) {
+    key = first;
+    end = stop;
+    per_step = stop > first ? (stop - first + steps - 1) / steps : 0;
+  }
+
+  // One step's share.
+  inline void step(const AttentionProblem& p) {
+    const int64_t stop = std::min(key + per_step, end);
+    for (; key < stop; ++key) {
+      prefetch_row<2>(k + key * p.k_stride_t, p.k_dim);
+      if (rope) prefetch_row<2>(rope + key * p.kr_stride_t, p.rope_dim);
+      if (v) prefetch_row<2>(v + key * p.v_stride_t, p.v_dim);
+    }
+  }
+};
 
 // One attention task of `p` on a unit: the query heads of `kv_head` for query row `s` of batch row
 // `b`, over keys [key_begin, key_end) as the mask row allows, into `part`.

@@ -215,6 +215,23 @@ def test_unit_takes_head_dims_past_its_vector_steps(kernel_path, seq, head_dim):
     assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("holes", [False, True], ids=["dense", "holes"])
+def test_unit_fixed_width_heads(kernel_path, head_dim, group, holes):
+    """Decode on the unit at the head widths its AVX512 scores are compiled for (whole tiles of unmasked keys at a
+    fixed width, the rest key by key): one and two head tiles, keys over several blocks split across threads with
+    a last partial tile, a left-padded row, and (holes) masked keys inside a row's run, which take the key-by-key
+    path for their blocks."""
+    q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 2 * group, 2, 1, 300, head_dim=head_dim,
+                                                         left_pad=(0, 9), seed=head_dim + group)
+    if holes:
+        mask[1, 0, 0, 100:180:7] = False
+    want, _, _ = _oracle(q, k, v, k_cache, v_cache, positions, mask, head_dim**-0.5)
+    got = torch.ops.tilefx.decode_attention(q, k, v, k_cache, v_cache, positions, mask, head_dim**-0.5)
+    assert ((got.float() - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-2
+
+
 def test_prefill_attention_choice_refuses_bad_input():
     if isa.native is None:
         pytest.skip("native library not built")

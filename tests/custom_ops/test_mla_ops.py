@@ -232,6 +232,16 @@ def test_native_matches_reference(kernel_path, case):
     assert err[rows].max() < 1e-2
 
 
+def test_native_matches_reference_at_deepseek_widths(kernel_path):
+    """Decode at DeepSeek's latent and rope widths (512 + 64: the width the AVX512 unit's scores are compiled
+    for), 16 heads, keys over several blocks split across threads, a padded row."""
+    args = _mla_inputs(2, 16, 1, 150, rank=512, rope=64, left_pad=(0, 11), seed=6)
+    want = mla_attention_reference(*[a.clone() for a in args], 0.05)
+    got = torch.ops.tilefx.mla_attention(*args, 0.05)
+    err = (got.float() - want.float()).norm(dim=-1) / want.float().norm(dim=-1).clamp_min(1e-6)
+    assert err.max() < 1e-2
+
+
 def test_mla_reads_only_valid_prefix(kernel_path):
     args = list(_mla_inputs(1, 8, 1, 20))
     before = torch.ops.tilefx.mla_attention(*[a.clone() for a in args], 0.2)
