@@ -11,8 +11,8 @@
 // on brgemm tiles does). Per key this is under a third of the AVX2 unit's instructions; where
 // 512-bit instructions issue at half rate (Zen 4) it still computes about as long as the memory
 // takes to deliver the rows, so the next block's rows are prefetched while a block computes
-// (kernels.h NextBlockPrefetch). Whole tiles of unmasked keys score at a width fixed when compiled
-// (dense_scores), with no per-key test.
+// (kernels.h NextBlockPrefetch). A task with no masked key scores its whole tiles at a width fixed
+// when compiled (dense_scores), with no per-key test.
 //
 // The same source builds twice, as linear_avx512.cpp does: for the CPU, and as
 // attention_avx512_emulated.cpp on SIMDe, so the tests run this code on any CPU.
@@ -117,10 +117,11 @@ static inline void add_rows(const uint16_t* k, int64_t stride, const uint16_t* q
   }
 }
 
-// The scores of the first `tiles` whole key tiles of a block none of whose keys is masked (first key
-// row `k`, rope key row `k_rope`) for the head tile whose queries are at `q`, keys kChunks chunks wide
-// and rope keys kRopeChunks: block_scores' common case, a decode step over an unbroken run of keys,
-// with no per-key test. About 1.4x block_scores' time there (docs/PERFORMANCE.md, thirty-eighth session).
+// The scores of the first `tiles` whole key tiles of a block of a task none of whose keys is masked
+// (first key row `k`, rope key row `k_rope`) for the head tile whose queries are at `q`, keys kChunks
+// chunks wide and rope keys kRopeChunks: block_scores' common case, a decode step over an unbroken run
+// of keys, with no per-key test: scores and softmax 1.35x faster than block_scores on warm caches (docs/PERFORMANCE.md,
+// thirty-eighth session).
 template <int kChunks, int kRopeChunks>
 void dense_scores(const AttentionProblem& p, const TaskState& st, const uint16_t* k, const uint16_t* k_rope,
                   int64_t tiles, const uint16_t* q, NextBlockPrefetch& next) {
@@ -341,7 +342,7 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
     const uint16_t* k_rope = rope_first ? rope_first + t0 * p.kr_stride_t : nullptr;
     const int64_t key_tiles = (n + kKeyTile - 1) / kKeyTile;
     next.ask(t0 + block, std::min(t0 + 2 * block, keys.end), head_tiles * key_tiles);
-    // whole tiles of unmasked keys on the fixed-width path, the rest (a last partial tile, masked keys) tested key by key
+    // a task with no masked key: its whole tiles on the fixed-width path, a last partial tile key by key
     const int64_t fast_keys = fast_scores && keys.dense ? n / kKeyTile * kKeyTile : 0;
     for (int64_t tile = 0; tile < head_tiles; ++tile) {
       const uint16_t* q = st.query + tile * kHeadTile * st.q_stride;

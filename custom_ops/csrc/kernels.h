@@ -359,8 +359,9 @@ inline void prefetch_attention_rows(const AttentionPrefetch& a, const AttentionP
 // the memory delivers the next block the whole time this one computes. The AVX2 unit's AttentionPrefetch
 // asks only while the first head tile scores, a quarter of a block's time with two head tiles.
 // Measured on both units against it (docs/PERFORMANCE.md, thirty-eighth session, cold caches, 2
-// threads): on the AVX512 unit 1.12-1.15x for Qwen3's heads (two head tiles), 1.18x for MLA's (four),
-// level for Llama's (one); on the AVX2 unit, which computes ~2x as long per key, level or slower.
+// threads): on the AVX512 unit 1.09-1.17x for Qwen3's heads (two head tiles), 1.07-1.20x for MLA's
+// (four), 0.92-1.0x for Llama's (one, reading at the memory's rate either way); on the AVX2 unit,
+// which computes ~2x as long per key, level or up to 12% slower, so it keeps AttentionPrefetch.
 struct NextBlockPrefetch {
   const uint16_t* k;     // the task's key rows, from key 0 of the cache row
   const uint16_t* rope;  // its rope key rows, or nullptr
