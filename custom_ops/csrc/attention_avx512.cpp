@@ -70,6 +70,17 @@ static inline __m512 head_sum(__m512 v) {
   return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
 }
 
+// Adds to acc[lane_of(k, h)] the products of one chunk of the kKeyTile keys' rows (`keys`) with the same
+// chunk of the query rows of the tile's heads (at `q`, row stride `q_stride`).
+static inline void add_chunk(const __m512bh (&keys)[kKeyTile], const uint16_t* q, int64_t q_stride,
+                             __m512 (&acc)[16]) {
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeadTile; ++h) {
+    const __m512bh query = as_pairs(_mm512_loadu_si512(q + h * q_stride));
+    for (int k = 0; k < kKeyTile; ++k) acc[lane_of(k, h)] = _mm512_dpbf16_ps(acc[lane_of(k, h)], query, keys[k]);
+  }
+}
+
 // Adds to acc[lane_of(k, h)] the products of `len` values of key rows rows[k] with the query
 // rows of the tile's heads (q, row stride `q_stride`, zero-padded to kQueryChunk): `len` is a
 // multiple of 16, and a last chunk of 16 reads only 16 values of each key row.
@@ -79,11 +90,7 @@ static inline void add_products(const uint16_t* const (&rows)[kKeyTile], const u
     const __mmask32 live = len - d >= kQueryChunk ? ~__mmask32{0} : __mmask32{0xFFFF};
     __m512bh keys[kKeyTile];
     for (int k = 0; k < kKeyTile; ++k) keys[k] = as_pairs(_mm512_maskz_loadu_epi16(live, rows[k] + d));
-#pragma GCC unroll 4
-    for (int h = 0; h < kHeadTile; ++h) {
-      const __m512bh query = as_pairs(_mm512_loadu_si512(q + h * q_stride + d));
-      for (int k = 0; k < kKeyTile; ++k) acc[lane_of(k, h)] = _mm512_dpbf16_ps(acc[lane_of(k, h)], query, keys[k]);
-    }
+    add_chunk(keys, q + d, q_stride, acc);
   }
 }
 
@@ -109,11 +116,7 @@ static inline void add_rows(const uint16_t* k, int64_t stride, const uint16_t* q
   for (int c = 0; c < kChunks; ++c) {
     __m512bh keys[kKeyTile];
     for (int j = 0; j < kKeyTile; ++j) keys[j] = as_pairs(_mm512_loadu_si512(k + j * stride + kQueryChunk * c));
-#pragma GCC unroll 4
-    for (int h = 0; h < kHeadTile; ++h) {
-      const __m512bh query = as_pairs(_mm512_loadu_si512(q + h * q_stride + kQueryChunk * c));
-      for (int j = 0; j < kKeyTile; ++j) acc[lane_of(j, h)] = _mm512_dpbf16_ps(acc[lane_of(j, h)], query, keys[j]);
-    }
+    add_chunk(keys, q + kQueryChunk * c, q_stride, acc);
   }
 }
 
@@ -348,8 +351,7 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
       const uint16_t* q = st.query + tile * kHeadTile * st.q_stride;
       if (fast_keys > 0) fast_scores(p, st, k, k_rope, fast_keys / kKeyTile, q, next);
       block_scores(p, st, k, k_rope, block_allowed, keys.dense, fast_keys, n, q, next);
-      const __m512 alpha =
-          softmax_block(st, (n + kKeyTile - 1) / kKeyTile, p.scale, st.max + tile * 16, st.sum + tile * 16);
+      const __m512 alpha = softmax_block(st, key_tiles, p.scale, st.max + tile * 16, st.sum + tile * 16);
       all_values(st, v_rows, pairs, alpha, v_dim, st.acc + tile * kHeadTile * v_dim);
     }
   }

@@ -221,8 +221,8 @@ def test_unit_takes_head_dims_past_its_vector_steps(kernel_path, seq, head_dim):
 def test_unit_fixed_width_heads(kernel_path, head_dim, group, holes):
     """Decode on the unit at the head widths its AVX512 scores are compiled for (whole tiles of unmasked keys at a
     fixed width, the rest key by key): one and two head tiles, keys over several blocks split across threads with
-    a last partial tile, a left-padded row, and (holes) masked keys inside a row's run, which take the key-by-key
-    path for their blocks."""
+    a last partial tile, a left-padded row, and (holes) masked keys inside a row's run, whose tasks take the
+    key-by-key path."""
     q, k, v, k_cache, v_cache, positions, mask = _inputs(2, 2 * group, 2, 1, 300, head_dim=head_dim,
                                                          left_pad=(0, 9), seed=head_dim + group)
     if holes:
