@@ -12,6 +12,7 @@ from tilefx.compiler.passes.base import PassResult
 
 if TYPE_CHECKING:
     from tilefx.custom_ops.collectives import GlooCommunicator, ShmCommunicator
+    from tilefx.custom_ops.openmp import IdleWait
     from tilefx.custom_ops.tuning import AttentionChoice, DecodeGemmChoice, GemmChoice, GemmTilingChoice, Tuned
 
 
@@ -75,6 +76,7 @@ class CompileReport:
     attention: AttentionChoice | None = None  # prefill and decode attention's choices (custom_ops/tuning.py)
     placement: str | None = None  # tensor parallel: this rank's CPUs and why (models.placement.Placement.describe())
     collectives: ShmCommunicator | GlooCommunicator | None = None  # tensor parallel: this rank's communicator
+    threads: IdleWait | None = None  # how the OpenMP workers wait between ops (custom_ops/openmp.py)
 
     def record_graph(self, graph: torch.fx.Graph, results: list[PassResult], phase: str,
                      passes_seconds: float = 0.0) -> GraphRecord:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tilefx
-from tilefx.custom_ops import tuning
+from tilefx.custom_ops import openmp, tuning
 from tilefx.models.presets import build_model
 
 from helpers import (assert_draws_from_reference_logits, assert_greedy_matches,
@@ -408,6 +408,15 @@ def test_beam_search_scores_each_beam_as_the_reference_does(pair):
         compiled.generate(ids, attention_mask=mask, max_new_tokens=4, num_beams=MAX_BATCH + 1)
 
 
+def test_sleeping_openmp_workers_are_warned_of_and_explained(monkeypatch):
+    """OMP_WAIT_POLICY=passive (read by the runtime at torch's import, here only by tilefx's check) makes every op
+    of a decode step wake its threads: compile_model warns, explain() says so. No warm-up: nothing compiles."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY=passive makes the OpenMP workers sleep"):
+        compiled = tilefx.compile_model(build_model("tiny-llama"), max_seq_len=16, warmup=False, progress=False)
+    assert "idle workers sleep between ops (OMP_WAIT_POLICY=passive)" in tilefx.explain(compiled)
+
+
 def test_explain_reports_rewrites(pair):
     _, compiled = pair
     text = tilefx.explain(compiled)
@@ -431,6 +440,8 @@ def test_explain_reports_rewrites(pair):
         # brgemm's blocking, tuned where prefill runs brgemm
         assert len(tiling) == (1 if ": brgemm (" in gemms[1] else 0), (gemms, tiling)
         assert all("tuned" in line or "cached" in line for line in tiling), tiling
+    threads = [line for line in text.splitlines() if line.startswith("threads (")]
+    assert len(threads) == 1 and ("spin" in threads[0]) == (openmp.idle_wait().sleeps is None), threads
     config = compiled.config
     attention = [line for line in text.splitlines() if line.startswith("prefill attention ")]
     assert len(attention) == 1 and ("tuned" in attention[0] or "cached" in attention[0]), attention

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import pathlib
 import time
+import warnings
 
 import torch
 from tqdm.auto import tqdm
@@ -55,7 +56,7 @@ def compile_model(
     import tilefx.custom_ops  # noqa: F401  (registers the tilefx ops)
     from tilefx.compiler import CompileOptions, CompileReport
     from tilefx.compiler.report import cache_counters, counters_since
-    from tilefx.custom_ops import tuning
+    from tilefx.custom_ops import openmp, tuning
     from tilefx.models.load import load_for_rank, place_rank, resolve_source
     from tilefx.models.packing import pack_model
     from tilefx.models.runtime import TilefxRuntime
@@ -75,6 +76,9 @@ def compile_model(
                               local_files_only=local_files_only)
     opts = dataclasses.replace(opts, tp_rank=resolved.rank, tp_world_size=resolved.world_size)
     report = CompileReport()
+    report.threads = openmp.idle_wait()
+    if (why := openmp.warning(report.threads)) is not None:
+        warnings.warn(why, RuntimeWarning, stacklevel=2)
     warmup_batches = [b for b in (1, 2) if b <= max_batch] if warmup else []
     batches = {1: "batch 1", 2: f"batch 2-{max_batch}" if max_batch > 2 else "batch 2"}
     steps = ["load", "pack"] + [f"compile {batches[b]}" for b in warmup_batches]
@@ -179,6 +183,7 @@ def explain(model) -> str:
         *(f"decode walk {walk.line()}" for walk in report.walks),
         *(gemm.line() for gemm in report.gemms),
         *([report.attention.line(), report.attention.decode_line()] if report.attention is not None else []),
+        *([report.threads.line()] if report.threads is not None else []),
         report.startup_line(),
         *([runtime.graph_cache.line()] if runtime.graph_cache is not None else []),
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
