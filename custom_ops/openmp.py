@@ -6,8 +6,9 @@ and then sleep; a sleeping thread is woken through the kernel at the next region
 GNU libgomp spins ~300k iterations, Intel's and LLVM's runtimes 200 ms) the workers are there when the next op
 starts. Told to sleep at once (``OMP_WAIT_POLICY=passive``, ``GOMP_SPINCOUNT=0``, ``KMP_BLOCKTIME=0``), every
 region pays a wake-up: on 2 Zen 4 cores under KVM, a 16-layer model's per-op cost went from ~2.0 to 5.2-6.9 ms a
-step, and Llama-3.2-1B int8 decoded at 2.1x its memory floor instead of 1.15x (docs/PERFORMANCE.md, thirty-ninth
-session). The runtimes read these variables once, when they load (with torch), so tilefx can only say so.
+step, and Llama-3.2-1B int8 decoded at 1.4-2.1x its memory floor instead of 1.0-1.15x (docs/PERFORMANCE.md,
+thirty-ninth session). The runtimes read these variables once, when they load (with torch), so tilefx can only say
+so.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import dataclasses
 import os
 import re
 
-# The OpenMP runtimes a torch build links, by the file name /proc/self/maps shows: GNU (the PyPI wheels),
-# Intel's (preloaded, or conda builds) and LLVM's.
-_LIBRARIES = (("libgomp", "GNU libgomp"), ("libiomp5", "Intel OpenMP"), ("libomp", "LLVM OpenMP"))
+# The OpenMP runtimes a torch build links: the file name /proc/self/maps shows, the runtime's name, and the variable
+# of its own that set to 0 makes idle workers sleep at once. GNU (the PyPI wheels), Intel's (preloaded, or conda
+# builds) and LLVM's.
+_LIBRARIES = (("libgomp", "GNU libgomp", "GOMP_SPINCOUNT"), ("libiomp5", "Intel OpenMP", "KMP_BLOCKTIME"),
+              ("libomp", "LLVM OpenMP", "KMP_BLOCKTIME"))
 
 
 def loaded_runtime(maps_path: str = "/proc/self/maps") -> str | None:
@@ -29,7 +32,7 @@ def loaded_runtime(maps_path: str = "/proc/self/maps") -> str | None:
             files = {line.rsplit("/", 1)[-1].strip() for line in maps if "/" in line}
     except OSError:
         return None
-    for prefix, name in _LIBRARIES:  # libiomp5 before libomp: "libomp" is not a prefix of "libiomp5"
+    for prefix, name, _ in _LIBRARIES:  # libiomp5 before libomp: "libomp" is not a prefix of "libiomp5"
         if any(re.match(rf"{prefix}[-.]", f) for f in files):
             return name
     return None
@@ -56,8 +59,8 @@ def idle_wait(environ=None, runtime: str | None = "detect") -> IdleWait:
     runtime = loaded_runtime() if runtime == "detect" else runtime
     if environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive":
         return IdleWait(runtime, "OMP_WAIT_POLICY=passive")
-    zero = {"GNU libgomp": ("GOMP_SPINCOUNT",), "Intel OpenMP": ("KMP_BLOCKTIME",), "LLVM OpenMP": ("KMP_BLOCKTIME",)}
-    for name in zero.get(runtime, ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
+    own = [variable for _, name, variable in _LIBRARIES if name == runtime]
+    for name in own or [variable for _, _, variable in _LIBRARIES]:  # unknown runtime: every one's
         value = environ.get(name, "").strip()
         if value and re.fullmatch(r"0+(\.0*)?\s*(ms|us)?", value, re.IGNORECASE):
             return IdleWait(runtime, f"{name}={value}")
@@ -70,5 +73,5 @@ def warning(wait: IdleWait) -> str | None:
         return None
     return (f"tilefx: {wait.sleeps} makes the OpenMP workers sleep after every parallel region, and a decode step "
             "runs one per op: each op then waits for its threads to wake (on 2 cores, ~3.5 ms more a step for a "
-            "16-layer model, 2x the memory floor for Llama-3.2-1B int8). Unset it before the process starts (the "
+            "16-layer model, up to 2x the memory floor for Llama-3.2-1B int8). Unset it before the process starts (the "
             "runtime reads it once, with torch's import); tilefx.explain() says how the threads wait")

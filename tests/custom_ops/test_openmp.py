@@ -58,4 +58,4 @@ def test_the_runtime_is_read_from_the_process_maps(tmp_path):
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
 def test_this_process_has_a_runtime_torch_loaded():
     # PyTorch's CPU wheels link GNU libgomp; other builds link Intel's or LLVM's: any of them, identified.
-    assert openmp.loaded_runtime() in {name for _, name in openmp._LIBRARIES}
+    assert openmp.loaded_runtime() in {name for _, name, _ in openmp._LIBRARIES}
