@@ -12,13 +12,21 @@ namespace {
 
 constexpr int kUnits = 3, kFormats = kWeightFormats;
 
-// The defaults, before (or without) tuning: the walk the AMD Zen measurements chose (docs/PERFORMANCE.md).
-// The AVX2 unit streams one quantized block at a time (two would spill its registers); quantized
-// rows are one cache line per K pair where bf16's are two, so their distance is longer in bytes.
+// The defaults, before (or without) tuning, and what a tuning keeps where no walk beats them by
+// MIN_GAIN: a machine whose memory is slow that minute (a shared host) times most walks alike.
+// Measured on Zen 4 (docs/PERFORMANCE.md, the fortieth session), the AVX512 units:
+// - int8, fp8, int4 (one cache line per K pair): two blocks at once with no software prefetch reads
+//   12-20% faster than prefetching 4 KiB ahead at full memory speed, and level when memory is slow;
+// - bf16 (two lines per K pair): 1 KiB ahead reads 5% faster than no prefetch when memory is slow and
+//   2-7% slower at full speed; it stays 1 KiB ahead.
+// On the thirtieth session's Xeon, prefetching 2-4 KiB ahead into the caches (t0, t1) read ~2x the
+// defaults of then: a gain the tuning finds in any minute.
+// The AVX2 unit (Zen 2/3) keeps the walk its measurements chose: one quantized block at a time (two
+// would spill its registers), 1 KiB ahead.
 constexpr WalkTuning default_tuning(int unit, int format) {
   if (format == static_cast<int>(WeightFormat::bf16)) return {2, 1024, PrefetchHint::nta};
   if (unit == static_cast<int>(LinearUnit::avx2)) return {1, 1024, PrefetchHint::nta};
-  return {2, 4096, PrefetchHint::nta};
+  return {2, 0, PrefetchHint::nta};
 }
 
 struct Slot {
