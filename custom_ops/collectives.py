@@ -18,6 +18,7 @@ each, no graph break).
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 import uuid
@@ -105,7 +106,7 @@ class GlooCommunicator:
         return {"calls": self.calls, "seconds": self.seconds, "wait_seconds": None}
 
     def close(self) -> None:
-        pass
+        self._exchanged, self.group = (), None
 
 
 def open_group(name: str, kind: str, process_group=None, timeout_s: float = 300.0):
@@ -136,6 +137,17 @@ def close_group(name: str) -> None:
     communicator = _GROUPS.pop(name, None)
     if communicator is not None:
         communicator.close()
+
+
+@atexit.register
+def close_all_groups() -> None:
+    """Close every open group. Run at exit, before the interpreter finalizes, while any thread can still take the
+    GIL. A gloo communicator holds its process group, so ``dist.destroy_process_group()`` does not end the C++
+    group while the communicator lives. Held to finalization, the group's worker threads were destroyed there, and
+    one that needed the GIL then (to free a tensor with a Python object: pytorch/pytorch#179291) aborted the process
+    ("terminate called without an active exception": tests/test_tp.py's gloo run, twice in CI and fresh clones)."""
+    for name in list(_GROUPS):
+        close_group(name)
 
 
 def _all_reduce_in_python(x: torch.Tensor, group_name: str) -> torch.Tensor:

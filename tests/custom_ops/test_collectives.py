@@ -5,8 +5,11 @@ are gone when the ranks end (theirs: other tests may open groups meanwhile)."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 
-from tests.test_tp import shm_files_named_in, torchrun
+from tests.test_tp import ROOT, shm_files_named_in, torchrun
 
 
 def test_collectives_on_two_ranks():
@@ -16,3 +19,36 @@ def test_collectives_on_two_ranks():
     segments = shm_files_named_in(done.stdout)  # (every rank prints its groups' files)
     assert len(segments) == 4, done.stdout
     assert not any(os.path.exists(s) for s in segments)
+
+
+def test_groups_are_closed_before_the_interpreter_finalizes(tmp_path):
+    """A rank that ends without closing its groups (as every tensor-parallel script does) has them closed by an
+    atexit handler, while the interpreter is still whole: the gloo communicator and its hold on the process group
+    are gone before finalization. (Held until finalization, gloo's worker threads were destroyed there and one
+    could abort the process.) The check runs after tilefx's handler: atexit runs handlers last-registered first."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import atexit, sys, weakref\n"
+        "seen = {}\n"
+        "def report():\n"
+        "    groups = sys.modules['tilefx.custom_ops.collectives']._GROUPS\n"
+        "    print('open at exit:', sorted(groups), 'communicator alive:', seen['ref']() is not None, flush=True)\n"
+        "atexit.register(report)\n"
+        "import torch, torch.distributed as dist\n"
+        "import tilefx.custom_ops\n"
+        "from tilefx.custom_ops import collectives\n"
+        "dist.init_process_group('gloo')\n"
+        "seen['ref'] = weakref.ref(collectives.open_group('g', 'gloo'))\n"
+        "print('sum', torch.ops.tilefx.all_reduce(torch.ones(8), 'g').tolist(), flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "TILEFX_QUIET": "1"}
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "sum [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]" in done.stdout, done.stdout
+    assert "open at exit: [] communicator alive: False" in done.stdout, done.stdout
