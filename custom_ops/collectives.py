@@ -143,9 +143,10 @@ def close_group(name: str) -> None:
 def close_all_groups() -> None:
     """Close every open group. Run at exit, before the interpreter finalizes, while any thread can still take the
     GIL. A gloo communicator holds its process group, so ``dist.destroy_process_group()`` does not end the C++
-    group while the communicator lives. Held to finalization, the group's worker threads were destroyed there, and
-    one that needed the GIL then (to free a tensor with a Python object: pytorch/pytorch#179291) aborted the process
-    ("terminate called without an active exception": tests/test_tp.py's gloo run, twice in CI and fresh clones)."""
+    group while the communicator lives. Held to finalization, the group's worker threads were destroyed there, where
+    one that needs the GIL (to free a tensor with a Python object: pytorch/pytorch#179291) aborts the process. That
+    is the likely cause, not reproduced, of tests/test_tp.py's gloo run dying at exit twice ("terminate called
+    without an active exception", in CI and in a fresh clone)."""
     for name in list(_GROUPS):
         close_group(name)
 
