@@ -5,11 +5,8 @@ are gone when the ranks end (theirs: other tests may open groups meanwhile)."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 
-from tests.test_tp import ROOT, shm_files_named_in, torchrun
+from tests.test_tp import launch_ranks, shm_files_named_in, torchrun
 
 
 def test_collectives_on_two_ranks():
@@ -42,13 +39,7 @@ def test_groups_are_closed_before_the_interpreter_finalizes(tmp_path):
         "print('sum', torch.ops.tilefx.all_reduce(torch.ones(8), 'g').tolist(), flush=True)\n"
         "dist.destroy_process_group()\n"
     )
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "TILEFX_QUIET": "1"}
-    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    (done,) = launch_ranks(script, nproc=1)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "sum [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]" in done.stdout, done.stdout
     assert "open at exit: [] communicator alive: False" in done.stdout, done.stdout
