@@ -47,8 +47,8 @@ inline int64_t pair_bytes(WeightFormat format) {
   if (format == WeightFormat::bf16) return kPairValues * 2;
   return format == WeightFormat::int4 ? kInt4PairBytes : kQPairBytes;
 }
-// The AVX2 unit widens e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the value
-// times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
+// The AVX2 unit's GEMM panels widen e4m3 through fp16 (linear_avx2.cpp, load_quantized16), which yields the
+// value times 2^-8 exactly: the fp8 scales it applies to those widened values carry this factor.
 constexpr float kFp8Unscale = 256.0f;
 
 // The forms a linear's activations take (activations.h picks one per problem):
