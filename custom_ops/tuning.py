@@ -758,6 +758,31 @@ def brgemm_has_kernel() -> bool:
     return isa.native is not None and (isa.native.cpu_has("amx") or isa.native.cpu_has("avx512_bf16"))
 
 
+@functools.cache
+def brgemm_runs() -> bool:
+    """Whether oneDNN's brgemm runs here at all. torch 2.13 runs its bf16 brgemm over VNNI-packed weights only
+    where oneDNN has a kernel for it and raises elsewhere (a CPU with AVX2 and no AVX512: Zen 2 and 3). Tuning
+    never picks brgemm there (brgemm_has_kernel), so only forcing it (tests, benchmarks) would reach it. One
+    5-row linear forced onto it tells, once a process."""
+    if isa.native is None:
+        return False
+    if brgemm_has_kernel():
+        return True
+    from . import linear as linear_ops
+    from . import weights
+
+    native = [path for path in isa.BUILT if isa.unsupported_reason(path) is None]
+    if not native:
+        return False
+    packed = weights.pack_linear_weight(torch.ones(32, 64, dtype=torch.bfloat16))
+    try:
+        with isa.forced(native[0]), forced_gemm("bf16", "brgemm"):
+            linear_ops.linear(torch.ones(5, 64, dtype=torch.bfloat16), packed, None, 32)
+    except RuntimeError:
+        return False
+    return True
+
+
 def forced_gemm(format: str, gemm: str):
     """Run a block with the linear ops' prefill GEMM for ``format`` weights forced ("unit", "brgemm", "default")."""
     return _temporarily(isa.native.get_prefill_gemm, isa.native.set_prefill_gemm, (format,), (gemm,))

@@ -23,6 +23,32 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: compiles real models (seconds to minutes)")
 
 
+# tuning's helpers that force a kernel choice, and where in their arguments the choice is
+_FORCING = ("forced_attention", "forced_prefill", "forced_decode_attention", "forced_gemm", "forced_decode_gemm")
+
+
+@pytest.fixture(autouse=True)
+def brgemm_where_it_runs(monkeypatch):
+    """A test that forces oneDNN's brgemm (tuning's forced_* helpers, the choice their second argument) is skipped
+    where brgemm cannot run at all (tuning.brgemm_runs: torch refuses it on a CPU without AVX512), rather than
+    failing on that refusal. Tuning never picks it there, so nothing else reaches it."""
+    from tilefx.custom_ops import isa, tuning
+
+    if isa.native is None or tuning.brgemm_has_kernel():
+        return
+
+    def guarded(force):
+        def forcing(*args, **kwargs):
+            choice = args[1] if len(args) > 1 else kwargs.get("kernel", kwargs.get("gemm"))
+            if choice == "brgemm" and not tuning.brgemm_runs():
+                pytest.skip("oneDNN's brgemm does not run on this CPU (torch 2.13 refuses it without AVX512)")
+            return force(*args, **kwargs)
+        return forcing
+
+    for name in _FORCING:
+        monkeypatch.setattr(tuning, name, guarded(getattr(tuning, name)))
+
+
 @pytest.fixture
 def seeded():
     torch.manual_seed(1234)

@@ -9,10 +9,14 @@
 // the loads leave fewer demand misses in flight than a plain streaming read has.
 // How many streams and how far ahead pay differs between CPUs, so both are tuned
 // per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 2)
-// is a blocked GEMM: the weight panel of one block and kKChunk pairs of K (16 KiB)
-// stays in L1 while every 4-row tile of x passes over it.
+// is a blocked GEMM over x packed in 6-row tiles (pack_x_tiles): the weight panel of one
+// block and kKChunk pairs of K (16 KiB) stays in L1 while every tile of x passes over it.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <utility>
 
 #include "kernels.h"
 
@@ -28,8 +32,10 @@ namespace {
 constexpr int kVecs = kBlockN / 8;       // ymm vectors per packed row of a block
 constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a block
 constexpr int64_t kKChunk = 128;         // K pairs per L1-resident weight panel (GEMM)
-constexpr int kTileRows = 4;             // rows of x per GEMM micro-tile
+constexpr int kTileRows = 6;             // rows of x per GEMM micro-tile (12 accumulators with kTileVecs)
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
+constexpr int64_t kTilePairFloats = 2 * kTileRows;  // floats of a packed tile per K pair
+constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_blocks_avx2)
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
 // (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
 // the streamed weight does not evict x, fp32 up to 32 KiB, from the caches). Near a block's end it
@@ -115,44 +121,81 @@ static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, in
     for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * j, acc[m][j]);
 }
 
-// GEMM micro-tile: `rows` (<= kTileRows) rows x kTileVecs*8 columns starting at
-// column vector `vec0`, K pairs [p0, p1); adds into c (row stride kBlockN).
-template <int Rows>
-static void gemm_tile(const float* x, int64_t ldx, const uint16_t* block, int64_t p0, int64_t p1, int vec0,
-                      float* c) {
-  __m256 acc[Rows][kTileVecs];
-  for (int m = 0; m < Rows; ++m)
-    for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_loadu_ps(c + m * kBlockN + 8 * (vec0 + j));
-  for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* row = block + p * kPairStride + vec0 * 16;
-    __m256 even[kTileVecs], odd[kTileVecs];
-    for (int j = 0; j < kTileVecs; ++j) load_vnni_pair(row + j * 16, even[j], odd[j]);
-#pragma GCC unroll 4
-    for (int m = 0; m < Rows; ++m) {
-      const __m256 x0 = _mm256_broadcast_ss(x + m * ldx + 2 * p);
-      const __m256 x1 = _mm256_broadcast_ss(x + m * ldx + 2 * p + 1);
-      for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_fmadd_ps(x1, odd[j], _mm256_fmadd_ps(x0, even[j], acc[m][j]));
+// x as the GEMM reads it: tiles of kTileRows rows, a tile's rows side by side per K pair (tile t, pair q:
+// x[6t + r][2q] and x[6t + r][2q + 1] for r = 0..5, kTilePairFloats floats), rows past `rows` zero. Each
+// tile's x is then one stream, front to back: broadcast from six rows ldx apart, the same micro-kernel ran at
+// ~60% of Zen 3's FMA peak, from a packed tile at ~80% (docs/PERFORMANCE.md).
+static void pack_x_tiles(const float* x, int64_t rows, int64_t ldx, int64_t pairs, float* out) {
+  for (int64_t t = 0; t * kTileRows < rows; ++t) {
+    float* tile = out + t * pairs * kTilePairFloats;
+    for (int r = 0; r < kTileRows; ++r) {
+      const int64_t m = t * kTileRows + r;
+      float* to = tile + 2 * r;
+      if (m >= rows) {
+        for (int64_t q = 0; q < pairs; ++q) to[q * kTilePairFloats] = to[q * kTilePairFloats + 1] = 0.0f;
+        continue;
+      }
+      const float* from = x + m * ldx;
+      for (int64_t q = 0; q < pairs; ++q) std::memcpy(to + q * kTilePairFloats, from + 2 * q, 2 * sizeof(float));
     }
   }
-  for (int m = 0; m < Rows; ++m)
+}
+
+// One row's share of a K row (b0, b1: two column vectors of input k) in the micro-tile: x broadcast, two FMAs.
+template <int R>
+static inline void tile_row(const float* xk, __m256 b0, __m256 b1, __m256 (&acc)[kTileRows][kTileVecs]) {
+  const __m256 s = _mm256_broadcast_ss(xk + 2 * R);
+  acc[R][0] = _mm256_fmadd_ps(s, b0, acc[R][0]);
+  acc[R][1] = _mm256_fmadd_ps(s, b1, acc[R][1]);
+}
+
+template <int... R>
+static inline void tile_rows(std::integer_sequence<int, R...>, const float* xk, __m256 b0, __m256 b1,
+                             __m256 (&acc)[kTileRows][kTileVecs]) {
+  (tile_row<R>(xk, b0, b1, acc), ...);
+}
+
+// GEMM micro-tile: one packed tile of x (kTileRows rows) x kTileVecs*8 columns from column vector `vec0`,
+// K pairs [p0, p1); adds into c (kTileRows rows of kBlockN). Input 2q's values first, then 2q + 1's, so two
+// column vectors of weights are live at a time and the 12 accumulators fit the 16 registers.
+static void gemm_tile(const float* tile, const uint16_t* block, int64_t p0, int64_t p1, int vec0, float* c) {
+  constexpr auto rows = std::make_integer_sequence<int, kTileRows>{};
+  __m256 acc[kTileRows][kTileVecs];
+  for (int m = 0; m < kTileRows; ++m)
+    for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_loadu_ps(c + m * kBlockN + 8 * (vec0 + j));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* row = block + p * kPairStride + vec0 * 16;
+    const float* xk = tile + p * kTilePairFloats;
+    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16));
+    tile_rows(rows, xk, _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)),
+              acc);
+    tile_rows(rows, xk + 1, _mm256_castsi256_ps(_mm256_and_si256(r0, high)),
+              _mm256_castsi256_ps(_mm256_and_si256(r1, high)), acc);
+  }
+  for (int m = 0; m < kTileRows; ++m)
     for (int j = 0; j < kTileVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * (vec0 + j), acc[m][j]);
 }
 
+// Every row of p (x packed by pack_x_tiles) against one block into c (p.M rows of kBlockN). A last tile
+// of fewer rows runs over a full tile's results here and keeps its rows.
 static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) {
   for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
+  alignas(32) float last[kTileRows * kBlockN];
+  const int64_t full = p.M / kTileRows, rest = p.M % kTileRows;
   for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
     const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
-    for (int64_t m = 0; m < p.M; m += kTileRows) {
-      const float* x = p.x_fp32() + m * p.ldx;
-      float* cm = c + m * kBlockN;
-      for (int vec0 = 0; vec0 < kVecs; vec0 += kTileVecs) {
-        switch (p.M - m < kTileRows ? p.M - m : kTileRows) {
-          case 1: gemm_tile<1>(x, p.ldx, block, p0, p1, vec0, cm); break;
-          case 2: gemm_tile<2>(x, p.ldx, block, p0, p1, vec0, cm); break;
-          case 3: gemm_tile<3>(x, p.ldx, block, p0, p1, vec0, cm); break;
-          default: gemm_tile<4>(x, p.ldx, block, p0, p1, vec0, cm); break;
-        }
+    for (int64_t t = 0; t <= full; ++t) {
+      if (t == full && rest == 0) break;
+      const float* tile = p.x_fp32() + t * p.K_pairs * kTilePairFloats;
+      float* ct = t < full ? c + t * kTileRows * kBlockN : last;
+      if (t == full) {
+        std::memcpy(last, c + t * kTileRows * kBlockN, rest * kBlockN * sizeof(float));
+        std::memset(last + rest * kBlockN, 0, (kTileRows - rest) * kBlockN * sizeof(float));
       }
+      for (int vec0 = 0; vec0 < kVecs; vec0 += kTileVecs) gemm_tile(tile, block, p0, p1, vec0, ct);
+      if (t == full) std::memcpy(c + t * kTileRows * kBlockN, last, rest * kBlockN * sizeof(float));
     }
   }
 }
@@ -559,8 +602,46 @@ struct Avx2Unit {
 
 }  // namespace
 
+namespace {
+
+// A thread's packed x (pack_x_tiles), grown as needed and kept for its next GEMM; freed when the thread ends.
+// Raw memory: nothing from the standard library is instantiated in this unit (kernels.h).
+struct TileBuffer {
+  float* data = nullptr;
+  int64_t floats = 0;
+  ~TileBuffer() { std::free(data); }
+  float* get(int64_t n) {
+    if (n > floats) {
+      std::free(data);
+      data = static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64));
+      floats = data ? n : 0;
+      if (!data) throw std::bad_alloc();
+    }
+    return data;
+  }
+};
+
+}  // namespace
+
+// A GEMM (M > 2) runs kPackRows rows of x at a time (a last chunk of under 3 more rows joins the one before:
+// a chunk of 1-2 rows would be a decode, which reads another form of x), each chunk packed in tiles by this
+// thread first; its output rows are the chunk's.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  walk<Avx2Unit>(p, block_begin, block_end, scratch);
+  if (p.M <= 2) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
+  static thread_local TileBuffer tiles;
+  for (int64_t m0 = 0; m0 < p.M;) {
+    const int64_t left = p.M - m0;
+    const int64_t rows = left < kPackRows + 3 ? left : kPackRows;
+    float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * kTileRows * p.K_pairs * 2);
+    pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
+    LinearProblem chunk = p;
+    chunk.x = packed;
+    chunk.M = rows;
+    if (p.y) chunk.y = p.y + m0 * p.ldy;
+    if (p.yf) chunk.yf = p.yf + m0 * p.ldy;
+    walk<Avx2Unit>(chunk, block_begin, block_end, scratch);
+    m0 += rows;
+  }
 }
 
 namespace {

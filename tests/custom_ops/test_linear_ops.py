@@ -32,6 +32,7 @@ SHAPES = [
     ((4,), 160, 130),  # batch-4 decode: the most rows a block is streamed for as a GEMV
     ((5,), 96, 130),  # smallest GEMM
     ((2, 37), 70, 300),  # prefill: rows not a multiple of the tile, K spanning two panels
+    ((2, 101), 70, 300),  # prefill over the AVX2 unit's packing chunks of x (96, 96, then 10 rows)
     ((1, 5), 4096, 64),  # many blocks
 ]
 
