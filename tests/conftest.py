@@ -23,7 +23,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: compiles real models (seconds to minutes)")
 
 
-# tuning's helpers that force a kernel choice, and where in their arguments the choice is
+# tuning's helpers that force a kernel choice (the choice their second argument)
 _FORCING = ("forced_attention", "forced_prefill", "forced_decode_attention", "forced_gemm", "forced_decode_gemm")
 
 

@@ -124,7 +124,7 @@ static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, in
 // x as the GEMM reads it: tiles of kTileRows rows, a tile's rows side by side per K pair (tile t, pair q:
 // x[6t + r][2q] and x[6t + r][2q + 1] for r = 0..5, kTilePairFloats floats), rows past `rows` zero. Each
 // tile's x is then one stream, front to back: broadcast from six rows ldx apart, the same micro-kernel ran at
-// ~60% of Zen 3's FMA peak, from a packed tile at ~80% (docs/PERFORMANCE.md).
+// 47-59 GFLOP/s on a Zen 3 core (91 at its FMA peak), from packed tiles at 51-84 (docs/PERFORMANCE.md).
 static void pack_x_tiles(const float* x, int64_t rows, int64_t ldx, int64_t pairs, float* out) {
   for (int64_t t = 0; t * kTileRows < rows; ++t) {
     float* tile = out + t * pairs * kTilePairFloats;
@@ -163,39 +163,35 @@ static void gemm_tile(const float* tile, const uint16_t* block, int64_t p0, int6
   __m256 acc[kTileRows][kTileVecs];
   for (int m = 0; m < kTileRows; ++m)
     for (int j = 0; j < kTileVecs; ++j) acc[m][j] = _mm256_loadu_ps(c + m * kBlockN + 8 * (vec0 + j));
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* row = block + p * kPairStride + vec0 * 16;
     const float* xk = tile + p * kTilePairFloats;
     const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
     const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16));
-    tile_rows(rows, xk, _mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)),
-              acc);
-    tile_rows(rows, xk + 1, _mm256_castsi256_ps(_mm256_and_si256(r0, high)),
-              _mm256_castsi256_ps(_mm256_and_si256(r1, high)), acc);
+    tile_rows(rows, xk, vnni_even(r0), vnni_even(r1), acc);
+    tile_rows(rows, xk + 1, vnni_odd(r0), vnni_odd(r1), acc);
   }
   for (int m = 0; m < kTileRows; ++m)
     for (int j = 0; j < kTileVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * (vec0 + j), acc[m][j]);
 }
 
 // Every row of p (x packed by pack_x_tiles) against one block into c (p.M rows of kBlockN). A last tile
-// of fewer rows runs over a full tile's results here and keeps its rows.
+// of fewer rows runs over a full tile's results in `short_tile` and keeps its rows.
 static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) {
   for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
-  alignas(32) float last[kTileRows * kBlockN];
-  const int64_t full = p.M / kTileRows, rest = p.M % kTileRows;
+  alignas(32) float short_tile[kTileRows * kBlockN];
   for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
     const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
-    for (int64_t t = 0; t <= full; ++t) {
-      if (t == full && rest == 0) break;
-      const float* tile = p.x_fp32() + t * p.K_pairs * kTilePairFloats;
-      float* ct = t < full ? c + t * kTileRows * kBlockN : last;
-      if (t == full) {
-        std::memcpy(last, c + t * kTileRows * kBlockN, rest * kBlockN * sizeof(float));
-        std::memset(last + rest * kBlockN, 0, (kTileRows - rest) * kBlockN * sizeof(float));
+    for (int64_t m = 0; m < p.M; m += kTileRows) {
+      const float* tile = p.x_fp32() + m / kTileRows * p.K_pairs * kTilePairFloats;
+      const int64_t rows = p.M - m < kTileRows ? p.M - m : kTileRows;
+      float* ct = rows == kTileRows ? c + m * kBlockN : short_tile;
+      if (rows < kTileRows) {
+        std::memcpy(short_tile, c + m * kBlockN, rows * kBlockN * sizeof(float));
+        std::memset(short_tile + rows * kBlockN, 0, (kTileRows - rows) * kBlockN * sizeof(float));
       }
       for (int vec0 = 0; vec0 < kVecs; vec0 += kTileVecs) gemm_tile(tile, block, p0, p1, vec0, ct);
-      if (t == full) std::memcpy(c + t * kTileRows * kBlockN, last, rest * kBlockN * sizeof(float));
+      if (rows < kTileRows) std::memcpy(c + m * kBlockN, short_tile, rows * kBlockN * sizeof(float));
     }
   }
 }
@@ -632,7 +628,7 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
   for (int64_t m0 = 0; m0 < p.M;) {
     const int64_t left = p.M - m0;
     const int64_t rows = left < kPackRows + 3 ? left : kPackRows;
-    float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * kTileRows * p.K_pairs * 2);
+    float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
     pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
     LinearProblem chunk = p;
     chunk.x = packed;

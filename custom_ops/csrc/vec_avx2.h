@@ -15,12 +15,18 @@ static inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
-// A 32-byte VNNI row segment holds 8 columns x (k, k+1): split into the fp32
-// values of row k (low halves) and row k+1 (high halves).
+// A 32-byte VNNI row segment holds 8 columns x (k, k+1): the fp32 values of row k
+// are its low halves, those of row k+1 its high halves.
+static inline __m256 vnni_even(__m256i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
+static inline __m256 vnni_odd(__m256i raw) {
+  return _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Both rows of a segment at once.
 static inline void load_vnni_pair(const uint16_t* p, __m256& even, __m256& odd) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  even = vnni_even(raw);
+  odd = vnni_odd(raw);
 }
 
 // 8 fp32 -> 8 bf16, round to nearest even.
