@@ -4,7 +4,8 @@
 // run PyTorch's SDPA or the flash attention over brgemm tiles instead, as tuned (tuning.h). The
 // references (*_portable) on the reference path.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <cmath>

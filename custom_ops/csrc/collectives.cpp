@@ -12,7 +12,7 @@
 // same bits. A wait checks the peers' pids while it spins (a dead rank is named within
 // about a second) and gives up after the group's timeout.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <fcntl.h>
 #include <sched.h>

@@ -4,7 +4,8 @@
 // path. Also the unit-generic calls that moe.cpp shares (ops.h).
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
 #include <atomic>

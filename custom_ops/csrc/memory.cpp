@@ -2,7 +2,7 @@
 // huge-page allocator for packed weights and KV caches, the bandwidth probe that
 // benchmarks pair with kernel measurements, and the copy that packs a weight's rows.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <sys/mman.h>
 #include <unistd.h>
@@ -62,7 +62,7 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& sizes, at::ScalarType dty
   if (const size_t whole = bytes / kHugePage * kHugePage; whole != rounded) {
     madvise(static_cast<char*>(data) + whole, kHugePage, MADV_NOHUGEPAGE);
   }
-  return torch::from_blob(data, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
+  return at::from_blob(data, sizes, [](void* p) { std::free(p); }, at::TensorOptions().dtype(dtype));
 }
 
 // out[b] = rows 32b .. 32b+31 of `weight` [n, k] in the packed (VNNI) order [k/2 pairs][32 rows][2],

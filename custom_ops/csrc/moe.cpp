@@ -18,7 +18,7 @@
 // a thread streams a few experts' weights front to back and experts that no token
 // chose are never touched.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <vector>

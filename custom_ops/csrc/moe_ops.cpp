@@ -1,6 +1,7 @@
 // CPU kernel of tilefx::fused_moe: argument checks, then the experts on the current
 // path's unit (moe.cpp); the reference (fused_moe_portable) on the reference path.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "dispatch.h"
 #include "kernels.h"

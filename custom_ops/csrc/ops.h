@@ -2,7 +2,7 @@
 // memory.cpp, register.cpp): the ops' CPU kernels, which register.cpp registers, and
 // what they call across files. The ISA units never include it (see kernels.h).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <string>
@@ -133,7 +133,6 @@ at::Tensor shm_all_reduce(int64_t handle, const at::Tensor& x);
 at::Tensor shm_all_gather(int64_t handle, const at::Tensor& x);
 std::tuple<int64_t, double, double> shm_stats(int64_t handle);
 void shm_name_group(const std::string& name, int64_t handle);
-void set_collective_fallbacks(pybind11::object all_reduce, pybind11::object all_gather);
 at::Tensor all_reduce_cpu(const at::Tensor& x, c10::string_view group);
 at::Tensor all_gather_cpu(const at::Tensor& x, c10::string_view group, int64_t size);
 

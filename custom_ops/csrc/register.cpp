@@ -1,6 +1,6 @@
 // The module: registers the ops' CPU kernels with the dispatcher (the *_ops.cpp files)
 // and exposes the kernel path and the memory helpers to Python.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -14,6 +14,11 @@
 #include "tuning.h"
 
 namespace tilefx {
+
+// collectives.cpp: the Python functions the collectives call for groups shared memory cannot serve. Declared here,
+// not in ops.h, so that only the two files that talk to Python parse pybind11.
+void set_collective_fallbacks(pybind11::object all_reduce, pybind11::object all_gather);
+
 namespace {
 
 // Called once by custom_ops/__init__.py after the op schemas are defined.

@@ -1,7 +1,8 @@
 // CPU kernels of the MoE routers, tilefx::topk_softmax and grouped_topk: the references'
 // ATen calls from C++ on every native path, the references (*_portable) on the
 // reference path.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <limits>
 #include <tuple>
