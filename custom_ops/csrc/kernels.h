@@ -124,8 +124,9 @@ struct LinearProblem {
   const float* scales = nullptr;
   int64_t k_groups = 0;  // fp8 / int4: scale groups per block
   const uint16_t* int4_params = nullptr;  // int4: fp16 [blocks][k_groups][2][kBlockN] (scales, zeros)
-  // How a decode walk (M <= 2) streams the weight, per machine (tuning.h): for M = 1 a thread
-  // reads `streams` blocks at once (2, or 1 where the unit has one quantized stream), and each
+  // How a decode walk streams the weight, per machine (tuning.h): for M = 1 a thread reads `streams`
+  // blocks at once (2, or 1 where the unit has one quantized stream; the AVX2 unit's bf16 GEMV of 2-4 rows
+  // reads the two halves of a block's K side by side instead), and each
   // stream prefetches `prefetch_bytes` ahead of its loads with `prefetch_hint` (0 bytes: no prefetch).
   int64_t streams = 2;
   int64_t prefetch_bytes = 1024;

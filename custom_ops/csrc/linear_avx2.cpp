@@ -1,14 +1,14 @@
 // tilefx::linear on AVX2 + FMA: bf16 weights (packed, see kernels.h) widened to fp32
 // in registers, fp32 accumulation, bf16 output.
 //
-// Decode (M <= 2) is a GEMV: it must stream the weight at memory speed, so each
-// block of kBlockN columns is read once, front to back, with every row of x
-// applied to it. For M = 1 a thread may walk two blocks at once, from the two
+// Decode (M <= 4) is a GEMV: it must stream the weight at memory speed, so each
+// block of kBlockN columns is read from memory once, front to back, with the rows of x
+// applied to it (rows 2-3 from L1, after rows 0-1). For M = 1 a thread may walk two blocks at once, from the two
 // halves of its range: two concurrent streams per core keep more DRAM requests in
 // flight than one. Each stream also prefetches ahead of its loads: the FMAs between
 // the loads leave fewer demand misses in flight than a plain streaming read has.
 // How many streams and how far ahead pay differs between CPUs, so both are tuned
-// per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 2)
+// per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 4)
 // is a blocked GEMM over x packed in 6-row tiles (pack_x_tiles): the weight panel of one
 // block and kKChunk pairs of K (16 KiB) stays in L1 while every tile of x passes over it.
 #include <algorithm>
@@ -36,6 +36,11 @@ constexpr int kTileRows = 6;             // rows of x per GEMM micro-tile (12 ac
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
 constexpr int64_t kTilePairFloats = 2 * kTileRows;  // floats of a packed tile per K pair
 constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_blocks_avx2)
+// Rows up to which one_block streams a block as a GEMV, over x's rows as they are (no packing; rows 2-3 in
+// chunks after rows 0-1, see one_block). Batched decode (3-4 rows) is memory-bound, which the GEMM
+// (blocked for L1 reuse across many rows, no software prefetch) is not built for.
+constexpr int64_t kDecodeRows = 4;
+constexpr int64_t kDecodeChunk = 16;  // K pairs (4 KiB of a bf16 block) rows 2-3 read from L1 after rows 0-1
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
 // (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
 // the streamed weight does not evict x, fp32 up to 32 KiB, from the caches). Near a block's end it
@@ -48,17 +53,22 @@ static inline void prefetch_ahead(const uint16_t* row, int64_t ahead) {
   prefetch<P>(line + 64);
 }
 
-// One row of x against a whole block, every K pair: 2 accumulators per column
-// vector (k even / k odd) so FMA latency never limits the stream.
-template <Prefetch P>
-static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
+// One row of x against a block's K pairs [p0, p1), into c (added to it where `add`): 2 accumulators per
+// column vector (k even / k odd) so FMA latency never limits the stream. With Streams = 2 each step also
+// reads pair p + `second` into the same accumulators: a second stream through the block (one_block).
+template <Prefetch P, int Streams = 1>
+static void gemv_row(const float* x, const uint16_t* block, int64_t p0, int64_t p1, int64_t ahead, float* c,
+                     bool add = false, int64_t second = 0) {
   __m256 acc_even[kVecs], acc_odd[kVecs];
-  for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* row = block + p * kPairStride;
+  for (int j = 0; j < kVecs; ++j) {
+    acc_even[j] = add ? _mm256_loadu_ps(c + 8 * j) : _mm256_setzero_ps();
+    acc_odd[j] = _mm256_setzero_ps();
+  }
+  auto step = [&](int64_t q) {
+    const uint16_t* row = block + q * kPairStride;
     prefetch_ahead<P>(row, ahead);
-    const __m256 x0 = _mm256_broadcast_ss(x + 2 * p);
-    const __m256 x1 = _mm256_broadcast_ss(x + 2 * p + 1);
+    const __m256 x0 = _mm256_broadcast_ss(x + 2 * q);
+    const __m256 x1 = _mm256_broadcast_ss(x + 2 * q + 1);
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) {
       __m256 even, odd;
@@ -66,6 +76,10 @@ static void gemv_row(const float* x, const uint16_t* block, int64_t pairs, int64
       acc_even[j] = _mm256_fmadd_ps(x0, even, acc_even[j]);
       acc_odd[j] = _mm256_fmadd_ps(x1, odd, acc_odd[j]);
     }
+  };
+  for (int64_t q = p0; q < p1; ++q) {
+    step(q);
+    if constexpr (Streams == 2) step(q + second);
   }
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(acc_even[j], acc_odd[j]));
 }
@@ -98,17 +112,19 @@ static void gemv_row_two_blocks(const float* x, const uint16_t* block_a, const u
   }
 }
 
-// Two rows of x against a whole block (batch-2 decode): the weight is still read once.
-template <Prefetch P>
-static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t pairs, int64_t ahead, float* c) {
+// Two rows of x against a block's K pairs [p0, p1) (batch-2 decode: the weight is still read once), into c
+// (rows kBlockN apart; added to it where `add`). Streams = 2: each step also reads pair p + `second`.
+template <Prefetch P, int Streams = 1>
+static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, int64_t p0, int64_t p1, int64_t ahead,
+                          float* c, bool add = false, int64_t second = 0) {
   __m256 acc[2][kVecs];
   for (int m = 0; m < 2; ++m)
-    for (int j = 0; j < kVecs; ++j) acc[m][j] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const uint16_t* row = block + p * kPairStride;
+    for (int j = 0; j < kVecs; ++j) acc[m][j] = add ? _mm256_loadu_ps(c + m * kBlockN + 8 * j) : _mm256_setzero_ps();
+  auto step = [&](int64_t q) {
+    const uint16_t* row = block + q * kPairStride;
     prefetch_ahead<P>(row, ahead);
-    const __m256 a0 = _mm256_broadcast_ss(x + 2 * p), a1 = _mm256_broadcast_ss(x + 2 * p + 1);
-    const __m256 b0 = _mm256_broadcast_ss(x + ldx + 2 * p), b1 = _mm256_broadcast_ss(x + ldx + 2 * p + 1);
+    const __m256 a0 = _mm256_broadcast_ss(x + 2 * q), a1 = _mm256_broadcast_ss(x + 2 * q + 1);
+    const __m256 b0 = _mm256_broadcast_ss(x + ldx + 2 * q), b1 = _mm256_broadcast_ss(x + ldx + 2 * q + 1);
 #pragma GCC unroll 4
     for (int j = 0; j < kVecs; ++j) {
       __m256 even, odd;
@@ -116,6 +132,10 @@ static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, in
       acc[0][j] = _mm256_fmadd_ps(a1, odd, _mm256_fmadd_ps(a0, even, acc[0][j]));
       acc[1][j] = _mm256_fmadd_ps(b1, odd, _mm256_fmadd_ps(b0, even, acc[1][j]));
     }
+  };
+  for (int64_t q = p0; q < p1; ++q) {
+    step(q);
+    if constexpr (Streams == 2) step(q + second);
   }
   for (int m = 0; m < 2; ++m)
     for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * j, acc[m][j]);
@@ -583,11 +603,36 @@ struct Avx2Unit {
     });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M > 2) return gemm_block(p, block, c);
+    if (p.M > kDecodeRows) return gemm_block(p, block, c);
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
-      if (p.M == 1) return gemv_row<P>(p.x_fp32(), block, p.K_pairs, p.prefetch_bytes, c);
-      gemv_two_rows<P>(p.x_fp32(), p.ldx, block, p.K_pairs, p.prefetch_bytes, c);
+      const float* x = p.x_fp32();
+      if (p.M == 1) return gemv_row<P>(x, block, 0, p.K_pairs, p.prefetch_bytes, c);
+      // 2-4 rows. Where the walk is tuned to two streams (M = 1 reads two blocks at once), the block's first and
+      // second halves of K are read side by side into the same accumulators. 3-4 rows: 16 accumulators do not
+      // fit with the weights in 16 registers, so rows 0-1 stream kDecodeChunk pairs (per stream) from memory and
+      // rows 2-3 read the same pairs again from L1, chunk after chunk: the streams (and their prefetch) never
+      // wait for a second pass over the whole block.
+      const int64_t second = p.streams == 2 ? p.K_pairs / 2 : 0;  // pairs [2 * second, K_pairs) run after
+      auto rows_over = [&](auto streams, int64_t p0, int64_t p1, bool add) {
+        constexpr int S = decltype(streams)::value;
+        gemv_two_rows<P, S>(x, p.ldx, block, p0, p1, p.prefetch_bytes, c, add, second);
+        if (p.M == 3) gemv_row<Prefetch::none, S>(x + 2 * p.ldx, block, p0, p1, 0, c + 2 * kBlockN, add, second);
+        if (p.M == 4) {
+          gemv_two_rows<Prefetch::none, S>(x + 2 * p.ldx, p.ldx, block, p0, p1, 0, c + 2 * kBlockN, add, second);
+        }
+      };
+      const int64_t end = second ? second : p.K_pairs;
+      const int64_t chunk = p.M == 2 ? end : kDecodeChunk;
+      for (int64_t p0 = 0; p0 < end; p0 += chunk) {
+        const int64_t p1 = p0 + chunk < end ? p0 + chunk : end;
+        if (second) {
+          rows_over(std::integral_constant<int, 2>{}, p0, p1, p0 > 0);
+        } else {
+          rows_over(std::integral_constant<int, 1>{}, p0, p1, p0 > 0);
+        }
+      }
+      if (second && 2 * second < p.K_pairs) rows_over(std::integral_constant<int, 1>{}, 2 * second, p.K_pairs, true);
     });
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
@@ -619,15 +664,15 @@ struct TileBuffer {
 
 }  // namespace
 
-// A GEMM (M > 2) runs kPackRows rows of x at a time (a last chunk of under 3 more rows joins the one before:
-// a chunk of 1-2 rows would be a decode, which reads another form of x), each chunk packed in tiles by this
-// thread first; its output rows are the chunk's.
+// A GEMM (M > kDecodeRows) runs kPackRows rows of x at a time (a last chunk of up to kDecodeRows more rows joins
+// the one before: so few would be a decode, which reads x unpacked, and for 1-2 rows of int8 or int4, as words),
+// each chunk packed in tiles by this thread first; its output rows are the chunk's.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  if (p.M <= 2) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
+  if (p.M <= kDecodeRows) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
   static thread_local TileBuffer tiles;
   for (int64_t m0 = 0; m0 < p.M;) {
     const int64_t left = p.M - m0;
-    const int64_t rows = left < kPackRows + 3 ? left : kPackRows;
+    const int64_t rows = left <= kPackRows + kDecodeRows ? left : kPackRows;
     float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
     pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
     LinearProblem chunk = p;

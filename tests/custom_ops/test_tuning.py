@@ -47,13 +47,15 @@ WALKS = [w for w in tuning.CANDIDATES if (w[1] in (0, 256, 4096) and w[2] == "nt
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("candidate", WALKS, ids=[f"s{s}-p{p}-{h}" for s, p, h in WALKS])
 def test_every_candidate_walk_matches_the_reference(kernel_path, format, candidate):
-    """Plain and gate/up GEMVs (1 and 2 rows; an odd block count: two streams plus one) under each forced walk."""
+    """Plain and gate/up GEMVs (1 to 4 rows, the decode rows; an odd block count: two streams plus one; an odd
+    count of K pairs: where 2-4 rows read a block's halves of K as two streams, one pair is left after them)
+    under each forced walk."""
     units = tuning.decode_units(kernel_path)
     if not units:
         pytest.skip("the reference path has no native walk")
-    out_features, in_features = 7 * 32, 300
+    out_features, in_features = 7 * 32, 302
     packed, scales, gate_up, gate_up_scales, w, u = _linear_and_gate_up(out_features, in_features, format, seed=1)
-    for rows in (1, 2):
+    for rows in (1, 2, 3, 4):
         x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with tuning.forced(units[0], format, *candidate):
             got = linear_ops.linear(x, packed, None, out_features, scales)
