@@ -40,7 +40,7 @@ constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_b
 // chunks after rows 0-1, see one_block). Batched decode (3-4 rows) is memory-bound, which the GEMM
 // (blocked for L1 reuse across many rows, no software prefetch) is not built for.
 constexpr int64_t kDecodeRows = 4;
-constexpr int64_t kDecodeChunk = 16;  // K pairs (4 KiB of a bf16 block) rows 2-3 read from L1 after rows 0-1
+constexpr int64_t kDecodeChunk = 16;  // K pairs (2 KiB of a bf16 block, per stream) rows 2-3 read from L1 after rows 0-1
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
 // (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
 // the streamed weight does not evict x, fp32 up to 32 KiB, from the caches). Near a block's end it
