@@ -144,8 +144,9 @@ def splits(out_features: int, in_features: int, format: str, tasks_per_thread: i
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:
-    """The walks that differ on ``unit`` for ``format``: the AVX2 unit streams one quantized block at a time."""
-    if unit == "avx2" and format != "bf16":
+    """The walks that differ on ``unit`` for ``format``: the AVX2 unit streams one int4 block at a time (int8 and
+    fp8 read two halves of a block's K as their two streams)."""
+    if unit == "avx2" and format == "int4":
         return tuple(c for c in CANDIDATES if c[0] == 1)
     return CANDIDATES
 

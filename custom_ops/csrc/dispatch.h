@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels.h"  // kGemvRows
+
 namespace tilefx {
 
 // avx512_bf16_emulated runs the AVX512-BF16 unit on SIMDe (tests only; see kernels.h).
@@ -33,11 +35,6 @@ enum class LinearUnit { avx2, avx512, avx512_emulated };
 
 // The unit that runs one attention task (kernels.h).
 enum class AttentionUnit { avx2, avx512, avx512_emulated };
-
-// Up to this many rows a linear is a GEMV, bound by reading its weight: the column-block
-// units stream it at the memory's speed, while brgemm's tile setup and per-call
-// packing of the activations cost more than they save (SGLang switches at the same M).
-constexpr int64_t kGemvRows = 4;
 
 // What each op family runs on one path. Each op's CPU kernel first checks that its
 // native kernel takes the arguments (for most, that they are bf16) and otherwise calls

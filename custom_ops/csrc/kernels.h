@@ -21,6 +21,12 @@ constexpr int64_t kBlockN = 32;
 // Values of one K pair row of a block: kBlockN columns x 2 inputs (a block is K_pairs of them).
 constexpr int64_t kPairValues = 2 * kBlockN;
 
+// Up to this many rows a linear is a decode, bound by reading its weight: the units stream each
+// block once as a GEMV over x's rows as they are (no packing), with the walk's tuned prefetch,
+// and the ops keep such calls off brgemm, whose tile setup and per-call packing of x cost more
+// than they save (SGLang switches at the same M). Above it the units run their GEMMs.
+constexpr int64_t kGemvRows = 4;
+
 // Weight formats. A quantized weight keeps the packed layout above with 1-byte values
 // (bytes per K pair of a block: 2 * kBlockN) and fp32 scales in packed-block order:
 //   int8: symmetric, scales[block][kBlockN], one per packed column;
@@ -34,8 +40,9 @@ constexpr int64_t kPairValues = 2 * kBlockN;
 //         low nibble and of column l + 16 in its high one. So one mask gives columns 0-15 and a shift
 //         and a mask columns 16-31 as bytes, each lane four inputs of one column: what `vpdpbusd` /
 //         `vpmaddubsw` multiply by four bytes of x (ActivationForm::int8_groups, split_words).
-// The decode GEMVs widen the values in registers and apply the scales to fp32 partial
-// sums; the GEMM (M > 2) dequantizes one block to bf16 and runs the bf16 micro-kernel.
+// The decode GEMVs of 1-2 rows widen the values in registers and apply the scales to fp32
+// partial sums; above 2 rows a unit dequantizes one block to bf16 and runs its bf16 kernel
+// over it (the GEMV up to kGemvRows rows, the GEMM above).
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
 constexpr int kWeightFormats = 4;
 constexpr int64_t kFp8GroupPairs = 64;
@@ -125,8 +132,8 @@ struct LinearProblem {
   int64_t k_groups = 0;  // fp8 / int4: scale groups per block
   const uint16_t* int4_params = nullptr;  // int4: fp16 [blocks][k_groups][2][kBlockN] (scales, zeros)
   // How a decode walk streams the weight, per machine (tuning.h): for M = 1 a thread reads `streams`
-  // blocks at once (2, or 1 where the unit has one quantized stream; the AVX2 unit's bf16 GEMV of 2-4 rows
-  // reads the two halves of a block's K side by side instead), and each
+  // blocks at once (1 or 2; the AVX2 unit's bf16 GEMV of 2-4 rows and its int8 and fp8 GEMV of one row read
+  // the two halves of a block's K side by side instead, int4 one stream), and each
   // stream prefetches `prefetch_bytes` ahead of its loads with `prefetch_hint` (0 bytes: no prefetch).
   int64_t streams = 2;
   int64_t prefetch_bytes = 1024;

@@ -36,10 +36,9 @@ constexpr int kTileRows = 6;             // rows of x per GEMM micro-tile (12 ac
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
 constexpr int64_t kTilePairFloats = 2 * kTileRows;  // floats of a packed tile per K pair
 constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_blocks_avx2)
-// Rows up to which one_block streams a block as a GEMV, over x's rows as they are (no packing; rows 2-3 in
-// chunks after rows 0-1, see one_block). Batched decode (3-4 rows) is memory-bound, which the GEMM
-// (blocked for L1 reuse across many rows, no software prefetch) is not built for.
-constexpr int64_t kDecodeRows = 4;
+// Up to kGemvRows rows one_block streams a block as a GEMV (rows 2-3 in chunks after rows 0-1, see one_block):
+// batched decode is memory-bound, which the GEMM (blocked for L1 reuse across many rows, no software prefetch)
+// is not built for.
 constexpr int64_t kDecodeChunk = 16;  // K pairs (2 KiB of a bf16 block, per stream) rows 2-3 read from L1 after rows 0-1
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
 // (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
@@ -310,15 +309,48 @@ static inline void load_fp8_pairs(const uint8_t* p, __m256& even, __m256& odd) {
 // 2^60 after.
 constexpr float kFp8HalfUnscale = 0x1p60f;
 
-// One row of x against one fp8 block (even and odd accumulators for the 4 column vectors: one stream per thread,
-// two would spill), each scale group's sums scaled into c[0, kBlockN). (int8 decode reads x as int16 words
-// instead: int8_word_gemv.)
-template <Prefetch P>
+// One row of x against one fp8 block, each scale group's sums scaled into c[0, kBlockN) (int8 decode reads x as
+// int16 words instead: int8_word_gemv). One stream: even and odd accumulators for the 4 column vectors. Two
+// (`Streams`, where the walk is tuned to two): the block's first and second halves of K (split on a scale group)
+// are read side by side, as two streams, each group's scale folded into the x it multiplies (one rounding more,
+// of x: the accumulators then hold the whole sum, and two streams' even and odd ones would not fit in 16
+// registers); what is left past the halves (K under two groups, or an odd group count) runs on one stream.
+template <Prefetch P, int Streams>
 static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   const __m256 half_unscale = _mm256_set1_ps(kFp8HalfUnscale);
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + 8 * j, _mm256_setzero_ps());
-  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
+  int64_t g0 = 0;
+  if constexpr (Streams == 2) {
+    const int64_t half = p.K_pairs / (2 * kFp8GroupPairs) * kFp8GroupPairs;
+    __m256 acc[2][kVecs];
+    for (auto& stream : acc)
+      for (auto& a : stream) a = _mm256_setzero_ps();
+    for (; g0 < half; g0 += kFp8GroupPairs) {
+      __m256 unscale[2];
+      for (int s = 0; s < 2; ++s) unscale[s] = _mm256_set1_ps(kFp8HalfUnscale * fp8_scale(p, block, g0 + s * half));
+      for (int64_t q = g0; q < g0 + kFp8GroupPairs; ++q) {
+        for (int s = 0; s < 2; ++s) {
+          const int64_t pair = q + s * half;
+          const uint8_t* row = w + pair * kQPairBytes;
+          prefetch<P>(row + p.prefetch_bytes);
+          const __m256 x0 = _mm256_mul_ps(_mm256_broadcast_ss(x + 2 * pair), unscale[s]);
+          const __m256 x1 = _mm256_mul_ps(_mm256_broadcast_ss(x + 2 * pair + 1), unscale[s]);
+#pragma GCC unroll 4
+          for (int j = 0; j < kVecs; ++j) {
+            __m256 even, odd;
+            load_fp8_pairs(row + 16 * j, even, odd);
+            acc[s][j] = _mm256_fmadd_ps(x1, odd, _mm256_fmadd_ps(x0, even, acc[s][j]));
+          }
+        }
+      }
+    }
+    for (int j = 0; j < kVecs; ++j) {
+      _mm256_storeu_ps(c + 8 * j, _mm256_mul_ps(_mm256_add_ps(acc[0][j], acc[1][j]), half_unscale));
+    }
+    g0 = 2 * half;
+  }
+  for (; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
     const int64_t g1 = g0 + kFp8GroupPairs < p.K_pairs ? g0 + kFp8GroupPairs : p.K_pairs;
     __m256 acc_even[kVecs], acc_odd[kVecs];
     for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
@@ -348,35 +380,52 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
 // them by the broadcast (x[2q], x[2q + 1]) and adds each column's two products: 3
 // instructions per 16 weights, against 8 for widening them to fp32 for FMAs, which kept the
 // fp32 kernel compute-bound (docs/PERFORMANCE.md). A sum of
-// kWordPairs pairs, each at most 2 * 127 * 32767, stays within int32 before it goes to fp32.
+// kWordPairs pairs, each at most 2 * 128 * 32767, stays within int32 before it goes to fp32.
+// With two `Streams` (one row, where the walk is tuned to two) the block's first and second halves of K are
+// read side by side into the same sums, kWordPairs / 2 pairs of each at a time; an odd pair left runs after.
 constexpr int64_t kWordPairs = 128;
 
-template <int Rows, Prefetch P>
+template <int Rows, Prefetch P, int Streams>
 static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
+  static_assert(Streams == 1 || Rows == 1, "two streams of two rows' sums would not fit in 16 registers");
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   const int64_t ldw = p.ldx / 2;
   __m256 total[Rows][4];
   for (auto& row : total)
     for (auto& t : row) t = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kWordPairs) {
-    const int64_t g1 = g0 + kWordPairs < p.K_pairs ? g0 + kWordPairs : p.K_pairs;
-    __m256i acc[Rows][4];
-    for (auto& row : acc)
-      for (auto& a : row) a = _mm256_setzero_si256();
-    for (int64_t q = g0; q < g1; ++q) {
-      const uint8_t* row = w + q * kQPairBytes;
-      prefetch<P>(row + p.prefetch_bytes);
-      __m256i words[4];
-      for (int j = 0; j < 4; ++j) {
-        words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+  // pairs [0, end) on `streams` streams (the second `second` pairs on): sums of kWordPairs pairs to fp32
+  auto add_pairs = [&](int64_t begin, int64_t end, auto streams, int64_t second) {
+    constexpr int S = decltype(streams)::value;
+    for (int64_t g0 = begin; g0 < end; g0 += kWordPairs / S) {
+      const int64_t g1 = g0 + kWordPairs / S < end ? g0 + kWordPairs / S : end;
+      __m256i acc[Rows][4];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm256_setzero_si256();
+      for (int64_t q = g0; q < g1; ++q) {
+        for (int s = 0; s < S; ++s) {
+          const int64_t pair = q + s * second;
+          const uint8_t* row = w + pair * kQPairBytes;
+          prefetch<P>(row + p.prefetch_bytes);
+          __m256i words[4];
+          for (int j = 0; j < 4; ++j) {
+            words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+          }
+          for (int r = 0; r < Rows; ++r) {
+            const __m256i xq = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + pair]));
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
+          }
+        }
       }
-      for (int r = 0; r < Rows; ++r) {
-        const __m256i xq = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + q]));
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
-      }
+      for (int r = 0; r < Rows; ++r)
+        for (int j = 0; j < 4; ++j) total[r][j] = _mm256_add_ps(total[r][j], _mm256_cvtepi32_ps(acc[r][j]));
     }
-    for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < 4; ++j) total[r][j] = _mm256_add_ps(total[r][j], _mm256_cvtepi32_ps(acc[r][j]));
+  };
+  if constexpr (Streams == 2) {
+    const int64_t half = p.K_pairs / 2;
+    add_pairs(0, half, std::integral_constant<int, 2>{}, half);
+    add_pairs(2 * half, p.K_pairs, std::integral_constant<int, 1>{}, 0);
+  } else {
+    add_pairs(0, p.K_pairs, std::integral_constant<int, 1>{}, 0);
   }
   const float* column_scales = p.scales + block * kBlockN;
   for (int r = 0; r < Rows; ++r) {
@@ -576,8 +625,11 @@ struct Avx2Unit {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
+      // One row where the walk is tuned to two streams: a block's halves of K side by side (int8, fp8).
+      const bool halves = Rows == 1 && p.streams == 2;
       if constexpr (F == WeightFormat::int8) {
-        int8_word_gemv<Rows, P>(p, blocks[0], c[0]);
+        if (halves) return int8_word_gemv<1, P, 2>(p, blocks[0], c[0]);
+        int8_word_gemv<Rows, P, 1>(p, blocks[0], c[0]);
       } else if constexpr (F == WeightFormat::int4) {
         if (p.x_form == ActivationForm::int8_groups) {
           int4_gemv_bytes<Rows, P>(p, blocks[0], c[0]);
@@ -585,7 +637,8 @@ struct Avx2Unit {
           int4_gemv_words<Rows, P>(p, blocks[0], c[0]);
         }
       } else {
-        for (int r = 0; r < Rows; ++r) fp8_gemv_row<P>(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
+        if (halves) return fp8_gemv_row<P, 2>(p, p.x_fp32(), blocks[0], c[0]);
+        for (int r = 0; r < Rows; ++r) fp8_gemv_row<P, 1>(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
       }
     });
   }
@@ -603,7 +656,7 @@ struct Avx2Unit {
     });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M > kDecodeRows) return gemm_block(p, block, c);
+    if (p.M > kGemvRows) return gemm_block(p, block, c);
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
       const float* x = p.x_fp32();
@@ -646,7 +699,7 @@ struct Avx2Unit {
 namespace {
 
 // A thread's packed x (pack_x_tiles), grown as needed and kept for its next GEMM; freed when the thread ends.
-// Raw memory: nothing from the standard library is instantiated in this unit (kernels.h).
+// Raw memory rather than a std::vector: an ISA unit compiles no standard container's code (kernels.h).
 struct TileBuffer {
   float* data = nullptr;
   int64_t floats = 0;
@@ -664,15 +717,15 @@ struct TileBuffer {
 
 }  // namespace
 
-// A GEMM (M > kDecodeRows) runs kPackRows rows of x at a time (a last chunk of up to kDecodeRows more rows joins
+// A GEMM (M > kGemvRows) runs kPackRows rows of x at a time (a last chunk of up to kGemvRows more rows joins
 // the one before: so few would be a decode, which reads x unpacked, and for 1-2 rows of int8 or int4, as words),
 // each chunk packed in tiles by this thread first; its output rows are the chunk's.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  if (p.M <= kDecodeRows) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
+  if (p.M <= kGemvRows) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
   static thread_local TileBuffer tiles;
   for (int64_t m0 = 0; m0 < p.M;) {
     const int64_t left = p.M - m0;
-    const int64_t rows = left <= kPackRows + kDecodeRows ? left : kPackRows;
+    const int64_t rows = left <= kPackRows + kGemvRows ? left : kPackRows;
     float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
     pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
     LinearProblem chunk = p;

@@ -31,7 +31,6 @@ namespace {
 constexpr int64_t kPairStride = kPairValues;  // bf16 elements per K pair in a block: two zmm
 constexpr int64_t kKChunk = 128;              // K pairs per L1-resident weight panel (GEMM): 16 KiB
 constexpr int kTileRows = 8;                  // rows of x per GEMM micro-tile (x 2 zmm accumulators)
-constexpr int kDecodeRows = 4;                // rows up to which one_block streams the block as a GEMV (gemv_rows)
 
 // 16 columns x one K pair of a block.
 static inline __m512bh load_pairs(const uint16_t* p) { return as_pairs(_mm512_loadu_si512(p)); }
@@ -82,7 +81,7 @@ static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, cons
   _mm512_storeu_ps(c_b + 16, b_hi);
 }
 
-// 1 to kDecodeRows rows of x against one block, every K pair (decode, one stream): the weight
+// 1 to kGemvRows rows of x against one block, every K pair (decode, one stream): the weight
 // is read once, with the walk's prefetch, however many rows. A batch of 3 or 4 ran the GEMM's
 // micro-tile before, which has no prefetch: on an Emerald Rapids core that read half the
 // one-row walk's GB/s.
@@ -649,7 +648,7 @@ struct Avx512Unit {
     });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {
-    if (p.M > kDecodeRows) return gemm_block(p, block, c);
+    if (p.M > kGemvRows) return gemm_block(p, block, c);
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
       const uint32_t* x = p.x_pairs();
