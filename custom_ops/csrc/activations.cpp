@@ -22,8 +22,8 @@ void set_int4_activations(const std::string& form) {
 std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
-  if (format == WeightFormat::int8 && rows <= kWordRows) return ActivationForm::int16_words;
-  if (format == WeightFormat::int4 && rows <= kWordRows) {
+  if (format == WeightFormat::int8 && rows <= word_rows(unit, format)) return ActivationForm::int16_words;
+  if (format == WeightFormat::int4 && rows <= word_rows(unit, format)) {
     return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
   }
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
@@ -127,16 +127,16 @@ void Activations::make_words(const std::vector<RowSpan>* word_spans) {
   if (!reads_words(format_)) return;
   std::vector<RowSpan> decode;
   if (word_spans == nullptr) {
-    if (count_ <= kWordRows) decode.push_back({0, count_});
+    if (count_ <= word_rows(unit_, format_)) decode.push_back({0, count_});
     word_spans = &decode;
   }
   if (word_spans->empty()) return;
   // Each buffer holds every row, but only the spans' rows are written (and read: the problems of at most
-  // kWordRows rows), so the others' pages are never touched.
+  // word_rows rows), so the others' pages are never touched.
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
   const int64_t groups = int4_groups(ldx_), spans = static_cast<int64_t>(word_spans->size());
-  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / kWordRows);
+  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / word_rows(unit_, format_));
   if (activation_form(unit_, format_, 1) == ActivationForm::int8_groups) {
     bytes_.resize(count_ * ldx_);
     byte_scales_.resize(count_ * x_groups(ldx_));

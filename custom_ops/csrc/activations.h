@@ -15,9 +15,12 @@
 
 namespace tilefx {
 
-// Rows up to which int8 and int4 weights are read against x as int16 words (int4: their bytes apart, the
-// decode GEMVs); above it the GEMM dequantizes a block to bf16 and reads the unit's base form.
-constexpr int64_t kWordRows = 2;
+// Rows up to which int8 and int4 weights on `unit` are read against x as int16 words (int4: their bytes apart;
+// the decode GEMVs, quantized_gemv_rows: 2, and 4 for int8 on the AVX2 unit); above it the unit dequantizes a
+// block to bf16 and reads the unit's base form.
+inline int64_t word_rows(LinearUnit unit, WeightFormat format) {
+  return quantized_gemv_rows(unit == LinearUnit::avx2, format);
+}
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights:
@@ -48,9 +51,9 @@ struct RowSpan {
 
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem
-// of up to kWordRows rows will read words, as words too. A problem's `attach` points it
+// of up to word_rows rows will read words, as words too. A problem's `attach` points it
 // at its rows in the form activation_form gives for its p.M. Which rows are made words:
-// `word_spans` (fused_moe: the rows of each expert that gets at most kWordRows of them), or
+// `word_spans` (fused_moe: the rows of each expert that gets at most word_rows of them), or
 // with none given, all of them where `count` itself is a decode.
 class Activations {
  public:

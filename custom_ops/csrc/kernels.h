@@ -45,6 +45,14 @@ constexpr int64_t kGemvRows = 4;
 // over it (the GEMV up to kGemvRows rows, the GEMM above).
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
 constexpr int kWeightFormats = 4;
+
+// Rows up to which a unit's quantized decode reads a weight's values in registers (the units' q_blocks; int8 and
+// int4 against x as int16 words, activations.h), above which it dequantizes each block to bf16 and runs its bf16
+// kernel over it: 2, and on the AVX2 unit kGemvRows for int8 and fp8 (its bf16 kernel would widen the values a
+// second time: 3-4 rows read a quarter of one row's GB/s that way).
+constexpr int64_t quantized_gemv_rows(bool avx2_unit, WeightFormat format) {
+  return avx2_unit && (format == WeightFormat::int8 || format == WeightFormat::fp8) ? kGemvRows : 2;
+}
 constexpr int64_t kFp8GroupPairs = 64;
 constexpr int64_t kInt4GroupPairs = 64;
 constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of an int8 / fp8 block: one cache line
@@ -132,7 +140,7 @@ struct LinearProblem {
   int64_t k_groups = 0;  // fp8 / int4: scale groups per block
   const uint16_t* int4_params = nullptr;  // int4: fp16 [blocks][k_groups][2][kBlockN] (scales, zeros)
   // How a decode walk streams the weight, per machine (tuning.h): for M = 1 a thread reads `streams`
-  // blocks at once (1 or 2; the AVX2 unit's bf16 GEMV of 2-4 rows and its int8 and fp8 GEMV of one row read
+  // blocks at once (1 or 2; the AVX2 unit's bf16 GEMV of 2-4 rows and its int8 and fp8 GEMVs (1-2 rows) read
   // the two halves of a block's K side by side instead, int4 one stream), and each
   // stream prefetches `prefetch_bytes` ahead of its loads with `prefetch_hint` (0 bytes: no prefetch).
   int64_t streams = 2;

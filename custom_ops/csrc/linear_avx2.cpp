@@ -381,60 +381,148 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
 // instructions per 16 weights, against 8 for widening them to fp32 for FMAs, which kept the
 // fp32 kernel compute-bound (docs/PERFORMANCE.md). A sum of
 // kWordPairs pairs, each at most 2 * 128 * 32767, stays within int32 before it goes to fp32.
-// With two `Streams` (one row, where the walk is tuned to two) the block's first and second halves of K are
-// read side by side into the same sums, kWordPairs / 2 pairs of each at a time; an odd pair left runs after.
 constexpr int64_t kWordPairs = 128;
 
-template <int Rows, Prefetch P, int Streams>
-static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
-  static_assert(Streams == 1 || Rows == 1, "two streams of two rows' sums would not fit in 16 registers");
-  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
-  const int64_t ldw = p.ldx / 2;
-  __m256 total[Rows][4];
-  for (auto& row : total)
-    for (auto& t : row) t = _mm256_setzero_ps();
-  // pairs [0, end) on `streams` streams (the second `second` pairs on): sums of kWordPairs pairs to fp32
-  auto add_pairs = [&](int64_t begin, int64_t end, auto streams, int64_t second) {
-    constexpr int S = decltype(streams)::value;
-    for (int64_t g0 = begin; g0 < end; g0 += kWordPairs / S) {
-      const int64_t g1 = g0 + kWordPairs / S < end ? g0 + kWordPairs / S : end;
-      __m256i acc[Rows][4];
-      for (auto& row : acc)
-        for (auto& a : row) a = _mm256_setzero_si256();
-      for (int64_t q = g0; q < g1; ++q) {
-        for (int s = 0; s < S; ++s) {
-          const int64_t pair = q + s * second;
-          const uint8_t* row = w + pair * kQPairBytes;
-          prefetch<P>(row + p.prefetch_bytes);
-          __m256i words[4];
-          for (int j = 0; j < 4; ++j) {
-            words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-          }
-          for (int r = 0; r < Rows; ++r) {
-            const __m256i xq = _mm256_set1_epi32(static_cast<int>(p.x_words()[r * ldw + pair]));
-            for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
-          }
-        }
+// c[r] += rows r0 .. r0 + R - 1 of x (words) against pairs [p0, p1) of block `w` (with S streams: and the same
+// pairs `second` further, into the same sums; at most kWordPairs pairs in all), for R <= 2 (16 registers hold
+// two rows' int32 sums and the loaded weights).
+template <int R, Prefetch P, int S>
+static inline void add_word_sums(const LinearProblem& p, const uint8_t* w, int r0, int64_t p0, int64_t p1,
+                                 int64_t second, float* c) {
+  const uint32_t* x = p.x_words() + r0 * (p.ldx / 2);
+  __m256i acc[R][4];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_si256();
+  for (int64_t q = p0; q < p1; ++q) {
+    for (int s = 0; s < S; ++s) {
+      const int64_t pair = q + s * second;
+      const uint8_t* row = w + pair * kQPairBytes;
+      prefetch<P>(row + p.prefetch_bytes);
+      __m256i words[4];
+      for (int j = 0; j < 4; ++j) {
+        words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
       }
-      for (int r = 0; r < Rows; ++r)
-        for (int j = 0; j < 4; ++j) total[r][j] = _mm256_add_ps(total[r][j], _mm256_cvtepi32_ps(acc[r][j]));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xq = _mm256_set1_epi32(static_cast<int>(x[r * (p.ldx / 2) + pair]));
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* out = c + (r0 + r) * kBlockN;
+    for (int j = 0; j < 4; ++j) {
+      _mm256_storeu_ps(out + 8 * j, _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), _mm256_cvtepi32_ps(acc[r][j])));
+    }
+  }
+}
+
+// Pairs [0, end) (S streams: and the same pairs `second` further) of `Rows` rows, `chunk` pairs at a time: rows 0-1
+// stream a chunk from memory with the walk's prefetch, rows 2-3 read it again from L1. Then pairs [tail, K_pairs)
+// on one stream.
+template <int Rows, Prefetch P, int S, class Add>
+static inline void over_chunks(int64_t end, int64_t chunk, int64_t second, int64_t tail, int64_t k_pairs,
+                               const Add& add) {
+  auto pass = [&](auto streams, int64_t p0, int64_t p1, int64_t offset) {
+    add(std::integral_constant<int, (Rows < 2 ? Rows : 2)>{}, PrefetchAs<P>{}, streams, 0, p0, p1, offset);
+    if constexpr (Rows > 2) {
+      add(std::integral_constant<int, Rows - 2>{}, PrefetchAs<Prefetch::none>{}, streams, 2, p0, p1, offset);
     }
   };
-  if constexpr (Streams == 2) {
-    const int64_t half = p.K_pairs / 2;
-    add_pairs(0, half, std::integral_constant<int, 2>{}, half);
-    add_pairs(2 * half, p.K_pairs, std::integral_constant<int, 1>{}, 0);
-  } else {
-    add_pairs(0, p.K_pairs, std::integral_constant<int, 1>{}, 0);
+  for (int64_t p0 = 0; p0 < end; p0 += chunk) {
+    pass(std::integral_constant<int, S>{}, p0, p0 + chunk < end ? p0 + chunk : end, second);
   }
+  for (int64_t p0 = tail; p0 < k_pairs; p0 += chunk) {
+    pass(std::integral_constant<int, 1>{}, p0, p0 + chunk < k_pairs ? p0 + chunk : k_pairs, 0);
+  }
+}
+
+// K pairs per stream that a quantized decode of 3-4 rows (fp8: 2-4) reads at a time, 2 KiB of an int8 or fp8
+// block: rows 0-1 from memory, then rows 2-3 from L1.
+constexpr int64_t kQuantizedChunk = 32;
+
+// int8 decode of 1-4 rows against one block. With two `Streams` (where the walk is tuned to two) the block's
+// first and second halves of K are read side by side into the same sums (no more registers than one stream);
+// an odd pair left runs after. 1-2 rows sum kWordPairs pairs at a time; 3-4 rows kQuantizedChunk pairs per
+// stream, rows 0-1 from memory and rows 2-3 the same pairs from L1 (over_chunks).
+template <int Rows, Prefetch P, int Streams>
+static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
+  for (int64_t i = 0; i < Rows * kBlockN; ++i) c[i] = 0.0f;
+  const int64_t half = Streams == 2 ? p.K_pairs / 2 : 0;
+  const int64_t end = Streams == 2 ? half : p.K_pairs, tail = Streams == 2 ? 2 * half : p.K_pairs;
+  const int64_t chunk = Rows <= 2 ? kWordPairs / Streams : kQuantizedChunk;
+  over_chunks<Rows, P, Streams>(end, chunk, half, tail, p.K_pairs,
+                                [&](auto rows, auto prefetch, auto streams, int r0, int64_t p0, int64_t p1,
+                                    int64_t second) {
+                                  add_word_sums<decltype(rows)::value, decltype(prefetch)::value,
+                                                decltype(streams)::value>(p, w, r0, p0, p1, second, c);
+                                });
   const float* column_scales = p.scales + block * kBlockN;
   for (int r = 0; r < Rows; ++r) {
     const __m256 x_scale = _mm256_set1_ps(p.x_scales[r]);
     for (int j = 0; j < 4; ++j) {
       const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(column_scales + 8 * j), x_scale);
-      _mm256_storeu_ps(c + r * kBlockN + 8 * j, _mm256_mul_ps(total[r][j], scale));
+      _mm256_storeu_ps(c + r * kBlockN + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(c + r * kBlockN + 8 * j), scale));
     }
   }
+}
+
+// c[r] += rows r0 .. r0 + R - 1 of x (fp32) against fp8 pairs [p0, p1) of block `block` (S streams: and the same
+// pairs `second` further), R <= 2, the pairs within one scale group per stream: each stream's group scale (and
+// 2^60 of load_fp8_pairs' 2^-120) is folded into the x it multiplies, the values widened once for both rows, each
+// row's even and odd products into one accumulator per column vector.
+template <int R, Prefetch P, int S>
+static inline void add_fp8_sums(const LinearProblem& p, const uint8_t* w, int64_t block, int r0, int64_t p0,
+                                int64_t p1, int64_t second, float* c) {
+  const float* x = p.x_fp32() + r0 * p.ldx;
+  __m256 factor[S];
+  for (int s = 0; s < S; ++s) factor[s] = _mm256_set1_ps(kFp8HalfUnscale * fp8_scale(p, block, p0 + s * second));
+  __m256 acc[R][kVecs];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t q = p0; q < p1; ++q) {
+    for (int s = 0; s < S; ++s) {
+      const int64_t pair = q + s * second;
+      const uint8_t* row = w + pair * kQPairBytes;
+      prefetch<P>(row + p.prefetch_bytes);
+      __m256 x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        x0[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair), factor[s]);
+        x1[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair + 1), factor[s]);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < kVecs; ++j) {
+        __m256 even, odd;
+        load_fp8_pairs(row + 16 * j, even, odd);
+        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(x1[r], odd, _mm256_fmadd_ps(x0[r], even, acc[r][j]));
+      }
+    }
+  }
+  const __m256 half_unscale = _mm256_set1_ps(kFp8HalfUnscale);
+  for (int r = 0; r < R; ++r) {
+    float* out = c + (r0 + r) * kBlockN;
+    for (int j = 0; j < kVecs; ++j) {
+      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(acc[r][j], half_unscale, _mm256_loadu_ps(out + 8 * j)));
+    }
+  }
+}
+
+// fp8 decode of 2-4 rows against one block: each chunk's values widened once per two rows (fp8_gemv_row, one
+// row, widens them per row), kQuantizedChunk pairs per stream (dividing a scale group, so no chunk crosses one),
+// rows 0-1 from memory and rows 2-3 from L1. Two `Streams`: the block's halves of K, split on a scale group.
+template <int Rows, Prefetch P, int Streams>
+static void fp8_gemv_rows(const LinearProblem& p, int64_t block, float* c) {
+  static_assert(kFp8GroupPairs % kQuantizedChunk == 0, "a chunk must not cross a scale group");
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
+  for (int64_t i = 0; i < Rows * kBlockN; ++i) c[i] = 0.0f;
+  const int64_t half = Streams == 2 ? p.K_pairs / (2 * kFp8GroupPairs) * kFp8GroupPairs : 0;
+  const int64_t end = Streams == 2 ? half : p.K_pairs, tail = Streams == 2 ? 2 * half : p.K_pairs;
+  over_chunks<Rows, P, Streams>(end, kQuantizedChunk, half, tail, p.K_pairs,
+                                [&](auto rows, auto prefetch, auto streams, int r0, int64_t p0, int64_t p1,
+                                    int64_t second) {
+                                  add_fp8_sums<decltype(rows)::value, decltype(prefetch)::value,
+                                               decltype(streams)::value>(p, w, block, r0, p0, p1, second, c);
+                                });
 }
 
 // total[r][j] += s * (dot[r][j] - z * x_sum) for weight group g of the block: dot the group's sum over x q,
@@ -620,15 +708,16 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX2 micro-kernels as linear_walk.h calls them (over fp32 x, or int16 words for int8 decode).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
+  static constexpr bool kAvx2 = true;
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
     with_prefetch(p, [&](auto as) {
       constexpr Prefetch P = decltype(as)::value;
-      // One row where the walk is tuned to two streams: a block's halves of K side by side (int8, fp8).
-      const bool halves = Rows == 1 && p.streams == 2;
+      // Where the walk is tuned to two streams: a block's halves of K side by side (int8, fp8).
+      const bool halves = p.streams == 2;
       if constexpr (F == WeightFormat::int8) {
-        if (halves) return int8_word_gemv<1, P, 2>(p, blocks[0], c[0]);
+        if (halves) return int8_word_gemv<Rows, P, 2>(p, blocks[0], c[0]);
         int8_word_gemv<Rows, P, 1>(p, blocks[0], c[0]);
       } else if constexpr (F == WeightFormat::int4) {
         if (p.x_form == ActivationForm::int8_groups) {
@@ -636,9 +725,12 @@ struct Avx2Unit {
         } else {
           int4_gemv_words<Rows, P>(p, blocks[0], c[0]);
         }
-      } else {
+      } else if constexpr (Rows == 1) {
         if (halves) return fp8_gemv_row<P, 2>(p, p.x_fp32(), blocks[0], c[0]);
-        for (int r = 0; r < Rows; ++r) fp8_gemv_row<P, 1>(p, p.x_fp32() + r * p.ldx, blocks[0], c[0] + r * kBlockN);
+        fp8_gemv_row<P, 1>(p, p.x_fp32(), blocks[0], c[0]);
+      } else {
+        if (halves) return fp8_gemv_rows<Rows, P, 2>(p, blocks[0], c[0]);
+        fp8_gemv_rows<Rows, P, 1>(p, blocks[0], c[0]);
       }
     });
   }

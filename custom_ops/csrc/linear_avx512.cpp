@@ -617,6 +617,7 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX512-BF16 micro-kernels as linear_walk.h calls them (over bf16 pairs, or int16 words for int8 decode).
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
+  static constexpr bool kAvx2 = false;
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     with_prefetch(p, [&](auto as) {

@@ -111,8 +111,9 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 }
 
 // Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
-//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 or 2) against `Blocks` blocks at once (Blocks = 2:
-//                                             two streams, Rows = 1 only), scales applied; c[i] gets block i's
+//   kAvx2                                    whether it is the AVX2 unit (quantized_gemv_rows, kernels.h)
+//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
+//                                             (Blocks = 2: two streams, Rows = 1 only), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
 // Decode reads the values in registers (q_blocks; int8 and int4 against x as int16 words); a GEMM
 // dequantizes each block into scratch once and runs one_block over it, then applies int8's column scales.
@@ -122,10 +123,15 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
   float* first = scratch;
   float* second = scratch + rows * kBlockN;
   uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
+  constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
   auto one = [&](int64_t block, float* c) {
-    if (p.M <= 2) {
+    if (p.M <= kDecodeRows) {
       float* out[1] = {c};
       const int64_t which[1] = {block};
+      if constexpr (kDecodeRows > 2) {
+        if (p.M == 3) return Unit::template q_blocks<F, 3, 1>(p, which, out);
+        if (p.M == 4) return Unit::template q_blocks<F, 4, 1>(p, which, out);
+      }
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }

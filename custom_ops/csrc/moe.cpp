@@ -140,19 +140,23 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     sorted[fill[id[i]]] = i;
     row_of_pair[i] = fill[id[i]]++;
   }
+  const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
+  // int8 / int4 experts: the rows of those that read x as words (word_rows of either projection's format: one list
+  // serves both)
+  const int64_t most_word_rows =
+      std::max(word_rows(unit, w13_experts.whole.format), word_rows(unit, w2_experts.whole.format));
   std::vector<ExpertRows> active;
-  std::vector<RowSpan> word_spans;  // int8 / int4 experts: the rows of those that read x as words
+  std::vector<RowSpan> word_spans;
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count > 0) active.push_back({e, start[e], count});
-    if (count > 0 && count <= kWordRows) word_spans.push_back({start[e], count});
+    if (count > 0 && count <= most_word_rows) word_spans.push_back({start[e], count});
   }
 
   // 1. gather the routed rows of x in the form the experts' unit reads (int8 / int4 experts: as words too, for
-  // the experts that get at most kWordRows rows).
+  // the experts that get at most word_rows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
   const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, &word_spans,
                        [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
