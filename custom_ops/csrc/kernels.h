@@ -40,9 +40,9 @@ constexpr int64_t kGemvRows = 4;
 //         low nibble and of column l + 16 in its high one. So one mask gives columns 0-15 and a shift
 //         and a mask columns 16-31 as bytes, each lane four inputs of one column: what `vpdpbusd` /
 //         `vpmaddubsw` multiply by four bytes of x (ActivationForm::int8_groups, split_words).
-// The decode GEMVs of 1-2 rows widen the values in registers and apply the scales to fp32
-// partial sums; above 2 rows a unit dequantizes one block to bf16 and runs its bf16 kernel
-// over it (the GEMV up to kGemvRows rows, the GEMM above).
+// The decode GEMVs (up to quantized_gemv_rows rows) widen the values in registers and apply
+// the scales to fp32 partial sums; above that a unit dequantizes one block to bf16 and runs its
+// bf16 kernel over it (the GEMV up to kGemvRows rows, the GEMM above).
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
 constexpr int kWeightFormats = 4;
 

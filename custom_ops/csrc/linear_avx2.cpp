@@ -309,48 +309,15 @@ static inline void load_fp8_pairs(const uint8_t* p, __m256& even, __m256& odd) {
 // 2^60 after.
 constexpr float kFp8HalfUnscale = 0x1p60f;
 
-// One row of x against one fp8 block, each scale group's sums scaled into c[0, kBlockN) (int8 decode reads x as
-// int16 words instead: int8_word_gemv). One stream: even and odd accumulators for the 4 column vectors. Two
-// (`Streams`, where the walk is tuned to two): the block's first and second halves of K (split on a scale group)
-// are read side by side, as two streams, each group's scale folded into the x it multiplies (one rounding more,
-// of x: the accumulators then hold the whole sum, and two streams' even and odd ones would not fit in 16
-// registers); what is left past the halves (K under two groups, or an odd group count) runs on one stream.
-template <Prefetch P, int Streams>
+// One row of x against one fp8 block on one stream (even and odd accumulators for the 4 column vectors), each
+// scale group's sums scaled into c[0, kBlockN); two streams and 2-4 rows: fp8_gemv_rows. (int8 decode reads x as
+// int16 words instead: int8_word_gemv.)
+template <Prefetch P>
 static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   const __m256 half_unscale = _mm256_set1_ps(kFp8HalfUnscale);
   for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + 8 * j, _mm256_setzero_ps());
-  int64_t g0 = 0;
-  if constexpr (Streams == 2) {
-    const int64_t half = p.K_pairs / (2 * kFp8GroupPairs) * kFp8GroupPairs;
-    __m256 acc[2][kVecs];
-    for (auto& stream : acc)
-      for (auto& a : stream) a = _mm256_setzero_ps();
-    for (; g0 < half; g0 += kFp8GroupPairs) {
-      __m256 unscale[2];
-      for (int s = 0; s < 2; ++s) unscale[s] = _mm256_set1_ps(kFp8HalfUnscale * fp8_scale(p, block, g0 + s * half));
-      for (int64_t q = g0; q < g0 + kFp8GroupPairs; ++q) {
-        for (int s = 0; s < 2; ++s) {
-          const int64_t pair = q + s * half;
-          const uint8_t* row = w + pair * kQPairBytes;
-          prefetch<P>(row + p.prefetch_bytes);
-          const __m256 x0 = _mm256_mul_ps(_mm256_broadcast_ss(x + 2 * pair), unscale[s]);
-          const __m256 x1 = _mm256_mul_ps(_mm256_broadcast_ss(x + 2 * pair + 1), unscale[s]);
-#pragma GCC unroll 4
-          for (int j = 0; j < kVecs; ++j) {
-            __m256 even, odd;
-            load_fp8_pairs(row + 16 * j, even, odd);
-            acc[s][j] = _mm256_fmadd_ps(x1, odd, _mm256_fmadd_ps(x0, even, acc[s][j]));
-          }
-        }
-      }
-    }
-    for (int j = 0; j < kVecs; ++j) {
-      _mm256_storeu_ps(c + 8 * j, _mm256_mul_ps(_mm256_add_ps(acc[0][j], acc[1][j]), half_unscale));
-    }
-    g0 = 2 * half;
-  }
-  for (; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
+  for (int64_t g0 = 0; g0 < p.K_pairs; g0 += kFp8GroupPairs) {
     const int64_t g1 = g0 + kFp8GroupPairs < p.K_pairs ? g0 + kFp8GroupPairs : p.K_pairs;
     __m256 acc_even[kVecs], acc_odd[kVecs];
     for (int j = 0; j < kVecs; ++j) acc_even[j] = acc_odd[j] = _mm256_setzero_ps();
@@ -383,6 +350,21 @@ static void fp8_gemv_row(const LinearProblem& p, const float* x, int64_t block, 
 // kWordPairs pairs, each at most 2 * 128 * 32767, stays within int32 before it goes to fp32.
 constexpr int64_t kWordPairs = 128;
 
+// body(s, pair, row) for pairs [p0, p1) of block `w` on S streams (stream s reads the pairs s * second further),
+// each stream's K pair row prefetched with the walk's hint before the body reads it.
+template <Prefetch P, int S, class Body>
+static inline void over_streams(const LinearProblem& p, const uint8_t* w, int64_t p0, int64_t p1, int64_t second,
+                                const Body& body) {
+  for (int64_t q = p0; q < p1; ++q) {
+    for (int s = 0; s < S; ++s) {
+      const int64_t pair = q + s * second;
+      const uint8_t* row = w + pair * kQPairBytes;
+      prefetch<P>(row + p.prefetch_bytes);
+      body(s, pair, row);
+    }
+  }
+}
+
 // c[r] += rows r0 .. r0 + R - 1 of x (words) against pairs [p0, p1) of block `w` (with S streams: and the same
 // pairs `second` further, into the same sums; at most kWordPairs pairs in all), for R <= 2 (16 registers hold
 // two rows' int32 sums and the loaded weights).
@@ -393,21 +375,16 @@ static inline void add_word_sums(const LinearProblem& p, const uint8_t* w, int r
   __m256i acc[R][4];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_si256();
-  for (int64_t q = p0; q < p1; ++q) {
-    for (int s = 0; s < S; ++s) {
-      const int64_t pair = q + s * second;
-      const uint8_t* row = w + pair * kQPairBytes;
-      prefetch<P>(row + p.prefetch_bytes);
-      __m256i words[4];
-      for (int j = 0; j < 4; ++j) {
-        words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i xq = _mm256_set1_epi32(static_cast<int>(x[r * (p.ldx / 2) + pair]));
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
-      }
+  over_streams<P, S>(p, w, p0, p1, second, [&](int, int64_t pair, const uint8_t* row) {
+    __m256i words[4];
+    for (int j = 0; j < 4; ++j) {
+      words[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
     }
-  }
+    for (int r = 0; r < R; ++r) {
+      const __m256i xq = _mm256_set1_epi32(static_cast<int>(x[r * (p.ldx / 2) + pair]));
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(words[j], xq));
+    }
+  });
   for (int r = 0; r < R; ++r) {
     float* out = c + (r0 + r) * kBlockN;
     for (int j = 0; j < 4; ++j) {
@@ -470,46 +447,47 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
 // c[r] += rows r0 .. r0 + R - 1 of x (fp32) against fp8 pairs [p0, p1) of block `block` (S streams: and the same
 // pairs `second` further), R <= 2, the pairs within one scale group per stream: each stream's group scale (and
 // 2^60 of load_fp8_pairs' 2^-120) is folded into the x it multiplies, the values widened once for both rows, each
-// row's even and odd products into one accumulator per column vector.
+// row's even and odd products into one accumulator per column vector (one row: one per stream, so no chain of
+// FMAs is longer than two a pair).
 template <int R, Prefetch P, int S>
 static inline void add_fp8_sums(const LinearProblem& p, const uint8_t* w, int64_t block, int r0, int64_t p0,
                                 int64_t p1, int64_t second, float* c) {
   const float* x = p.x_fp32() + r0 * p.ldx;
   __m256 factor[S];
   for (int s = 0; s < S; ++s) factor[s] = _mm256_set1_ps(kFp8HalfUnscale * fp8_scale(p, block, p0 + s * second));
-  __m256 acc[R][kVecs];
+  constexpr int A = R == 1 ? S : 1;  // accumulators per row and column vector
+  __m256 acc[R][A][kVecs];
   for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
-  for (int64_t q = p0; q < p1; ++q) {
-    for (int s = 0; s < S; ++s) {
-      const int64_t pair = q + s * second;
-      const uint8_t* row = w + pair * kQPairBytes;
-      prefetch<P>(row + p.prefetch_bytes);
-      __m256 x0[R], x1[R];
-      for (int r = 0; r < R; ++r) {
-        x0[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair), factor[s]);
-        x1[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair + 1), factor[s]);
-      }
-#pragma GCC unroll 4
-      for (int j = 0; j < kVecs; ++j) {
-        __m256 even, odd;
-        load_fp8_pairs(row + 16 * j, even, odd);
-        for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(x1[r], odd, _mm256_fmadd_ps(x0[r], even, acc[r][j]));
-      }
+    for (auto& stream : row)
+      for (auto& a : stream) a = _mm256_setzero_ps();
+  over_streams<P, S>(p, w, p0, p1, second, [&](int s, int64_t pair, const uint8_t* row) {
+    const int a = A == 1 ? 0 : s;
+    __m256 x0[R], x1[R];
+    for (int r = 0; r < R; ++r) {
+      x0[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair), factor[s]);
+      x1[r] = _mm256_mul_ps(_mm256_broadcast_ss(x + r * p.ldx + 2 * pair + 1), factor[s]);
     }
-  }
+#pragma GCC unroll 4
+    for (int j = 0; j < kVecs; ++j) {
+      __m256 even, odd;
+      load_fp8_pairs(row + 16 * j, even, odd);
+      for (int r = 0; r < R; ++r) acc[r][a][j] = _mm256_fmadd_ps(x1[r], odd, _mm256_fmadd_ps(x0[r], even, acc[r][a][j]));
+    }
+  });
   const __m256 half_unscale = _mm256_set1_ps(kFp8HalfUnscale);
   for (int r = 0; r < R; ++r) {
     float* out = c + (r0 + r) * kBlockN;
     for (int j = 0; j < kVecs; ++j) {
-      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(acc[r][j], half_unscale, _mm256_loadu_ps(out + 8 * j)));
+      __m256 sum = acc[r][0][j];
+      for (int i = 1; i < A; ++i) sum = _mm256_add_ps(sum, acc[r][i][j]);
+      _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(sum, half_unscale, _mm256_loadu_ps(out + 8 * j)));
     }
   }
 }
 
-// fp8 decode of 2-4 rows against one block: each chunk's values widened once per two rows (fp8_gemv_row, one
-// row, widens them per row), kQuantizedChunk pairs per stream (dividing a scale group, so no chunk crosses one),
-// rows 0-1 from memory and rows 2-3 from L1. Two `Streams`: the block's halves of K, split on a scale group.
+// fp8 decode of 1-4 rows against one block (one row on one stream: fp8_gemv_row): each chunk's values widened
+// once per two rows, kQuantizedChunk pairs per stream (dividing a scale group, so no chunk crosses one), rows 0-1
+// from memory and rows 2-3 from L1. Two `Streams`: the block's halves of K, split on a scale group.
 template <int Rows, Prefetch P, int Streams>
 static void fp8_gemv_rows(const LinearProblem& p, int64_t block, float* c) {
   static_assert(kFp8GroupPairs % kQuantizedChunk == 0, "a chunk must not cross a scale group");
@@ -725,10 +703,8 @@ struct Avx2Unit {
         } else {
           int4_gemv_words<Rows, P>(p, blocks[0], c[0]);
         }
-      } else if constexpr (Rows == 1) {
-        if (halves) return fp8_gemv_row<P, 2>(p, p.x_fp32(), blocks[0], c[0]);
-        fp8_gemv_row<P, 1>(p, p.x_fp32(), blocks[0], c[0]);
       } else {
+        if (Rows == 1 && !halves) return fp8_gemv_row<P>(p, p.x_fp32(), blocks[0], c[0]);
         if (halves) return fp8_gemv_rows<Rows, P, 2>(p, blocks[0], c[0]);
         fp8_gemv_rows<Rows, P, 1>(p, blocks[0], c[0]);
       }

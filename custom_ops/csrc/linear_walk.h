@@ -115,8 +115,9 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
 //                                             (Blocks = 2: two streams, Rows = 1 only), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
-// Decode reads the values in registers (q_blocks; int8 and int4 against x as int16 words); a GEMM
-// dequantizes each block into scratch once and runs one_block over it, then applies int8's column scales.
+// Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
+// int16 words); above that each block is dequantized into scratch once and one_block runs over it, then
+// int8's column scales apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const int64_t rows = p.M > 2 ? p.M : 2;
