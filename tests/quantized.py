@@ -21,12 +21,13 @@ def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 
 def decode_rows(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
-    """x as a decode GEMV (up to 2 rows) over ``format`` weights multiplies it on a native path, in fp32: int8 and
-    int4 read each row rounded to int16 times its scale max|x| / 32767 (round half to even), int4 with int8
-    activations (``int4_reads_int8``) each 32 inputs rounded to int8 times their max|x| / 127; bf16 and fp8 read x
-    as it is."""
+    """x as a decode GEMV (up to 2 rows; int8 on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows) over
+    ``format`` weights multiplies it on a native path, in fp32: int8 and int4 read each row rounded to int16 times
+    its scale max|x| / 32767 (round half to even), int4 with int8 activations (``int4_reads_int8``) each 32 inputs
+    rounded to int8 times their max|x| / 127; bf16 and fp8 read x as it is."""
     rows = x.numel() // max(1, x.shape[-1])
-    if format not in ("int8", "int4") or rows > 2 or kernel_path == "reference":
+    word_rows = 4 if format == "int8" and kernel_path == "avx2" else 2
+    if format not in ("int8", "int4") or rows > word_rows or kernel_path == "reference":
         return x.float()
     if format == "int4" and int4_reads_int8(kernel_path):
         return rounded_to_groups(x.float(), 32, 127)

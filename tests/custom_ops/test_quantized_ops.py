@@ -71,7 +71,7 @@ INT8_DECODE_SHAPES = [((1,), 64, 64), ((1,), 33, 7), ((1,), 96, 300), ((2,), 200
 
 @pytest.mark.parametrize("rows,out_features,in_features", INT8_DECODE_SHAPES)
 def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_features):
-    """int8 decode (up to 2 rows) on every unit: x as int16 words per row against the int8 weight, within 1e-2 of
+    """int8 decode (up to 2 rows; 4 on the AVX2 unit) on every unit: x as int16 words per row against the int8 weight, within 1e-2 of
     the fp32 product of those rows and the dequantized weight; plain, linear_float and gate/up."""
     if kernel_path == "reference":
         pytest.skip("the reference multiplies x as it is")
@@ -94,10 +94,11 @@ def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_featur
         assert _relative_error(gated, want_gated) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_int8_decode_holds_the_largest_products(kernel_path, rows):
     """Every weight at +-127 and every x at the row's maximum, over K = 8192: the AVX2 unit's int16 sums
-    (2 * 127 * 32767 per K pair) must reach fp32 before int32 overflows."""
+    (2 * 127 * 32767 per K pair; on two streams both halves of K into the same sums; 3-4 rows in chunks) must reach
+    fp32 before int32 overflows."""
     in_features = 8192
     weight = torch.full((64, in_features), 0.5).to(torch.bfloat16)
     weight[1::2] = -0.5
@@ -420,6 +421,30 @@ def test_quantized_fused_moe_matches_dequantized_experts(kernel_path, format, to
         want = int4_experts_decoded(x, want_gate_up, want_down, topk_weights, ids, kernel_path)
     else:
         want = experts_reference(x, want_gate_up.to(torch.bfloat16), want_down.to(torch.bfloat16), topk_weights, ids)
+    got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
+    assert _relative_error(got, want.float()) < 1e-2
+
+
+@pytest.mark.parametrize("format", ["int8", "fp8"])
+@pytest.mark.parametrize("rows", [3, 4])
+def test_quantized_experts_of_three_and_four_rows(kernel_path, format, rows):
+    """One expert gets 3 or 4 rows and the others 1 or 2 in one call: on the AVX2 unit int8 and fp8 decode up to 4
+    rows in registers (quantized_gemv_rows; int8 against x as words, made for those experts' rows too), elsewhere
+    above 2 rows over dequantized panels."""
+    from tilefx.custom_ops.moe import experts_reference
+
+    experts, hidden_size, inter = 4, 200, 96
+    gate_up, down = _experts(experts, hidden_size, inter, seed=rows)
+    w13 = weights.pack_expert_gate_up_weight(gate_up, format)
+    w2 = weights.pack_expert_down_weight(down, format)
+    s13, s2 = weights.packed_scales(w13), weights.packed_scales(w2)
+    want_gate_up = torch.stack([torch.cat([dequantized(h, format) for h in e.chunk(2)]) for e in gate_up])
+    want_down = torch.stack([dequantized(e, format) for e in down])
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1 + t % 3] for t in range(rows)], dtype=torch.int32)  # expert 0: every row
+    topk_weights = torch.rand(rows, 2, generator=g) + 0.1
+    want = experts_reference(x, want_gate_up.to(torch.bfloat16), want_down.to(torch.bfloat16), topk_weights, ids)
     got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
     assert _relative_error(got, want.float()) < 1e-2
 
