@@ -36,10 +36,12 @@ constexpr int kTileRows = 6;             // rows of x per GEMM micro-tile (12 ac
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
 constexpr int64_t kTilePairFloats = 2 * kTileRows;  // floats of a packed tile per K pair
 constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_blocks_avx2)
-// Up to kGemvRows rows one_block streams a block as a GEMV (rows 2-3 in chunks after rows 0-1, see one_block):
-// batched decode is memory-bound, which the GEMM (blocked for L1 reuse across many rows, no software prefetch)
-// is not built for.
-constexpr int64_t kDecodeChunk = 16;  // K pairs (2 KiB of a bf16 block, per stream) rows 2-3 read from L1 after rows 0-1
+// Up to kGemvRows rows one_block streams a block as a GEMV: batched decode is memory-bound, which the GEMM
+// (blocked for L1 reuse across many rows, no software prefetch) is not built for. 3-4 rows (fp8: 2-4) read a
+// block kDecodeChunkBytes per stream at a time (over_chunks): rows 0-1 from memory, then rows 2-3 from L1.
+constexpr int64_t kDecodeChunkBytes = 2048;
+constexpr int64_t kBf16ChunkPairs = kDecodeChunkBytes / (2 * kPairStride);  // 16
+constexpr int64_t kQuantizedChunkPairs = kDecodeChunkBytes / kQPairBytes;   // 32: int8, fp8
 // GEMV software prefetch: one K pair row (two cache lines) `ahead` bytes past `row`, in one stream
 // (LinearProblem::prefetch_bytes and prefetch_hint, tuned per machine; the default is non-temporal, so
 // the streamed weight does not evict x, fp32 up to 32 KiB, from the caches). Near a block's end it
@@ -138,6 +140,28 @@ static void gemv_two_rows(const float* x, int64_t ldx, const uint16_t* block, in
   }
   for (int m = 0; m < 2; ++m)
     for (int j = 0; j < kVecs; ++j) _mm256_storeu_ps(c + m * kBlockN + 8 * j, acc[m][j]);
+}
+
+// The schedule of a decode of `Rows` rows against one block, for this unit's kernels (bf16's one_block, int8's and
+// fp8's 1-4 rows): pairs [0, end) on S streams (and the same pairs `second` further), `chunk` pairs at a time,
+// rows 0-1 streaming a chunk from memory with the walk's prefetch and rows 2-3 reading it again from L1 (16
+// registers hold two rows' sums), then pairs [tail, K_pairs) on one stream. add(rows, prefetch, streams, r0, p0,
+// p1, second) runs rows r0 .. r0 + rows - 1 (integral constants: rows, streams; PrefetchAs: prefetch).
+template <int Rows, Prefetch P, int S, class Add>
+static inline void over_chunks(int64_t end, int64_t chunk, int64_t second, int64_t tail, int64_t k_pairs,
+                               const Add& add) {
+  auto pass = [&](auto streams, int64_t p0, int64_t p1, int64_t offset) {
+    add(std::integral_constant<int, (Rows < 2 ? Rows : 2)>{}, PrefetchAs<P>{}, streams, 0, p0, p1, offset);
+    if constexpr (Rows > 2) {
+      add(std::integral_constant<int, Rows - 2>{}, PrefetchAs<Prefetch::none>{}, streams, 2, p0, p1, offset);
+    }
+  };
+  for (int64_t p0 = 0; p0 < end; p0 += chunk) {
+    pass(std::integral_constant<int, S>{}, p0, p0 + chunk < end ? p0 + chunk : end, second);
+  }
+  for (int64_t p0 = tail; p0 < k_pairs; p0 += chunk) {
+    pass(std::integral_constant<int, 1>{}, p0, p0 + chunk < k_pairs ? p0 + chunk : k_pairs, 0);
+  }
 }
 
 // x as the GEMM reads it: tiles of kTileRows rows, a tile's rows side by side per K pair (tile t, pair q:
@@ -393,41 +417,17 @@ static inline void add_word_sums(const LinearProblem& p, const uint8_t* w, int r
   }
 }
 
-// Pairs [0, end) (S streams: and the same pairs `second` further) of `Rows` rows, `chunk` pairs at a time: rows 0-1
-// stream a chunk from memory with the walk's prefetch, rows 2-3 read it again from L1. Then pairs [tail, K_pairs)
-// on one stream.
-template <int Rows, Prefetch P, int S, class Add>
-static inline void over_chunks(int64_t end, int64_t chunk, int64_t second, int64_t tail, int64_t k_pairs,
-                               const Add& add) {
-  auto pass = [&](auto streams, int64_t p0, int64_t p1, int64_t offset) {
-    add(std::integral_constant<int, (Rows < 2 ? Rows : 2)>{}, PrefetchAs<P>{}, streams, 0, p0, p1, offset);
-    if constexpr (Rows > 2) {
-      add(std::integral_constant<int, Rows - 2>{}, PrefetchAs<Prefetch::none>{}, streams, 2, p0, p1, offset);
-    }
-  };
-  for (int64_t p0 = 0; p0 < end; p0 += chunk) {
-    pass(std::integral_constant<int, S>{}, p0, p0 + chunk < end ? p0 + chunk : end, second);
-  }
-  for (int64_t p0 = tail; p0 < k_pairs; p0 += chunk) {
-    pass(std::integral_constant<int, 1>{}, p0, p0 + chunk < k_pairs ? p0 + chunk : k_pairs, 0);
-  }
-}
-
-// K pairs per stream that a quantized decode of 3-4 rows (fp8: 2-4) reads at a time, 2 KiB of an int8 or fp8
-// block: rows 0-1 from memory, then rows 2-3 from L1.
-constexpr int64_t kQuantizedChunk = 32;
-
 // int8 decode of 1-4 rows against one block. With two `Streams` (where the walk is tuned to two) the block's
 // first and second halves of K are read side by side into the same sums (no more registers than one stream);
-// an odd pair left runs after. 1-2 rows sum kWordPairs pairs at a time; 3-4 rows kQuantizedChunk pairs per
-// stream, rows 0-1 from memory and rows 2-3 the same pairs from L1 (over_chunks).
+// an odd pair left runs after. 1-2 rows sum kWordPairs pairs at a time; 3-4 rows kQuantizedChunkPairs pairs
+// per stream, rows 0-1 from memory and rows 2-3 the same pairs from L1 (over_chunks).
 template <int Rows, Prefetch P, int Streams>
 static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   for (int64_t i = 0; i < Rows * kBlockN; ++i) c[i] = 0.0f;
   const int64_t half = Streams == 2 ? p.K_pairs / 2 : 0;
   const int64_t end = Streams == 2 ? half : p.K_pairs, tail = Streams == 2 ? 2 * half : p.K_pairs;
-  const int64_t chunk = Rows <= 2 ? kWordPairs / Streams : kQuantizedChunk;
+  const int64_t chunk = Rows <= 2 ? kWordPairs / Streams : kQuantizedChunkPairs;
   over_chunks<Rows, P, Streams>(end, chunk, half, tail, p.K_pairs,
                                 [&](auto rows, auto prefetch, auto streams, int r0, int64_t p0, int64_t p1,
                                     int64_t second) {
@@ -471,7 +471,9 @@ static inline void add_fp8_sums(const LinearProblem& p, const uint8_t* w, int64_
     for (int j = 0; j < kVecs; ++j) {
       __m256 even, odd;
       load_fp8_pairs(row + 16 * j, even, odd);
-      for (int r = 0; r < R; ++r) acc[r][a][j] = _mm256_fmadd_ps(x1[r], odd, _mm256_fmadd_ps(x0[r], even, acc[r][a][j]));
+      for (int r = 0; r < R; ++r) {
+        acc[r][a][j] = _mm256_fmadd_ps(x1[r], odd, _mm256_fmadd_ps(x0[r], even, acc[r][a][j]));
+      }
     }
   });
   const __m256 half_unscale = _mm256_set1_ps(kFp8HalfUnscale);
@@ -486,16 +488,16 @@ static inline void add_fp8_sums(const LinearProblem& p, const uint8_t* w, int64_
 }
 
 // fp8 decode of 1-4 rows against one block (one row on one stream: fp8_gemv_row): each chunk's values widened
-// once per two rows, kQuantizedChunk pairs per stream (dividing a scale group, so no chunk crosses one), rows 0-1
-// from memory and rows 2-3 from L1. Two `Streams`: the block's halves of K, split on a scale group.
+// once per two rows, kQuantizedChunkPairs pairs per stream (dividing a scale group, so no chunk crosses one),
+// rows 0-1 from memory and rows 2-3 from L1. Two `Streams`: the block's halves of K, split on a scale group.
 template <int Rows, Prefetch P, int Streams>
 static void fp8_gemv_rows(const LinearProblem& p, int64_t block, float* c) {
-  static_assert(kFp8GroupPairs % kQuantizedChunk == 0, "a chunk must not cross a scale group");
+  static_assert(kFp8GroupPairs % kQuantizedChunkPairs == 0, "a chunk must not cross a scale group");
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   for (int64_t i = 0; i < Rows * kBlockN; ++i) c[i] = 0.0f;
   const int64_t half = Streams == 2 ? p.K_pairs / (2 * kFp8GroupPairs) * kFp8GroupPairs : 0;
   const int64_t end = Streams == 2 ? half : p.K_pairs, tail = Streams == 2 ? 2 * half : p.K_pairs;
-  over_chunks<Rows, P, Streams>(end, kQuantizedChunk, half, tail, p.K_pairs,
+  over_chunks<Rows, P, Streams>(end, kQuantizedChunkPairs, half, tail, p.K_pairs,
                                 [&](auto rows, auto prefetch, auto streams, int r0, int64_t p0, int64_t p1,
                                     int64_t second) {
                                   add_fp8_sums<decltype(rows)::value, decltype(prefetch)::value,
@@ -729,31 +731,32 @@ struct Avx2Unit {
       constexpr Prefetch P = decltype(as)::value;
       const float* x = p.x_fp32();
       if (p.M == 1) return gemv_row<P>(x, block, 0, p.K_pairs, p.prefetch_bytes, c);
-      // 2-4 rows. Where the walk is tuned to two streams (M = 1 reads two blocks at once), the block's first and
-      // second halves of K are read side by side into the same accumulators. 3-4 rows: 16 accumulators do not
-      // fit with the weights in 16 registers, so rows 0-1 stream kDecodeChunk pairs (per stream) from memory and
-      // rows 2-3 read the same pairs again from L1, chunk after chunk: the streams (and their prefetch) never
-      // wait for a second pass over the whole block.
+      // 2-4 rows (over_chunks). Where the walk is tuned to two streams (M = 1 reads two blocks at once), the
+      // block's first and second halves of K are read side by side into the same accumulators; 2 rows in one
+      // chunk, 3-4 kBf16ChunkPairs at a time, so the streams (and their prefetch) never wait for a second pass
+      // over the whole block. A chunk from pair 0 stores its sums, the others add to them.
       const int64_t second = p.streams == 2 ? p.K_pairs / 2 : 0;  // pairs [2 * second, K_pairs) run after
-      auto rows_over = [&](auto streams, int64_t p0, int64_t p1, bool add) {
+      const int64_t end = second ? second : p.K_pairs, tail = second ? 2 * second : p.K_pairs;
+      const int64_t chunk = p.M == 2 ? p.K_pairs : kBf16ChunkPairs;
+      auto add = [&](auto rows, auto prefetch, auto streams, int r0, int64_t p0, int64_t p1, int64_t offset) {
+        constexpr Prefetch Q = decltype(prefetch)::value;
         constexpr int S = decltype(streams)::value;
-        gemv_two_rows<P, S>(x, p.ldx, block, p0, p1, p.prefetch_bytes, c, add, second);
-        if (p.M == 3) gemv_row<Prefetch::none, S>(x + 2 * p.ldx, block, p0, p1, 0, c + 2 * kBlockN, add, second);
-        if (p.M == 4) {
-          gemv_two_rows<Prefetch::none, S>(x + 2 * p.ldx, p.ldx, block, p0, p1, 0, c + 2 * kBlockN, add, second);
+        const float* xr = x + r0 * p.ldx;
+        float* cr = c + r0 * kBlockN;
+        if constexpr (decltype(rows)::value == 2) {
+          gemv_two_rows<Q, S>(xr, p.ldx, block, p0, p1, p.prefetch_bytes, cr, p0 > 0, offset);
+        } else {
+          gemv_row<Q, S>(xr, block, p0, p1, p.prefetch_bytes, cr, p0 > 0, offset);
         }
       };
-      const int64_t end = second ? second : p.K_pairs;
-      const int64_t chunk = p.M == 2 ? end : kDecodeChunk;
-      for (int64_t p0 = 0; p0 < end; p0 += chunk) {
-        const int64_t p1 = p0 + chunk < end ? p0 + chunk : end;
-        if (second) {
-          rows_over(std::integral_constant<int, 2>{}, p0, p1, p0 > 0);
-        } else {
-          rows_over(std::integral_constant<int, 1>{}, p0, p1, p0 > 0);
-        }
-      }
-      if (second && 2 * second < p.K_pairs) rows_over(std::integral_constant<int, 1>{}, 2 * second, p.K_pairs, true);
+      auto run = [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        if (second) return over_chunks<R, P, 2>(end, chunk, second, tail, p.K_pairs, add);
+        over_chunks<R, P, 1>(end, chunk, 0, tail, p.K_pairs, add);
+      };
+      if (p.M == 2) return run(std::integral_constant<int, 2>{});
+      if (p.M == 3) return run(std::integral_constant<int, 3>{});
+      run(std::integral_constant<int, 4>{});
     });
   }
   static void store(const LinearProblem& p, int64_t col0, const float* c) { store_block(p, col0, c); }
