@@ -144,11 +144,10 @@ def splits(out_features: int, in_features: int, format: str, tasks_per_thread: i
 
 
 def candidates(unit: str, format: str) -> tuple[tuple[int, int, str], ...]:
-    """The walks that differ on ``unit`` for ``format``: the AVX2 unit streams one int4 block at a time (int8 and
-    fp8 read two halves of a block's K as their two streams)."""
-    if unit == "avx2" and format == "int4":
-        return tuple(c for c in CANDIDATES if c[0] == 1)
-    return CANDIDATES
+    """The walks that differ on ``unit`` for ``format``: those of no more streams than the unit's GEMV reads that
+    format in (the library's ``walk_streams``: the AVX2 unit reads int4 one block at a time)."""
+    most = isa.native.walk_streams(unit, format)
+    return tuple(c for c in CANDIDATES if c[0] <= most)
 
 
 def decode_units(path: str) -> tuple[str, ...]:

@@ -53,6 +53,12 @@ constexpr int kWeightFormats = 4;
 constexpr int64_t quantized_gemv_rows(bool avx2_unit, WeightFormat format) {
   return avx2_unit && (format == WeightFormat::int8 || format == WeightFormat::fp8) ? kGemvRows : 2;
 }
+// The streams a unit's M = 1 GEMV reads a weight in (the walk's `streams` runs 1 up to this): two blocks at once,
+// or on the AVX2 unit a block's two halves of K (int8, fp8; bf16 reads two blocks); its int4 GEMV reads one block
+// at a time. The walk tuning's default and its candidates (custom_ops/tuning.py, through walk_streams) follow it.
+constexpr int64_t walk_streams(bool avx2_unit, WeightFormat format) {
+  return avx2_unit && format == WeightFormat::int4 ? 1 : 2;
+}
 constexpr int64_t kFp8GroupPairs = 64;
 constexpr int64_t kInt4GroupPairs = 64;
 constexpr int64_t kQPairBytes = kPairValues;  // bytes per K pair of an int8 / fp8 block: one cache line

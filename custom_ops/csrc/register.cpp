@@ -74,6 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "prefetch hint (nta, t0, t1)");
   m.def("get_walk_tuning", &tilefx::get_walk_tuning,
         "(streams, prefetch bytes, prefetch hint) of a linear unit and weight format");
+  m.def("walk_streams", &tilefx::get_walk_streams,
+        "the most streams a linear unit's M = 1 GEMV reads a weight format in (what set_walk_tuning takes)");
   m.def("set_prefill_attention", &tilefx::set_prefill_attention,
         "the kernel an attention family (extend, mla) runs from how many new tokens on: unit (every length), "
         "sdpa (PyTorch's) or brgemm (a flash attention over oneDNN brgemm tiles)");

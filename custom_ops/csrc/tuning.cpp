@@ -23,11 +23,11 @@ constexpr int kUnits = 3, kFormats = kWeightFormats;
 // defaults of then: a gain the tuning finds in any minute.
 // The AVX2 unit (Zen 2/3) prefetches 1 KiB ahead; its int8 and fp8 GEMVs read a block's two halves of K as
 // their two streams (two blocks' sums would spill its 16 registers), 10-18% faster than one stream on Zen 3
-// (the forty-third session); int4 reads one block at a time.
+// (the forty-third session); int4 reads one block at a time (walk_streams, kernels.h).
 constexpr WalkTuning default_tuning(int unit, int format) {
   if (format == static_cast<int>(WeightFormat::bf16)) return {2, 1024, PrefetchHint::nta};
   if (unit == static_cast<int>(LinearUnit::avx2)) {
-    return {format == static_cast<int>(WeightFormat::int4) ? 1 : 2, 1024, PrefetchHint::nta};
+    return {walk_streams(/*avx2_unit=*/true, static_cast<WeightFormat>(format)), 1024, PrefetchHint::nta};
   }
   return {2, 0, PrefetchHint::nta};
 }
@@ -262,16 +262,28 @@ WalkTuning walk_tuning(LinearUnit unit, WeightFormat format) {
 
 void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes,
                      const std::string& prefetch_hint) {
-  TORCH_CHECK(streams == 1 || streams == 2, "tilefx tuning: streams must be 1 or 2, got ", streams);
+  const LinearUnit which = parse_unit(unit);
+  const WeightFormat kind = parse_format(format);
+  const int64_t most = unit_walk_streams(which, kind);
+  TORCH_CHECK(streams >= 1 && streams <= most, "tilefx tuning: the ", unit, " unit reads ", format, " in 1",
+              most > 1 ? std::string(" or ") + std::to_string(most) : std::string(), " stream(s), got ", streams);
   TORCH_CHECK(prefetch_bytes >= 0 && prefetch_bytes <= 65536 && prefetch_bytes % 64 == 0,
               "tilefx tuning: prefetch_bytes must be a multiple of 64 in [0, 65536], got ", prefetch_bytes);
   int hint = 0;
   while (hint < 3 && prefetch_hint != kHintNames[hint]) ++hint;
   TORCH_CHECK(hint < 3, "tilefx tuning: prefetch_hint must be nta, t0 or t1, got '", prefetch_hint, "'");
-  Slot& s = slot(parse_unit(unit), parse_format(format));
+  Slot& s = slot(which, kind);
   s.streams = streams;
   s.prefetch_bytes = prefetch_bytes;
   s.prefetch_hint = static_cast<PrefetchHint>(hint);
+}
+
+int64_t unit_walk_streams(LinearUnit unit, WeightFormat format) {
+  return walk_streams(unit == LinearUnit::avx2, format);
+}
+
+int64_t get_walk_streams(const std::string& unit, const std::string& format) {
+  return unit_walk_streams(parse_unit(unit), parse_format(format));
 }
 
 std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format) {

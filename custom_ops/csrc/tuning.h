@@ -14,18 +14,21 @@
 namespace tilefx {
 
 struct WalkTuning {
-  int64_t streams;         // M = 1: weight blocks a thread reads at once (1 or 2)
+  int64_t streams;         // M = 1: streams a thread reads a weight in (1 up to walk_streams, kernels.h)
   int64_t prefetch_bytes;  // software prefetch distance of each stream (0: none)
   PrefetchHint prefetch_hint;
 };
 
 WalkTuning walk_tuning(LinearUnit unit, WeightFormat format);
 // `unit` and `format` by the names isa.kernel_units and weights.FORMATS use; refuses others and
-// values outside what the kernels take (streams 1 or 2; prefetch 0..65536 bytes, a multiple of 64;
-// hint "nta", "t0" or "t1").
+// values outside what the kernels take (streams 1 up to the unit's walk_streams; prefetch 0..65536 bytes, a
+// multiple of 64; hint "nta", "t0" or "t1").
 void set_walk_tuning(const std::string& unit, const std::string& format, int64_t streams, int64_t prefetch_bytes,
                      const std::string& prefetch_hint);
 std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format);
+// How many streams a unit's M = 1 GEMV reads a format in (walk_streams, kernels.h): what the tuning may set.
+int64_t unit_walk_streams(LinearUnit unit, WeightFormat format);
+int64_t get_walk_streams(const std::string& unit, const std::string& format);
 
 // Prefill attention: from how many new tokens on an attention op runs another kernel than the
 // path's attention unit (one query row at a time): PyTorch's own scaled_dot_product_attention

@@ -170,6 +170,20 @@ def test_the_native_table_refuses_what_the_kernels_do_not_take():
             isa.native.set_decode_split(format, tasks)
 
 
+@pytest.mark.parametrize("unit", ["avx2", "avx512_bf16"])
+def test_the_walks_tuned_are_those_the_unit_reads(unit):
+    """The library says how many streams a unit's GEMV reads each format in (walk_streams); the tuning's candidates
+    stay within it and the table refuses more: the AVX2 unit reads int4 one block at a time."""
+    for format in ("bf16", "int8", "fp8", "int4"):
+        most = isa.native.walk_streams(unit, format)
+        walks = tuning.candidates(unit, format)
+        assert {w[0] for w in walks} == set(range(1, most + 1))
+        if most < 2:
+            with pytest.raises(RuntimeError, match="reads int4 in 1 stream"):
+                isa.native.set_walk_tuning(unit, format, 2, 1024, "nta")
+    assert (isa.native.walk_streams("avx2", "int4"), isa.native.walk_streams(unit, "bf16")) == (1, 2)
+
+
 def test_the_pass_misses_the_largest_cache_sysfs_gives(tmp_path, monkeypatch):
     """The tuning pass (and bench_kernels' cold copies) cycle through 4x the largest cache, read from sysfs as
     Linux writes it: a Xeon's 300 MiB L3 makes a 1200 MiB pass, not the 256 MiB floor it would sit inside."""
