@@ -172,11 +172,12 @@ inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   return p.scales[block * p.k_groups + pair / kFp8GroupPairs];
 }
 
-// Scratch floats a linear_blocks_* call needs: two fp32 result tiles, and for a quantized
-// GEMM one dequantized bf16 block.
-inline int64_t linear_scratch_floats(const LinearProblem& p) {
+// Scratch floats a linear_blocks_* call needs (on the AVX2 unit or another): two fp32 result tiles, and where the
+// unit dequantizes (a quantized problem of more than quantized_gemv_rows rows) one dequantized bf16 block.
+inline int64_t linear_scratch_floats(const LinearProblem& p, bool avx2_unit) {
   const int64_t rows = p.M > 2 ? p.M : 2;
-  return 2 * rows * kBlockN + (p.format != WeightFormat::bf16 && p.M > 2 ? p.K_pairs * kBlockN : 0);
+  const bool panel = p.format != WeightFormat::bf16 && p.M > quantized_gemv_rows(avx2_unit, p.format);
+  return 2 * rows * kBlockN + (panel ? p.K_pairs * kBlockN : 0);
 }
 
 // int4: the fp16 scales of block `block`'s group `group` (kBlockN), its zero points kBlockN further.
@@ -195,7 +196,7 @@ void quantize_groups_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ld
                                      float* sums);
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
-// linear_scratch_floats(p) floats.
+// linear_scratch_floats(p, /*avx2_unit=*/true) floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
 // The same over bf16 pairs, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports

@@ -211,7 +211,8 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
     return y;
   }
   const int64_t units = silu_mul ? blocks / 2 : blocks;
-  const size_t scratch_floats = brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);
+  const size_t scratch_floats =
+      brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p, unit == LinearUnit::avx2);
   parallel_chunks(units, /*min_chunk=*/2, [&](int64_t begin, int64_t end) {
     thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);

@@ -56,7 +56,8 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
   const LinearProblem widest = make_problem(largest);
   auto on_brgemm = [&](const LinearProblem& p) { return reads_pairs(isa) && prefill_on_brgemm(units, p.format, p.M); };
   const size_t scratch_floats =
-      std::max(linear_scratch_floats(widest), on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
+      std::max(linear_scratch_floats(widest, isa == LinearUnit::avx2),
+               on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
   parallel_chunks(work, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
