@@ -264,7 +264,7 @@ void set_walk_tuning(const std::string& unit, const std::string& format, int64_t
                      const std::string& prefetch_hint) {
   const LinearUnit which = parse_unit(unit);
   const WeightFormat kind = parse_format(format);
-  const int64_t most = unit_walk_streams(which, kind);
+  const int64_t most = walk_streams(which == LinearUnit::avx2, kind);
   TORCH_CHECK(streams >= 1 && streams <= most, "tilefx tuning: the ", unit, " unit reads ", format, " in 1",
               most > 1 ? std::string(" or ") + std::to_string(most) : std::string(), " stream(s), got ", streams);
   TORCH_CHECK(prefetch_bytes >= 0 && prefetch_bytes <= 65536 && prefetch_bytes % 64 == 0,
@@ -278,12 +278,8 @@ void set_walk_tuning(const std::string& unit, const std::string& format, int64_t
   s.prefetch_hint = static_cast<PrefetchHint>(hint);
 }
 
-int64_t unit_walk_streams(LinearUnit unit, WeightFormat format) {
-  return walk_streams(unit == LinearUnit::avx2, format);
-}
-
 int64_t get_walk_streams(const std::string& unit, const std::string& format) {
-  return unit_walk_streams(parse_unit(unit), parse_format(format));
+  return walk_streams(parse_unit(unit) == LinearUnit::avx2, parse_format(format));
 }
 
 std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format) {

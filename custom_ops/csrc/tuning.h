@@ -27,7 +27,6 @@ void set_walk_tuning(const std::string& unit, const std::string& format, int64_t
                      const std::string& prefetch_hint);
 std::tuple<int64_t, int64_t, std::string> get_walk_tuning(const std::string& unit, const std::string& format);
 // How many streams a unit's M = 1 GEMV reads a format in (walk_streams, kernels.h): what the tuning may set.
-int64_t unit_walk_streams(LinearUnit unit, WeightFormat format);
 int64_t get_walk_streams(const std::string& unit, const std::string& format);
 
 // Prefill attention: from how many new tokens on an attention op runs another kernel than the

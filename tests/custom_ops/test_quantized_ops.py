@@ -71,8 +71,9 @@ INT8_DECODE_SHAPES = [((1,), 64, 64), ((1,), 33, 7), ((1,), 96, 300), ((2,), 200
 
 @pytest.mark.parametrize("rows,out_features,in_features", INT8_DECODE_SHAPES)
 def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_features):
-    """int8 decode (up to 2 rows; 4 on the AVX2 unit) on every unit: x as int16 words per row against the int8 weight, within 1e-2 of
-    the fp32 product of those rows and the dequantized weight; plain, linear_float and gate/up."""
+    """int8 decode (up to 2 rows; 4 on the AVX2 unit) on every unit: x as int16 words per row against the int8
+    weight, within 1e-2 of the fp32 product of those rows and the dequantized weight; plain, linear_float and
+    gate/up."""
     if kernel_path == "reference":
         pytest.skip("the reference multiplies x as it is")
     weight = _weight(out_features, in_features, seed=out_features * 3 + in_features)
