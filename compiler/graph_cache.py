@@ -142,8 +142,10 @@ class GraphCache:
     def open(cls, model, options, uuid: str, *, sources: Sequence[pathlib.Path]) -> GraphCache | None:
         """The cache for ``model`` (None where it is off). ``sources``: directories of the caller's code that
         shapes the graphs, hashed into the key with the compiler's own (``model_key``)."""
-        if not options.graph_cache or options.freezing or not options.fullgraph:
-            return None  # frozen graphs read weights as constants, not sources; graph breaks: several per call
+        if not options.graph_cache or options.freezing or not options.fullgraph or not options.inductor:
+            # frozen graphs read weights as constants, not sources; graph breaks: several per call; without
+            # Inductor nothing is compiled to keep
+            return None
         if torch.compiler.config.force_disable_caches:
             return None
         key = model_key(model, options, uuid, sources=sources)

@@ -31,6 +31,12 @@ class CompileOptions:
     # itself) at ~25-40% more compile time on a cold cache (docs/PERFORMANCE.md). Off until it is measured on a
     # many-core CPU, where the step is shorter and the saving weighs more.
     cpp_wrapper: bool = False
+    # Off: the rewritten graphs run as the PyTorch ops they hold, without Inductor (Dynamo's "eager" backend
+    # after tilefx's passes): the same tilefx ops and packed weights, with the glue between them run op by op.
+    # A debugging switch: tokens that differ with Inductor on and agree with it off point at Inductor's compile
+    # of the rewritten graph, not at the passes or the kernels. Compiles in a fraction of the time, decodes
+    # slower (each glue op a call); no graph cache (there is nothing compiled to keep).
+    inductor: bool = True
     fullgraph: bool = True  # a graph break is an error, not a silent slow path
     # A prompt longer than this runs as consecutive prefill calls of at most this many tokens, each continuing
     # the cache (0: in one call). Every intermediate of a prefill call grows with its tokens (the attention mask

@@ -141,6 +141,29 @@ def test_compiled_inside_inference_mode_generates_outside_it():
     assert compiled.tilefx.report.recompiles == 0
 
 
+def test_without_inductor_the_rewritten_graphs_run_as_they_are(monkeypatch):
+    """inductor=False, the switch that tells Inductor's faults from the passes': the same tilefx ops run, with
+    the glue op by op, Inductor never called, and greedy tokens equal eager's."""
+    from tilefx.compiler import backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Inductor was called with inductor=False")
+
+    monkeypatch.setattr(backend, "compile_fx", refuse)
+    reference = build_model("tiny-qwen3", seed=3)
+    compiled = tilefx.compile_model(build_model("tiny-qwen3", seed=3), max_seq_len=32, inductor=False,
+                                    progress=False)
+    ids, mask = padded_batch([_prompt(6, 22)])
+    out = compiled.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert assert_greedy_matches(reference, ids, mask, out) >= 6
+    graphs = compiled.tilefx.report.graphs
+    assert {g.phase for g in graphs} == {"prefill", "decode"} and compiled.tilefx.report.recompiles == 0
+    for graph in graphs:
+        assert graph.tilefx_ops["tilefx.linear"] > 0 and graph.tilefx_ops["tilefx.linear_silu_mul"] == 2
+    assert compiled.tilefx.graph_cache is None
+    assert "Inductor off (inductor=False)" in tilefx.explain(compiled)
+
+
 def test_too_long_request_fails_cleanly_then_recovers(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(40, 4)])

@@ -129,6 +129,7 @@ def test_cache_is_off_where_graphs_cannot_be_called_from_sources():
     model = build_model("tiny-llama", seed=0)
     assert GraphCache.open(model, CompileOptions(graph_cache=False), "u", sources=[]) is None
     assert GraphCache.open(model, CompileOptions(freezing=True), "u", sources=[]) is None  # weights: constants
+    assert GraphCache.open(model, CompileOptions(inductor=False), "u", sources=[]) is None  # nothing compiled
     with torch.compiler.config.patch(force_disable_caches=True):
         assert GraphCache.open(model, CompileOptions(), "u", sources=[]) is None
 

@@ -1,11 +1,12 @@
 """One tensor-parallel rank, run by torchrun from tests/test_tp.py:
 
-    torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] CKPT [CKPT ...]
+    torchrun --nproc-per-node 2 tests/tp_worker.py OUT_DIR [--batch2 NAME,...] [--no-inductor NAME,...] CKPT ...
 
 For each checkpoint: compile_model(CKPT, tp=world size), greedy generate() for a batch-1 prompt and, for the
 checkpoints named by --batch2 (all without it), a padded batch of 2, a beam search of 2 beams (compiled for
 max_batch 2: twice the graphs) and prompt lookup decoding (drafts checked several tokens a forward, rejected ones
-cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json.
+cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json. The checkpoints named by
+--no-inductor compile with inductor=False (the same passes and kernels, the glue run op by op).
 """
 
 from __future__ import annotations
@@ -55,15 +56,21 @@ def resident_weight_bytes(model) -> int:
 
 def main() -> None:
     out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
-    batch2 = None
-    if checkpoints and checkpoints[0] == "--batch2":
-        batch2, checkpoints = set(checkpoints[1].split(",")), checkpoints[2:]
+    batch2, no_inductor = None, set()
+    while checkpoints and checkpoints[0] in ("--batch2", "--no-inductor"):
+        names = set(checkpoints[1].split(","))
+        if checkpoints[0] == "--batch2":
+            batch2 = names
+        else:
+            no_inductor = names
+        checkpoints = checkpoints[2:]
     world = int(os.environ["WORLD_SIZE"])
     for checkpoint in checkpoints:
         start = time.perf_counter()
         rows = 2 if batch2 is None or pathlib.Path(checkpoint).name in batch2 else 1
         with adapter_lookups() as lookups:
-            model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=rows, progress=False)
+            model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=rows, progress=False,
+                                         inductor=pathlib.Path(checkpoint).name not in no_inductor)
         rank = dist.get_rank()
         prompt = torch.tensor([[5, 17, 33, 101, 7, 250, 64, 3, 99, 12, 41, 8, 77]])
         batch_ids = torch.tensor([[0, 0, 0, 9, 23, 51, 6], [4, 18, 200, 31, 90, 11, 2]])

@@ -189,7 +189,8 @@ def explain(model) -> str:
         *([report.tp_line()] if opts.tp_world_size > 1 else []),
         f"graphs {len(report.graphs)} ({report.warmup_graphs} at warm-up), recompiles since warm-up "
         f"{report.recompiles}, graph breaks {report.graph_breaks}" + (" (fullgraph)" if opts.fullgraph else "")
-        + ("; Inductor's C++ wrapper" if opts.cpp_wrapper else ""),
+        + ("; Inductor's C++ wrapper" if opts.cpp_wrapper else "")
+        + ("" if opts.inductor else "; Inductor off (inductor=False): the glue runs op by op"),
     ]
     for index, graph in enumerate(report.graphs):
         ops = ", ".join(f"{name} x{count}" for name, count in sorted(graph.tilefx_ops.items())) or "none"
