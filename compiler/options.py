@@ -73,6 +73,9 @@ class CompileOptions:
             raise ValueError(f"prefill_chunk={self.prefill_chunk!r}: expected a token count (0: no chunks)")
         if self.weights not in WEIGHT_FORMATS:
             raise ValueError(f"weights={self.weights!r}: expected one of {', '.join(map(repr, WEIGHT_FORMATS))}")
+        if not self.inductor and (self.cpp_wrapper or self.freezing):
+            chosen = " and ".join(name for name in ("cpp_wrapper", "freezing") if getattr(self, name))
+            raise ValueError(f"{chosen}=True is an Inductor setting: it needs inductor=True")
         if self.dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"dtype={self.dtype}: expected torch.bfloat16, torch.float16 or torch.float32")
 

@@ -96,6 +96,12 @@ def test_a_bad_prefill_chunk_fails_before_loading(chunk):
         tilefx.compile_model("./does/not/exist", prefill_chunk=chunk)
 
 
+@pytest.mark.parametrize("setting", ["cpp_wrapper", "freezing"])
+def test_inductors_settings_without_inductor_fail_before_loading(setting):
+    with pytest.raises(ValueError, match=f"{setting}=True is an Inductor setting: it needs inductor=True"):
+        tilefx.compile_model("./does/not/exist", inductor=False, **{setting: True})
+
+
 def test_every_preset_family_has_an_adapter():
     for preset in PRESETS.values():
         assert preset.model_type in ADAPTERS
