@@ -84,8 +84,8 @@ def tp2(checkpoints, tmp_path_factory):
     """Each checkpoint compiled with tp=2 and generated from on both ranks: {name: [rank 0 result, rank 1 result]}."""
     out = tmp_path_factory.mktemp("tp-out")
     names = [name for name in checkpoints if name != UNCOMPILED]
-    done = torchrun("tests/tp_worker.py", str(out), "--batch2", ",".join(BATCH2), "--no-inductor", ",".join(NO_INDUCTOR),
-                    *(str(checkpoints[n]) for n in names))
+    done = torchrun("tests/tp_worker.py", str(out), "--batch2", ",".join(BATCH2),
+                    "--no-inductor", ",".join(NO_INDUCTOR), *(str(checkpoints[n]) for n in names))
     assert done.returncode == 0, done.stderr[-12000:]
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in names}
 
