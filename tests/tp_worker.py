@@ -11,12 +11,12 @@ cropped), and write what the test checks to OUT_DIR/<ckpt name>.rank<R>.json. Th
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import faulthandler
 import json
 import os
 import pathlib
-import sys
 import time
 
 import torch
@@ -54,23 +54,26 @@ def resident_weight_bytes(model) -> int:
     return sum(resident_bytes(address, nbytes) for address, nbytes in storages.items())
 
 
+def _names(text: str) -> set[str]:
+    return set(text.split(","))
+
+
 def main() -> None:
-    out, checkpoints = pathlib.Path(sys.argv[1]), sys.argv[2:]
-    batch2, no_inductor = None, set()
-    while checkpoints and checkpoints[0] in ("--batch2", "--no-inductor"):
-        names = set(checkpoints[1].split(","))
-        if checkpoints[0] == "--batch2":
-            batch2 = names
-        else:
-            no_inductor = names
-        checkpoints = checkpoints[2:]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--batch2", type=_names, default=None, help="the checkpoints that also run batch 2 (all)")
+    parser.add_argument("--no-inductor", type=_names, default=set(), help="the checkpoints compiled inductor=False")
+    parser.add_argument("checkpoints", nargs="+")
+    args = parser.parse_args()
+    out = args.out
     world = int(os.environ["WORLD_SIZE"])
-    for checkpoint in checkpoints:
+    for checkpoint in args.checkpoints:
         start = time.perf_counter()
-        rows = 2 if batch2 is None or pathlib.Path(checkpoint).name in batch2 else 1
+        name = pathlib.Path(checkpoint).name
+        rows = 2 if args.batch2 is None or name in args.batch2 else 1
         with adapter_lookups() as lookups:
             model = tilefx.compile_model(checkpoint, tp=world, max_seq_len=64, max_batch=rows, progress=False,
-                                         inductor=pathlib.Path(checkpoint).name not in no_inductor)
+                                         inductor=name not in args.no_inductor)
         rank = dist.get_rank()
         prompt = torch.tensor([[5, 17, 33, 101, 7, 250, 64, 3, 99, 12, 41, 8, 77]])
         batch_ids = torch.tensor([[0, 0, 0, 9, 23, 51, 6], [4, 18, 200, 31, 90, 11, 2]])
@@ -111,7 +114,7 @@ def main() -> None:
             "compile_threads": torch._inductor.config.compile_threads,
             "seconds": time.perf_counter() - start,  # compile and generate: what each checkpoint costs the suite
         }
-        (out / f"{pathlib.Path(checkpoint).name}.rank{rank}.json").write_text(json.dumps(result))
+        (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
         del model
     dist.destroy_process_group()
 
