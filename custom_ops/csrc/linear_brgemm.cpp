@@ -35,16 +35,26 @@ constexpr int64_t kDecodeGemmPairs = 1024;
 // at most kGroupBytes, and each row tile of x meets the whole group before the next tile: x is read
 // once per group rather than once per block. x of 1024 rows at K 2048 is 4 MiB, past an L2, so
 // block by block every block read it again from L3; at AMX's GEMM rate that traffic is a share of
-// the time (at Zen 4's, brgemm is compute-bound either way: measured level).
+// the time (at Zen 4's, brgemm is compute-bound either way: measured level). bf16 blocks are counted
+// by the K chunk a call takes, not whole: with K in chunks, the group's chunk is what stays in L2
+// while the row tiles pass, and K 8192 (a down projection) would otherwise make every group one block
+// and every block read all of x again (x of 1024 rows is then 16 MiB, read from L3 per block at a
+// third of AMX's rate). A quantized group's blocks are dequantized whole, so they count whole.
 constexpr int64_t kGroupBytes = 512 << 10;
 constexpr int64_t kMaxGroup = 8;
+
+// Rows of x whose fp32 results a group keeps while K's chunks pass (at most kMaxGroup units of 2 blocks:
+// 512 KiB of scratch); a longer prompt takes the group's chunks again per panel of rows.
+constexpr int64_t kPanelRows = 256;
 
 // Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
 int64_t blocks_per_unit(const LinearProblem& p) { return p.silu_mul ? 2 : 1; }
 
-// Units a group holds: their blocks of K pairs in bf16 within kGroupBytes.
-int64_t group_units(const LinearProblem& p) {
-  const int64_t unit_bytes = blocks_per_unit(p) * block_values(p.K_pairs) * int64_t{sizeof(uint16_t)};
+// Units a group holds: their blocks' bf16 (a chunk of `chunk_pairs` of each where they are bf16) within
+// kGroupBytes.
+int64_t group_units(const LinearProblem& p, int64_t chunk_pairs) {
+  const int64_t pairs = p.format == WeightFormat::bf16 ? std::min(chunk_pairs, p.K_pairs) : p.K_pairs;
+  const int64_t unit_bytes = blocks_per_unit(p) * block_values(pairs) * int64_t{sizeof(uint16_t)};
   return std::clamp<int64_t>(kGroupBytes / std::max<int64_t>(unit_bytes, 1), 1, kMaxGroup);
 }
 
@@ -75,12 +85,13 @@ const UnitEpilogue& epilogue_of(LinearUnit unit) {
 }
 
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
-  const int64_t tile = std::min(p.M, kMaxGemmRows);
-  // the quantized group's bf16 panels, in floats
+  // the results of a panel of rows for the largest group any tiling makes (a tiling set meanwhile is safe)
+  const int64_t results = std::min(p.M, kPanelRows) * kMaxGroup * blocks_per_unit(p) * kBlockN;
+  // the quantized group's bf16 panels, in floats (whole blocks: no tiling changes their group)
   const int64_t panels = p.format == WeightFormat::bf16
                              ? 0
-                             : group_units(p) * blocks_per_unit(p) * block_values(p.K_pairs) / 2;
-  return 2 * tile * kBlockN + panels;
+                             : group_units(p, p.K_pairs) * blocks_per_unit(p) * block_values(p.K_pairs) / 2;
+  return results + panels;
 }
 
 void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
@@ -92,9 +103,9 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const GemmTiling tiling = p.M > kGemvRows ? gemm_tiling() : GemmTiling{kGemvRows, kDecodeGemmPairs};
   const int64_t tile = std::min(p.M, tiling.rows);
   const int64_t per_unit = blocks_per_unit(p);
-  const int64_t widest = std::min(p.M, kMaxGemmRows);  // the tile scratch holds (brgemm_scratch_floats)
-  float* results[2] = {scratch, scratch + widest * kBlockN};
-  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + 2 * widest * kBlockN);
+  const int64_t panel_rows = std::min(p.M, kPanelRows);
+  float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
+  uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
 
   // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
@@ -104,36 +115,43 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
     epilogue.dequantize[static_cast<int>(p.format)](p, block, panel);
     return reinterpret_cast<const at::BFloat16*>(panel);
   };
-  auto multiply = [&](const at::BFloat16* b, int64_t block, int64_t row, int64_t rows, float* c) {
-    for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
-      const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
-      at::native::cpublas::brgemm(rows, kBlockN, 2 * pairs, p.ldx, kBlockN, kBlockN, /*add_C=*/q > 0,
-                                  x + row * p.ldx + 2 * q, b + block_values(q), c);
-    }
-    if (p.format == WeightFormat::int8) {  // the dequantized panel is unscaled: its column scales apply here
-      const float* s = p.scales + block * kBlockN;
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
-    }
-  };
-  // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul.
-  const int64_t group = group_units(p);
+  // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul; the group's i-th block
+  // (unit i / per_unit) keeps its results at results + i * panel_rows * kBlockN.
+  const int64_t group = group_units(p, tiling.pairs);
   const at::BFloat16* b[kMaxGroup * 2];
   for (int64_t first = begin; first < end; first += group) {
-    const int64_t units = std::min(group, end - first);
-    for (int64_t i = 0; i < units * per_unit; ++i) b[i] = weight(first * per_unit + i, i);
-    for (int64_t row = 0; row < p.M; row += tile) {
-      const int64_t rows = std::min(tile, p.M - row);
-      const LinearProblem out = row_tile(p, row, rows);
+    const int64_t units = std::min(group, end - first), blocks = units * per_unit;
+    for (int64_t i = 0; i < blocks; ++i) b[i] = weight(first * per_unit + i, i);
+    for (int64_t panel = 0; panel < p.M; panel += panel_rows) {
+      const int64_t prows = std::min(panel_rows, p.M - panel);
+      // K's chunks outermost: a chunk of the group's blocks stays in L2 while the panel's row tiles pass
+      for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
+        const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
+        for (int64_t row = panel; row < panel + prows; row += tile) {
+          const int64_t rows = std::min(tile, panel + prows - row);
+          for (int64_t i = 0; i < blocks; ++i) {
+            at::native::cpublas::brgemm(rows, kBlockN, 2 * pairs, p.ldx, kBlockN, kBlockN, /*add_C=*/q > 0,
+                                        x + row * p.ldx + 2 * q, b[i] + block_values(q),
+                                        results + (i * panel_rows + row - panel) * kBlockN);
+          }
+        }
+      }
+      const LinearProblem out = row_tile(p, panel, prows);
+      if (p.format == WeightFormat::int8) {  // the dequantized panels are unscaled: the column scales apply here
+        for (int64_t i = 0; i < blocks; ++i) {
+          const float* s = p.scales + (first * per_unit + i) * kBlockN;
+          float* c = results + i * panel_rows * kBlockN;
+          for (int64_t m = 0; m < prows; ++m)
+            for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
+        }
+      }
       for (int64_t i = 0; i < units; ++i) {
         const int64_t u = first + i;
+        const float* c = results + i * per_unit * panel_rows * kBlockN;
         if (p.silu_mul) {
-          multiply(b[2 * i], 2 * u, row, rows, results[0]);
-          multiply(b[2 * i + 1], 2 * u + 1, row, rows, results[1]);
-          epilogue.store_silu_mul(out, u * kBlockN, results[0], results[1]);
+          epilogue.store_silu_mul(out, u * kBlockN, c, c + panel_rows * kBlockN);
         } else {
-          multiply(b[i], u, row, rows, results[0]);
-          epilogue.store(out, u * kBlockN, results[0]);
+          epilogue.store(out, u * kBlockN, c);
         }
       }
     }

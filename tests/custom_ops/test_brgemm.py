@@ -48,8 +48,8 @@ def _linear_ops(format, rows, in_features, out_features, intermediate):
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
-@pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90)],
-                         ids=["5x300", "70x301-odd", "3x256", "70x64-groups"])
+@pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90), (300, 320, 3)],
+                         ids=["5x300", "70x301-odd", "3x256", "70x64-groups", "300x320-panels"])
 @pytest.mark.parametrize("tiling", [tuning.GEMM_TILING_DEFAULT, (16, 64), (256, 2048)],
                          ids=["64x1024", "16x64", "256x2048"])
 def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features, blocks, tiling):
@@ -57,7 +57,8 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     K (padded pair) and a ragged last block; 90 blocks make chunks of several groups of blocks (a row tile meets a
     group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced. In each tiling
     tuning may choose: 16 rows x 64 pairs takes x in several row tiles and K in chunks with a ragged last one
-    (150 and 151 pairs), 256 x 2048 all of both at once."""
+    (150 and 151 pairs), 256 x 2048 all of both at once. 300 rows are two panels of rows (256 and 44), each taking
+    K's chunks again."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
     # a ragged last block; gate/up take whole blocks
