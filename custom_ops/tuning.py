@@ -690,9 +690,14 @@ GEMM_ROUNDS = 3
 # dequantized whole before either applies. On a 2-core Zen 4 (oneDNN's AVX512-BF16 kernels) the rows moved nothing
 # and chunks of 512 pairs or fewer cost 15-20% (docs/PERFORMANCE.md); AMX's tiles take 16 rows of x at a time, and
 # its GEMM rate makes the caches' traffic a larger share, so there the answer may differ.
-GEMM_TILING_DEFAULT = (64, 1024)
+GEMM_TILING_DEFAULT = (64, 1024, "brgemm")
 GEMM_TILING_PAIRS = (512, 1024, 2048)
 GEMM_TILING_ROWS = (32, 64, 128, 256)
+# Where the CPU has AMX, tilefx's own tile kernel (csrc/linear_amx.cpp) runs in place of brgemm's calls: a panel
+# of rows at once over each chunk, fetching the next chunk's weights while it multiplies (a brgemm call cannot).
+# These run against brgemm's tiling kept. (The pass's weights sit in cache after its first round, so it times
+# the multiply more than the stream; at a short prompt's rows, where the prefetch pays, the kernel gains more.)
+GEMM_TILES = ((256, 1024, "tiles"), (128, 1024, "tiles"), (256, 512, "tiles"))
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -720,16 +725,18 @@ class GemmChoice:
 class GemmTilingChoice:
     """The linear ops' blocking on brgemm, and where it came from."""
 
-    tiling: tuple  # (rows of x a call, K pairs a chunk)
+    tiling: tuple  # (rows of x a call, K pairs a chunk, kernel: "brgemm" or "tiles")
     how: str  # "tuned", "cached", "untuned"
-    gflops: dict = dataclasses.field(default_factory=dict)  # (rows, pairs) -> GFLOP/s of the tuning pass
+    gflops: dict = dataclasses.field(default_factory=dict)  # tiling -> GFLOP/s of the tuning pass
     seconds: float = 0.0
 
     def line(self) -> str:
-        what = f"prefill GEMM tiling: {self.tiling[0]} rows x {self.tiling[1]} K pairs a brgemm call"
+        rows, pairs, kernel = self.tiling
+        call = "a brgemm call" if kernel == "brgemm" else "a call of tilefx's AMX tiles"
+        what = f"prefill GEMM tiling: {rows} rows x {pairs} K pairs {call}"
         if self.how == "untuned":
             return f"{what} (not tuned)"
-        rates = ", ".join(f"{rows}x{pairs} {g:.0f}" for (rows, pairs), g in sorted(self.gflops.items()))
+        rates = ", ".join(f"{_tiling_name(t)} {g:.0f}" for t, g in sorted(self.gflops.items()))
         return f"{what} ({self.how}: GFLOP/s {rates}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
@@ -827,16 +834,37 @@ def tune_gemm(format: str, path: str) -> GemmChoice:
     return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started)
 
 
-def forced_gemm_tiling(rows: int, pairs: int):
-    """Run a block with the linear ops' brgemm blocking forced: ``rows`` of x a call, K in chunks of ``pairs``."""
-    return _temporarily(isa.native.get_gemm_tiling, isa.native.set_gemm_tiling, (), (rows, pairs))
+def _tiling_name(tiling: tuple) -> str:
+    """A tiling as the tuning line and the cache name it: ``64x1024``, ``tiles 256x128``."""
+    rows, pairs, kernel = tiling
+    return f"{rows}x{pairs}" if kernel == "brgemm" else f"{kernel} {rows}x{pairs}"
+
+
+def _tiling_of(name: str) -> tuple:
+    """The tiling ``_tiling_name`` named."""
+    kernel, _, dims = name.rpartition(" ")
+    rows, pairs = dims.split("x")
+    return int(rows), int(pairs), kernel or "brgemm"
+
+
+def forced_gemm_tiling(rows: int, pairs: int, kernel: str = "brgemm"):
+    """Run a block with the linear ops' brgemm blocking forced: ``rows`` of x a call, K in chunks of ``pairs``, on
+    oneDNN's brgemm calls or (``kernel="tiles"``, a CPU with AMX) tilefx's tile kernel."""
+    return _temporarily(isa.native.get_gemm_tiling, isa.native.set_gemm_tiling, (), (rows, pairs, kernel))
+
+
+def amx_tiles_run() -> bool:
+    """Whether tilefx's AMX tile kernel runs here (a CPU with AMX)."""
+    return isa.native is not None and isa.native.cpu_has("amx")
 
 
 def tune_gemm_tiling(path: str) -> GemmTilingChoice:
     """Time brgemm's blockings on the prefill GEMM pass in bf16, each step's candidates interleaved over
     ``GEMM_ROUNDS`` rounds: the K chunk (``GEMM_TILING_PAIRS``) at the default rows, then the rows
     (``GEMM_TILING_ROWS``) at the chunk kept, each step keeping a candidate only where it beats the one before
-    by ``MIN_GAIN``; a winner other than the default must beat it again head to head. Set the result."""
+    by ``MIN_GAIN``; a winner other than the default must beat it again head to head. Where the CPU has AMX, the
+    tile kernel's candidates (``GEMM_TILES``) then run against the tiling kept, which a tile candidate must beat
+    by ``MIN_GAIN``. Set the result."""
     started = time.perf_counter()
     tensors, inputs, flops = _gemm_pass("bf16")
     default = GEMM_TILING_DEFAULT
@@ -845,13 +873,17 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
         return _gemm_medians(tensors, inputs, tilings, lambda tiling: forced_gemm_tiling(*tiling))
 
     with isa.forced(path), torch.inference_mode(), forced_gemm("bf16", "brgemm"):
-        seconds = medians([(default[0], pairs) for pairs in GEMM_TILING_PAIRS])
-        _, pairs = fastest_by_min_gain(seconds, default)
-        tiles = medians([(rows, pairs) for rows in GEMM_TILING_ROWS])
+        seconds = medians([(default[0], pairs, "brgemm") for pairs in GEMM_TILING_PAIRS])
+        _, pairs, _ = fastest_by_min_gain(seconds, default)
+        tiles = medians([(rows, pairs, "brgemm") for rows in GEMM_TILING_ROWS])
         seconds.update(tiles)
-        tiling = fastest_by_min_gain(tiles, (default[0], pairs))
+        tiling = fastest_by_min_gain(tiles, (default[0], pairs, "brgemm"))
         if tiling != default:  # the fastest of several noisy candidates looks faster than it is
             tiling = fastest_by_min_gain(medians([default, tiling]), default)
+        if amx_tiles_run():
+            kernels = medians([tiling, *GEMM_TILES])
+            seconds.update(kernels)
+            tiling = fastest_by_min_gain(kernels, tiling)
     isa.native.set_gemm_tiling(*tiling)
     gflops = {t: flops / s / 1e9 for t, s in seconds.items()}
     return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started)
@@ -925,12 +957,12 @@ def _tuned_gemm_tiling(path: str, saved: dict) -> tuple[GemmTilingChoice, bool]:
     key = _machine_key(path, "gemm_tiling")
     entry = saved.get(key)
     if entry is not None:
-        tiling = tuple(entry["tiling"])
+        tiling = _tiling_of(entry["tiling"])
         isa.native.set_gemm_tiling(*tiling)
-        gflops = {tuple(int(v) for v in t.split("x")): g for t, g in entry["gflops"].items()}
+        gflops = {_tiling_of(t): g for t, g in entry["gflops"].items()}
         return GemmTilingChoice(tiling, "cached", gflops), False
     choice = tune_gemm_tiling(path)
-    saved[key] = {"tiling": list(choice.tiling), "gflops": {f"{r}x{p}": g for (r, p), g in choice.gflops.items()}}
+    saved[key] = {"tiling": _tiling_name(choice.tiling), "gflops": {_tiling_name(t): g for t, g in choice.gflops.items()}}
     return choice, True
 
 

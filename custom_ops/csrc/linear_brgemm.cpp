@@ -100,10 +100,13 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   TORCH_CHECK(reinterpret_cast<uintptr_t>(scratch) % kCacheLine == 0, "tilefx brgemm: scratch must be cache-line aligned");
   const UnitEpilogue& epilogue = epilogue_of(unit);
   const int64_t block_elems = block_values(p.K_pairs);
-  const GemmTiling tiling = p.M > kGemvRows ? gemm_tiling() : GemmTiling{kGemvRows, kDecodeGemmPairs};
+  const GemmTiling tiling = p.M > kGemvRows ? gemm_tiling() : GemmTiling{kGemvRows, kDecodeGemmPairs, false};
+  // tilefx's AMX kernel takes K in steps of 16 pairs; other K (no model's so far) stay on brgemm
+  const bool tiles = tiling.tiles && p.K_pairs % 16 == 0;
   const int64_t tile = std::min(p.M, tiling.rows);
   const int64_t per_unit = blocks_per_unit(p);
-  const int64_t panel_rows = std::min(p.M, kPanelRows);
+  // the tile kernel takes a panel of the tiling's rows at once (scratch holds kPanelRows of them)
+  const int64_t panel_rows = std::min(p.M, tiles ? tiling.rows : kPanelRows);
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
@@ -127,6 +130,30 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       // K's chunks outermost: a chunk of the group's blocks stays in L2 while the panel's row tiles pass
       for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
         const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
+        if (tiles) {  // the panel's rows at once, each call fetching the next one's chunk of packed bf16
+          for (int64_t i = 0; i < blocks; ++i) {
+            const uint16_t* next = nullptr;
+            int64_t next_pairs = 0;
+            if (p.format == WeightFormat::bf16) {
+              const int64_t block = first * per_unit + i;
+              if (i + 1 < blocks) {
+                next = p.w + (block + 1) * block_elems + block_values(q), next_pairs = pairs;
+              } else if (q + pairs < p.K_pairs) {
+                next = p.w + (first * per_unit) * block_elems + block_values(q + pairs);
+                next_pairs = std::min(tiling.pairs, p.K_pairs - q - pairs);
+              } else if (panel + prows < p.M) {  // the next panel starts over at the group's first chunk
+                next = p.w + (first * per_unit) * block_elems, next_pairs = std::min(tiling.pairs, p.K_pairs);
+              } else if (first + units < end) {  // the next group's first block
+                next = p.w + (block + 1) * block_elems, next_pairs = std::min(tiling.pairs, p.K_pairs);
+              }
+            }
+            multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows,
+                           reinterpret_cast<const uint16_t*>(b[i] + block_values(q)), pairs,
+                           results + i * panel_rows * kBlockN, q > 0, next,
+                           block_values(next_pairs) * int64_t{sizeof(uint16_t)});
+          }
+          continue;
+        }
         for (int64_t row = panel; row < panel + prows; row += tile) {
           const int64_t rows = std::min(tile, panel + prows - row);
           for (int64_t i = 0; i < blocks; ++i) {
@@ -156,7 +183,11 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       }
     }
   }
-  at::native::cpublas::brgemm_release();
+  if (tiles) {
+    release_tiles();
+  } else {
+    at::native::cpublas::brgemm_release();
+  }
 }
 
 }  // namespace tilefx

@@ -86,8 +86,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a step (a multiple of 128)");
   m.def("get_attention_tiling", &tilefx::get_attention_tiling, "(query rows, key step) of an attention family");
   m.def("set_gemm_tiling", &tilefx::set_gemm_tiling,
-        "the linear ops' brgemm blocking: rows of x a call multiplies (16 to 256), K pairs a chunk (64 to 8192)");
-  m.def("get_gemm_tiling", &tilefx::get_gemm_tiling, "(rows, pairs) of the linear ops' brgemm blocking");
+        "the linear ops' brgemm blocking: rows of x a call multiplies (16 to 256), K pairs a chunk (64 to 8192), "
+        "the kernel (brgemm: oneDNN's calls; tiles: tilefx's AMX kernel)");
+  m.def("get_gemm_tiling", &tilefx::get_gemm_tiling, "(rows, pairs, kernel) of the linear ops' brgemm blocking");
   m.def("set_decode_attention", &tilefx::set_decode_attention,
         "the kernel an attention family (extend, mla) runs for a few new tokens: unit or brgemm (flash decoding "
         "over oneDNN brgemm tiles)");

@@ -82,7 +82,7 @@ std::atomic<int> decode_attention_choice[2] = {0, 0};  // DecodeAttention, per A
 // Per AttentionFamily: (query_rows << 32) | key_step, one word so a reader never sees half a tiling.
 constexpr int64_t kDefaultTiling = int64_t{64} << 32 | 128;
 std::atomic<int64_t> attention_tiling_choice[2] = {kDefaultTiling, kDefaultTiling};
-// (rows << 32) | pairs, one word so a reader never sees half a tiling.
+// (rows << 32) | pairs | tiles, one word so a reader never sees half a tiling.
 std::atomic<int64_t> gemm_tiling_choice{int64_t{64} << 32 | 1024};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
@@ -152,20 +152,24 @@ std::tuple<int64_t, int64_t> get_attention_tiling(const std::string& family) {
 
 GemmTiling gemm_tiling() {
   const int64_t choice = gemm_tiling_choice.load(std::memory_order_relaxed);
-  return {choice >> 32, choice & 0xFFFFFFFF};
+  return {choice >> 32, choice & 0xFFFFFFFE, (choice & 1) != 0};
 }
 
-void set_gemm_tiling(int64_t rows, int64_t pairs) {
+void set_gemm_tiling(int64_t rows, int64_t pairs, const std::string& kernel) {
   TORCH_CHECK(rows >= 16 && rows <= kMaxGemmRows && rows % 16 == 0, "tilefx tuning: a GEMM tile takes 16 to ",
               kMaxGemmRows, " rows of x, a multiple of 16, got ", rows);
   TORCH_CHECK(pairs >= 64 && pairs <= 8192 && pairs % 64 == 0,
               "tilefx tuning: a GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, got ", pairs);
-  gemm_tiling_choice = rows << 32 | pairs;
+  TORCH_CHECK(kernel == "brgemm" || kernel == "tiles", "tilefx tuning: unknown GEMM kernel '", kernel,
+              "' (brgemm, tiles)");
+  const bool tiles = kernel == "tiles";
+  TORCH_CHECK(!tiles || amx_tiles_usable(), "tilefx tuning: the GEMM kernel 'tiles' needs a CPU with AMX");
+  gemm_tiling_choice = rows << 32 | pairs | int64_t{tiles};  // pairs is even: bit 0 holds the kernel
 }
 
-std::tuple<int64_t, int64_t> get_gemm_tiling() {
+std::tuple<int64_t, int64_t, std::string> get_gemm_tiling() {
   const GemmTiling tiling = gemm_tiling();
-  return {tiling.rows, tiling.pairs};
+  return {tiling.rows, tiling.pairs, tiling.tiles ? "tiles" : "brgemm"};
 }
 
 DecodeAttention decode_attention(AttentionFamily family, int64_t rows) {

@@ -92,16 +92,20 @@ std::string get_prefill_gemm(const std::string& format);
 // to the first's result. More rows share each of the block's loads among more of x's (what AMX's tiles
 // need, with their small register file); fewer pairs keep both operands' parts in L2. Which is best
 // depends on the CPU's GEMM rate against its caches, so custom_ops/tuning.py times the candidates where
-// brgemm runs prefill; (64, 1024) by default. One tiling for every weight format (a quantized block is
-// dequantized whole before either).
+// brgemm runs prefill; (64, 1024) on oneDNN's brgemm by default. `tiles`: tilefx's own AMX kernel
+// (linear_amx.cpp) instead of brgemm's calls, where the CPU has AMX and tuning found it faster: it takes a panel
+// of `rows` rows at once and the same chunks, fetching the next chunk's weights while it multiplies. One
+// tiling for every weight format (a quantized block is dequantized whole before either).
 struct GemmTiling {
   int64_t rows, pairs;
+  bool tiles;
 };
 constexpr int64_t kMaxGemmRows = 256;
 GemmTiling gemm_tiling();
-// `rows` 16 to kMaxGemmRows, a multiple of 16; `pairs` 64 to 8192, a multiple of 64.
-void set_gemm_tiling(int64_t rows, int64_t pairs);
-std::tuple<int64_t, int64_t> get_gemm_tiling();
+// `rows` 16 to kMaxGemmRows, a multiple of 16; `pairs` 64 to 8192, a multiple of 64; `kernel` "brgemm" or
+// "tiles" (a CPU with AMX only).
+void set_gemm_tiling(int64_t rows, int64_t pairs, const std::string& kernel);
+std::tuple<int64_t, int64_t, std::string> get_gemm_tiling();
 
 // Decode linears (1 to kGemvRows rows): the unit's GEMV walk or oneDNN's brgemm over the same
 // packed blocks, per weight format: brgemm from a row count on (its AMX tiles make 4 rows cost

@@ -50,17 +50,24 @@ def _linear_ops(format, rows, in_features, out_features, intermediate):
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
 @pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90), (300, 320, 3)],
                          ids=["5x300", "70x301-odd", "3x256", "70x64-groups", "300x320-panels"])
-@pytest.mark.parametrize("tiling", [tuning.GEMM_TILING_DEFAULT, (16, 64), (256, 2048)],
-                         ids=["64x1024", "16x64", "256x2048"])
+@pytest.mark.parametrize("tiling", [tuning.GEMM_TILING_DEFAULT, (16, 64, "brgemm"), (256, 2048, "brgemm"),
+                                    (64, 64, "tiles"), (16, 128, "tiles"), *tuning.GEMM_TILES],
+                         ids=["64x1024", "16x64", "256x2048", "tiles-64x64", "tiles-16x128", "tiles-256x1024",
+                              "tiles-128x1024", "tiles-256x512"])
 def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_features, blocks, tiling):
     """linear (with bias), linear_float and linear_silu_mul over more rows than one brgemm tile (70 > 64), an odd
     K (padded pair) and a ragged last block; 90 blocks make chunks of several groups of blocks (a row tile meets a
     group at a time) and a ragged last group; 3 rows stays a GEMV on the unit whatever is forced. In each tiling
     tuning may choose: 16 rows x 64 pairs takes x in several row tiles and K in chunks with a ragged last one
     (150 and 151 pairs), 256 x 2048 all of both at once. 300 rows are two panels of rows (256 and 44), each taking
-    K's chunks again."""
+    K's chunks again. tilefx's AMX tiles take a panel of the tiling's rows at once: 70 rows are two 32-row steps
+    and a 6-row tile, or at 16 rows five panels (the last 6 rows); K 320 (160 pairs) in chunks of 64 pairs (the last
+    32) or one; each call fetches the next one's bytes (the next block, the next chunk, the next panel's first,
+    the next group's first); K of 300 or 301 (not a multiple of 32) stays on brgemm."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    if tiling[2] == "tiles" and not tuning.amx_tiles_run():
+        pytest.skip("tilefx's AMX tiles need a CPU with AMX")
     # a ragged last block; gate/up take whole blocks
     run, want, want_gated = _linear_ops(format, rows, in_features, blocks * 32 + 7, blocks * 32)
     with tuning.forced_gemm(format, "brgemm"), tuning.forced_gemm_tiling(*tiling):
@@ -92,12 +99,17 @@ def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
 def test_gemm_tiling_is_checked_and_defaults_to_64_rows_x_1024_pairs():
     for rows, pairs in ((8, 1024), (48 + 1, 1024), (512, 1024), (64, 32), (64, 100), (64, 16384)):
         with pytest.raises(RuntimeError, match="GEMM (tile|chunk)"):
-            isa.native.set_gemm_tiling(rows, pairs)
+            isa.native.set_gemm_tiling(rows, pairs, "brgemm")
+    with pytest.raises(RuntimeError, match="unknown GEMM kernel 'mkl'"):
+        isa.native.set_gemm_tiling(64, 1024, "mkl")
+    if not tuning.amx_tiles_run():
+        with pytest.raises(RuntimeError, match="'tiles' needs a CPU with AMX"):
+            isa.native.set_gemm_tiling(64, 1024, "tiles")
     with tuning.untuned():
-        assert tuple(isa.native.get_gemm_tiling()) == tuning.GEMM_TILING_DEFAULT == (64, 1024)
+        assert tuple(isa.native.get_gemm_tiling()) == tuning.GEMM_TILING_DEFAULT == (64, 1024, "brgemm")
         with tuning.forced_gemm_tiling(128, 2048):
-            assert tuple(isa.native.get_gemm_tiling()) == (128, 2048)
-        assert tuple(isa.native.get_gemm_tiling()) == (64, 1024)
+            assert tuple(isa.native.get_gemm_tiling()) == (128, 2048, "brgemm")
+        assert tuple(isa.native.get_gemm_tiling()) == (64, 1024, "brgemm")
 
 
 def test_decode_on_brgemm_keeps_its_blocking_whatever_the_tiling(kernel_path):
@@ -110,6 +122,9 @@ def test_decode_on_brgemm_keeps_its_blocking_whatever_the_tiling(kernel_path):
         default = run()
         with tuning.forced_gemm_tiling(16, 64):
             small = run()
+        if tuning.amx_tiles_run():
+            with tuning.forced_gemm_tiling(64, 64, "tiles"):
+                assert all(torch.equal(a, b) for a, b in zip(default, run()))
     assert all(torch.equal(a, b) for a, b in zip(default, small))
 
 
@@ -128,7 +143,7 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
     def medians(tensors, inputs, tilings, force):
         tilings = list(tilings)
         steps.append(tilings)
-        if all(rows == 64 for rows, _ in tilings) and len(tilings) == len(tuning.GEMM_TILING_PAIRS):
+        if all(rows == 64 for rows, *_ in tilings) and len(tilings) == len(tuning.GEMM_TILING_PAIRS):
             return {t: chunks[t[1]] for t in tilings}
         if len(tilings) == len(tuning.GEMM_TILING_ROWS):
             return {t: tiles[t[0]] for t in tilings}
@@ -136,12 +151,42 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
 
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
+    monkeypatch.setattr(tuning, "amx_tiles_run", lambda: False)  # the tile kernel's step: the test below
+    want = (*want, "brgemm")
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
         assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
     assert len(steps) == (2 if confirm is None else 3)
     assert set(choice.gflops) == {*steps[0], *steps[1]}
     assert choice.line().startswith(f"prefill GEMM tiling: {want[0]} rows x {want[1]} K pairs a brgemm call (tuned")
+
+
+@pytest.mark.parametrize("tile_seconds,want", [
+    ((1.0, 1.0, 1.0), (64, 1024, "brgemm")),  # level: brgemm's tiling stays
+    ((0.9, 0.8, 1.0), (128, 1024, "tiles")),
+    ((0.99, 1.0, 1.0), (64, 1024, "brgemm")),  # within MIN_GAIN
+])
+def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeypatch, tile_seconds, want):
+    if not tuning.amx_tiles_run():
+        pytest.skip("tilefx's AMX tiles need a CPU with AMX")
+    steps = []
+
+    def medians(tensors, inputs, tilings, force):
+        tilings = list(tilings)
+        steps.append(tilings)
+        if any(kernel == "tiles" for *_, kernel in tilings):
+            return {tilings[0]: 1.0, **dict(zip(tilings[1:], tile_seconds))}
+        return {t: 1.0 for t in tilings}  # brgemm's tilings level: the default stays
+
+    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
+    with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
+        choice = tuning.tune_gemm_tiling(isa.current())
+        assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
+    assert steps[-1] == [tuning.GEMM_TILING_DEFAULT, *tuning.GEMM_TILES]
+    assert "tiles 128x1024" in choice.line()
+    if want[2] == "tiles":
+        assert choice.line().startswith("prefill GEMM tiling: 128 rows x 1024 K pairs a call of tilefx's AMX tiles")
 
 
 def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
@@ -166,11 +211,14 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
             # the chunks at 64 rows, then 32 rows at the chunk the first step kept (a confirmation may still
             # return to the default after it)
             rows_step = {tiling for tiling in first[1].gflops if tiling[0] == 32}
-            assert len(rows_step) == 1 and set(first[1].gflops) == {(64, 512), (64, 1024), (64, 2048), *rows_step}
+            chunks = {(64, 512, "brgemm"), (64, 1024, "brgemm"), (64, 2048, "brgemm")}
+            tiles = set(tuning.GEMM_TILES) if tuning.amx_tiles_run() else set()
+            assert len(rows_step) == 1 and set(first[1].gflops) == {*chunks, *rows_step, *tiles}
             kept_pairs = next(iter(rows_step))[1]
-            assert first[1].tiling in (tuning.GEMM_TILING_DEFAULT, (32, kept_pairs), (64, kept_pairs))
+            assert first[1].tiling in (tuning.GEMM_TILING_DEFAULT, (32, kept_pairs, "brgemm"),
+                                       (64, kept_pairs, "brgemm"), *tiles)
         isa.native.set_prefill_gemm("int8", "default")
-        isa.native.set_gemm_tiling(32, 64)
+        isa.native.set_gemm_tiling(32, 64, "brgemm")
         again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
         assert [c.how for c in again] == ["cached"] * len(first) and isa.native.get_prefill_gemm("int8") == first[0].gemm
         assert "prefill GEMM int8" in again[0].line()

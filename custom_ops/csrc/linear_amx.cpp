@@ -1,0 +1,174 @@
+// tilefx's own AMX kernel for the prefill linears' GEMM: rows of x times a K chunk of one packed bf16 block
+// (kernels.h: already the VNNI layout AMX's B takes), written with the tile intrinsics. linear_brgemm.cpp runs
+// it in place of oneDNN's brgemm calls where tuning chose it (tuning.h GemmTiling::tiles); the grouping of
+// blocks, K's chunks, the quantized blocks' bf16 panels and the epilogues stay the same.
+//
+// Why a kernel of our own: a brgemm call is opaque, so nothing can fetch the next block's bytes while it
+// multiplies. A prompt of a few hundred tokens reads each weight block from DRAM once, and brgemm's first
+// pass over a block waits on those reads: at 128 rows the time was the GEMM's plus the weights' streaming,
+// not the larger of the two. Here the K steps interleave software prefetches of the bytes the caller will
+// multiply next (the next block's chunk), a few cache lines a step, so the stream overlaps the products.
+// Runs only where the CPU has AMX and Linux granted this process the tile state (amx_tiles_usable).
+#pragma GCC target("amx-tile,amx-bf16,sse")
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels.h"
+#include "ops.h"
+
+namespace tilefx {
+namespace {
+
+// The tile registers: results C[row tile][column half], x's two row tiles, the block's two column halves.
+// Macros, not constants: the intrinsics paste the register's number into their assembly.
+#define kC00 0
+#define kC01 1
+#define kC10 2
+#define kC11 3
+#define kA0 4
+#define kA1 5
+#define kB0 6
+#define kB1 7
+
+constexpr int64_t kTileRows = 16;   // rows of x (and of C) a tile holds
+constexpr int64_t kTilePairs = 16;  // K pairs a step multiplies: 32 bf16 of a row of x, 16 pair rows of B
+constexpr int kRowBytes = 64;       // every tile row: 16 fp32 of C, 16 pairs of x, 16 columns' pairs of B
+constexpr int64_t kBlockRowValues = kBlockN * 2;             // one pair row of a packed block
+constexpr int kLdb = kBlockRowValues * sizeof(uint16_t);     // B's row stride: a pair row of the block
+constexpr int kLdc = kBlockN * sizeof(float);                // C's row stride: the caller's [rows][kBlockN]
+constexpr int64_t kLine = 64;
+
+// LDTILECFG's operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+};
+
+// C and x's tiles take `rows` rows (16, or a last row tile's fewer); B's take a step's 16 pairs.
+void configure(int rows) {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = t == kB0 || t == kB1 ? kTilePairs : rows;
+    config.bytes_per_row[t] = kRowBytes;
+  }
+  _tile_loadconfig(&config);
+}
+
+bool request_tile_state() {
+  // Linux hands AMX's tile data state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;
+  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+}
+
+// The prefetches a call spreads over its K steps: `lines` cache lines from `next`, the first `due(step)` of
+// them issued by the end of step `step` of `steps`.
+struct Prefetch {
+  const char* next;
+  int64_t lines, steps, issued = 0;
+
+  void after(int64_t step) {
+    const int64_t due = (step + 1) * lines / steps;
+    for (; issued < due; ++issued) _mm_prefetch(next + issued * kLine, _MM_HINT_T1);
+  }
+};
+
+// 32 rows of x from `x` (row stride ldx_bytes) times `steps` K steps of `b`, into C at `c`: C[2][2].
+void two_row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
+                   Prefetch& prefetch, int64_t step0) {
+  float* c1 = c + kTileRows * kBlockN;
+  const uint16_t* x1 = x + kTileRows * (ldx_bytes / 2);
+  if (add) {
+    _tile_loadd(kC00, c, kLdc);
+    _tile_loadd(kC01, c + 16, kLdc);
+    _tile_loadd(kC10, c1, kLdc);
+    _tile_loadd(kC11, c1 + 16, kLdc);
+  } else {
+    _tile_zero(kC00);
+    _tile_zero(kC01);
+    _tile_zero(kC10);
+    _tile_zero(kC11);
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    prefetch.after(step0 + step);
+    const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
+    _tile_loadd(kA0, x + ax, ldx_bytes);
+    _tile_loadd(kB0, b + bx, kLdb);
+    _tile_dpbf16ps(kC00, kA0, kB0);
+    _tile_loadd(kB1, b + bx + kBlockN, kLdb);
+    _tile_dpbf16ps(kC01, kA0, kB1);
+    _tile_loadd(kA1, x1 + ax, ldx_bytes);
+    _tile_dpbf16ps(kC10, kA1, kB0);
+    _tile_dpbf16ps(kC11, kA1, kB1);
+  }
+  _tile_stored(kC00, c, kLdc);
+  _tile_stored(kC01, c + 16, kLdc);
+  _tile_stored(kC10, c1, kLdc);
+  _tile_stored(kC11, c1 + 16, kLdc);
+}
+
+// One row tile (as many rows as the configuration gives): C[1][2].
+void one_row_tile(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
+                  Prefetch& prefetch, int64_t step0) {
+  if (add) {
+    _tile_loadd(kC00, c, kLdc);
+    _tile_loadd(kC01, c + 16, kLdc);
+  } else {
+    _tile_zero(kC00);
+    _tile_zero(kC01);
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    prefetch.after(step0 + step);
+    const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
+    _tile_loadd(kA0, x + ax, ldx_bytes);
+    _tile_loadd(kB0, b + bx, kLdb);
+    _tile_loadd(kB1, b + bx + kBlockN, kLdb);
+    _tile_dpbf16ps(kC00, kA0, kB0);
+    _tile_dpbf16ps(kC01, kA0, kB1);
+  }
+  _tile_stored(kC00, c, kLdc);
+  _tile_stored(kC01, c + 16, kLdc);
+}
+
+}  // namespace
+
+bool amx_tiles_usable() {
+  static const bool usable = amx_available() && request_tile_state();
+  return usable;
+}
+
+void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* b, int64_t pairs, float* c,
+                    bool add, const void* next, int64_t next_bytes) {
+  TORCH_CHECK(pairs % kTilePairs == 0, "tilefx AMX tiles: K pairs must be a multiple of ", kTilePairs, ", got ", pairs);
+  const int64_t steps = pairs / kTilePairs, ldx_bytes = ldx * int64_t{sizeof(uint16_t)};
+  const int64_t row_steps = rows / (2 * kTileRows) + (rows % (2 * kTileRows) + kTileRows - 1) / kTileRows;
+  Prefetch prefetch{static_cast<const char*>(next), next ? next_bytes / kLine : 0, std::max<int64_t>(row_steps * steps, 1)};
+  int configured = 0;
+  int64_t step0 = 0;
+  for (int64_t m = 0; m < rows;) {
+    const int tile_rows = static_cast<int>(std::min(kTileRows, rows - m));
+    if (tile_rows != configured) {
+      configure(tile_rows);
+      configured = tile_rows;
+    }
+    if (rows - m >= 2 * kTileRows) {
+      two_row_tiles(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+      m += 2 * kTileRows;
+    } else {
+      one_row_tile(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+      m += tile_rows;
+    }
+    step0 += steps;
+  }
+}
+
+void release_tiles() { _tile_release(); }
+
+}  // namespace tilefx
