@@ -854,8 +854,8 @@ def forced_gemm_tiling(rows: int, pairs: int, kernel: str = "brgemm"):
 
 
 def amx_tiles_run() -> bool:
-    """Whether tilefx's AMX tile kernel runs here (a CPU with AMX)."""
-    return isa.native is not None and isa.native.cpu_has("amx")
+    """Whether tilefx's AMX tile kernel runs here (a CPU with AMX, whose tile state Linux granted this process)."""
+    return isa.native is not None and isa.native.cpu_has("amx_tiles")
 
 
 def tune_gemm_tiling(path: str) -> GemmTilingChoice:

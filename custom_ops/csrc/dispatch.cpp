@@ -45,6 +45,7 @@ bool cpu_has(const std::string& feature) {
   }
   if (feature == "avx512_vnni") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
   if (feature == "amx") return amx_available();
+  if (feature == "amx_tiles") return amx_tiles_usable();
   TORCH_CHECK(false, "unknown CPU feature '", feature, "'");
 }
 

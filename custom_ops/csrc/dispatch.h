@@ -26,7 +26,8 @@ Path parse_path(const std::string& name);
 void set_path(const std::string& path);
 Path path();
 
-// Whether this CPU runs the given kernel ISA: "avx2", "avx512_bf16", "avx512_vnni" or "amx".
+// Whether this CPU runs the given kernel ISA: "avx2", "avx512_bf16", "avx512_vnni" or "amx" (oneDNN's AMX
+// kernels); "amx_tiles": tilefx's own AMX kernel (AMX, and Linux granted this process the tile state).
 bool cpu_has(const std::string& feature);
 
 // The unit that computes a linear's column blocks (linear_blocks, ops.h). It reads
