@@ -318,6 +318,37 @@ def test_packed_experts_round_trip_and_fused_moe_matches(kernel_path, tokens, hi
     assert _rel_error(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_fused_moe_experts_on_each_prefill_gemm(kernel_path, format):
+    """Experts with more than 4 rows (40 tokens, top 3 of 6: ~20 rows an expert) on the unit's GEMM, on oneDNN's
+    brgemm and, on AMX CPUs, on tilefx's tile kernel (panels of 16 rows: an expert's ~20 rows in a full panel and a
+    short one), all equal the reference."""
+    from tilefx.custom_ops import tuning
+    from tilefx.custom_ops.moe import experts_reference
+
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; the GEMM is a native path's choice")
+    g = torch.Generator().manual_seed(5)
+    experts, tokens, hidden_size, inter = 6, 40, 128, 64
+    gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    w13 = packed_weights.pack_expert_gate_up_weight(gate_up, format)
+    w2 = packed_weights.pack_expert_down_weight(down, format)
+    scales = {} if format == "bf16" else {"w13_scales": packed_weights.packed_scales(w13),
+                                          "w2_scales": packed_weights.packed_scales(w2)}
+    x = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, 3, generator=g) + 0.1
+    want = experts_reference(x, gate_up, down, weights, ids)
+    gemms = [("unit", None), ("brgemm", (64, 1024, "brgemm"))] if tuning.brgemm_runs() else [("unit", None)]
+    if tuning.amx_tiles_run():
+        gemms.append(("brgemm", (16, 64, "tiles")))
+    for gemm, tiling in gemms:
+        with tuning.forced_gemm(format, gemm), tuning.forced_gemm_tiling(*(tiling or tuning.GEMM_TILING_DEFAULT)):
+            got = torch.ops.tilefx.fused_moe(x, w13, w2, weights, ids, **scales)
+        assert _rel_error(got, want) < 2e-2, (gemm, tiling)
+
+
 def test_fused_moe_rejects_bad_arguments(kernel_path):
     x = torch.zeros(3, 16, dtype=torch.bfloat16)
     w13, w2 = _packed(torch.zeros(4, 64, 16, dtype=torch.bfloat16), torch.zeros(4, 16, 32, dtype=torch.bfloat16))
