@@ -39,8 +39,10 @@ constexpr int64_t kDecodeGemmPairs = 1024;
 // by the K chunk a call takes, not whole: with K in chunks, the group's chunk is what stays in L2
 // while the row tiles pass, and K 8192 (a down projection) would otherwise make every group one block
 // and every block read all of x again (x of 1024 rows is then 16 MiB, read from L3 per block at a
-// third of AMX's rate). A quantized group's blocks are dequantized whole, so they count whole.
+// third of AMX's rate). A quantized group's blocks are dequantized whole, once, into bf16 panels, which
+// kQuantizedPanelBytes also bounds (a down projection's 512 KiB blocks four to a group, not one).
 constexpr int64_t kGroupBytes = 512 << 10;
+constexpr int64_t kQuantizedPanelBytes = 2 << 20;
 constexpr int64_t kMaxGroup = 8;
 
 // Rows of x whose fp32 results a group keeps while K's chunks pass (at most kMaxGroup units of 2 blocks:
@@ -50,12 +52,17 @@ constexpr int64_t kPanelRows = 256;
 // Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
 int64_t blocks_per_unit(const LinearProblem& p) { return p.silu_mul ? 2 : 1; }
 
-// Units a group holds: their blocks' bf16 (a chunk of `chunk_pairs` of each where they are bf16) within
-// kGroupBytes.
+// The bf16 bytes of a unit's blocks over `pairs` K pairs.
+int64_t unit_bytes(const LinearProblem& p, int64_t pairs) {
+  return std::max<int64_t>(blocks_per_unit(p) * block_values(pairs) * int64_t{sizeof(uint16_t)}, 1);
+}
+
+// Units a group holds: a chunk of `chunk_pairs` of their blocks in bf16 within kGroupBytes and, quantized,
+// their whole dequantized blocks within kQuantizedPanelBytes.
 int64_t group_units(const LinearProblem& p, int64_t chunk_pairs) {
-  const int64_t pairs = p.format == WeightFormat::bf16 ? std::min(chunk_pairs, p.K_pairs) : p.K_pairs;
-  const int64_t unit_bytes = blocks_per_unit(p) * block_values(pairs) * int64_t{sizeof(uint16_t)};
-  return std::clamp<int64_t>(kGroupBytes / std::max<int64_t>(unit_bytes, 1), 1, kMaxGroup);
+  int64_t units = kGroupBytes / unit_bytes(p, std::min(chunk_pairs, p.K_pairs));
+  if (p.format != WeightFormat::bf16) units = std::min(units, kQuantizedPanelBytes / unit_bytes(p, p.K_pairs));
+  return std::clamp<int64_t>(units, 1, kMaxGroup);
 }
 
 // `p` restricted to its rows [row, row + rows): what the epilogue writes.
@@ -87,10 +94,10 @@ const UnitEpilogue& epilogue_of(LinearUnit unit) {
 int64_t brgemm_scratch_floats(const LinearProblem& p) {
   // the results of a panel of rows for the largest group any tiling makes (a tiling set meanwhile is safe)
   const int64_t results = std::min(p.M, kPanelRows) * kMaxGroup * blocks_per_unit(p) * kBlockN;
-  // the quantized group's bf16 panels, in floats (whole blocks: no tiling changes their group)
+  // the quantized group's bf16 panels, in floats: whole blocks within kQuantizedPanelBytes, or one unit's
   const int64_t panels = p.format == WeightFormat::bf16
                              ? 0
-                             : group_units(p, p.K_pairs) * blocks_per_unit(p) * block_values(p.K_pairs) / 2;
+                             : std::max(kQuantizedPanelBytes, unit_bytes(p, p.K_pairs)) / int64_t{sizeof(float)};
   return results + panels;
 }
 
