@@ -80,22 +80,31 @@ struct Prefetch {
   }
 };
 
+// A row tile's results (its two column halves, C registers first and first + 1) from `c`, or zero.
+#define TILEFX_START_RESULTS(first, second, c, add) \
+  do {                                              \
+    if (add) {                                      \
+      _tile_loadd(first, (c), kLdc);                \
+      _tile_loadd(second, (c) + 16, kLdc);          \
+    } else {                                        \
+      _tile_zero(first);                            \
+      _tile_zero(second);                           \
+    }                                               \
+  } while (0)
+
+#define TILEFX_STORE_RESULTS(first, second, c) \
+  do {                                         \
+    _tile_stored(first, (c), kLdc);            \
+    _tile_stored(second, (c) + 16, kLdc);      \
+  } while (0)
+
 // 32 rows of x from `x` (row stride ldx_bytes) times `steps` K steps of `b`, into C at `c`: C[2][2].
 void two_row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
                    Prefetch& prefetch, int64_t step0) {
   float* c1 = c + kTileRows * kBlockN;
   const uint16_t* x1 = x + kTileRows * (ldx_bytes / 2);
-  if (add) {
-    _tile_loadd(kC00, c, kLdc);
-    _tile_loadd(kC01, c + 16, kLdc);
-    _tile_loadd(kC10, c1, kLdc);
-    _tile_loadd(kC11, c1 + 16, kLdc);
-  } else {
-    _tile_zero(kC00);
-    _tile_zero(kC01);
-    _tile_zero(kC10);
-    _tile_zero(kC11);
-  }
+  TILEFX_START_RESULTS(kC00, kC01, c, add);
+  TILEFX_START_RESULTS(kC10, kC11, c1, add);
   for (int64_t step = 0; step < steps; ++step) {
     prefetch.after(step0 + step);
     const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
@@ -108,22 +117,14 @@ void two_row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int6
     _tile_dpbf16ps(kC10, kA1, kB0);
     _tile_dpbf16ps(kC11, kA1, kB1);
   }
-  _tile_stored(kC00, c, kLdc);
-  _tile_stored(kC01, c + 16, kLdc);
-  _tile_stored(kC10, c1, kLdc);
-  _tile_stored(kC11, c1 + 16, kLdc);
+  TILEFX_STORE_RESULTS(kC00, kC01, c);
+  TILEFX_STORE_RESULTS(kC10, kC11, c1);
 }
 
 // One row tile (as many rows as the configuration gives): C[1][2].
 void one_row_tile(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
                   Prefetch& prefetch, int64_t step0) {
-  if (add) {
-    _tile_loadd(kC00, c, kLdc);
-    _tile_loadd(kC01, c + 16, kLdc);
-  } else {
-    _tile_zero(kC00);
-    _tile_zero(kC01);
-  }
+  TILEFX_START_RESULTS(kC00, kC01, c, add);
   for (int64_t step = 0; step < steps; ++step) {
     prefetch.after(step0 + step);
     const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
@@ -133,8 +134,7 @@ void one_row_tile(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64
     _tile_dpbf16ps(kC00, kA0, kB0);
     _tile_dpbf16ps(kC01, kA0, kB1);
   }
-  _tile_stored(kC00, c, kLdc);
-  _tile_stored(kC01, c + 16, kLdc);
+  TILEFX_STORE_RESULTS(kC00, kC01, c);
 }
 
 }  // namespace
@@ -149,7 +149,8 @@ void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t
   TORCH_CHECK(pairs % kTilePairs == 0, "tilefx AMX tiles: K pairs must be a multiple of ", kTilePairs, ", got ", pairs);
   const int64_t steps = pairs / kTilePairs, ldx_bytes = ldx * int64_t{sizeof(uint16_t)};
   const int64_t row_steps = rows / (2 * kTileRows) + (rows % (2 * kTileRows) + kTileRows - 1) / kTileRows;
-  Prefetch prefetch{static_cast<const char*>(next), next ? next_bytes / kLine : 0, std::max<int64_t>(row_steps * steps, 1)};
+  Prefetch prefetch{static_cast<const char*>(next), next ? next_bytes / kLine : 0,
+                    std::max<int64_t>(row_steps * steps, 1)};
   int configured = 0;
   int64_t step0 = 0;
   for (int64_t m = 0; m < rows;) {

@@ -68,7 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_int4_activations", &tilefx::set_int4_activations,
         "how int4 decode reads x: int16 (15-bit words, the default) or int8 (per 32 inputs)");
   m.def("get_int4_activations", &tilefx::get_int4_activations, "int16 or int8");
-  m.def("cpu_has", &tilefx::cpu_has, "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx; amx_tiles: tilefx's own AMX kernel (the tile state granted)");
+  m.def("cpu_has", &tilefx::cpu_has,
+        "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx; amx_tiles: tilefx's own "
+        "AMX kernel (the tile state granted)");
   m.def("set_walk_tuning", &tilefx::set_walk_tuning,
         "how the decode walks of a linear unit stream weights of a format: streams per thread, prefetch bytes, "
         "prefetch hint (nta, t0, t1)");
