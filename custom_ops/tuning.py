@@ -695,9 +695,12 @@ GEMM_TILING_PAIRS = (512, 1024, 2048)
 GEMM_TILING_ROWS = (32, 64, 128, 256)
 # Where the CPU has AMX, tilefx's own tile kernel (csrc/linear_amx.cpp) runs in place of brgemm's calls: a panel
 # of rows at once over each chunk, fetching the next chunk's weights while it multiplies (a brgemm call cannot).
-# These run against brgemm's tiling kept. (The pass's weights sit in cache after its first round, so it times
-# the multiply more than the stream; at a short prompt's rows, where the prefetch pays, the kernel gains more.)
+# These run against brgemm's tiling kept on the prefill pass and on a pass over cold weights (the decode pass's
+# copies, past the last-level cache) at a short prompt's GEMM_COLD_ROWS: the prefill pass's weights sit in cache
+# after its first round, so it times the products, not the stream the kernel hides; a prompt reads every weight
+# from DRAM once. The two passes' times are summed.
 GEMM_TILES = ((256, 1024, "tiles"), (128, 1024, "tiles"), (256, 512, "tiles"))
+GEMM_COLD_ROWS = 128
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -729,6 +732,7 @@ class GemmTilingChoice:
     how: str  # "tuned", "cached", "untuned"
     gflops: dict = dataclasses.field(default_factory=dict)  # tiling -> GFLOP/s of the tuning pass
     seconds: float = 0.0
+    cold_gflops: dict = dataclasses.field(default_factory=dict)  # the tile step's: GFLOP/s on cold weights
 
     def line(self) -> str:
         rows, pairs, kernel = self.tiling
@@ -737,6 +741,9 @@ class GemmTilingChoice:
         if self.how == "untuned":
             return f"{what} (not tuned)"
         rates = ", ".join(f"{_tiling_name(t)} {g:.0f}" for t, g in sorted(self.gflops.items()))
+        if self.cold_gflops:
+            rates += f"; cold weights at {GEMM_COLD_ROWS} rows " + ", ".join(
+                f"{_tiling_name(t)} {g:.0f}" for t, g in sorted(self.cold_gflops.items()))
         return f"{what} ({self.how}: GFLOP/s {rates}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
@@ -863,8 +870,9 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
     ``GEMM_ROUNDS`` rounds: the K chunk (``GEMM_TILING_PAIRS``) at the default rows, then the rows
     (``GEMM_TILING_ROWS``) at the chunk kept, each step keeping a candidate only where it beats the one before
     by ``MIN_GAIN``; a winner other than the default must beat it again head to head. Where the CPU has AMX, the
-    tile kernel's candidates (``GEMM_TILES``) then run against the tiling kept, which a tile candidate must beat
-    by ``MIN_GAIN``. Set the result."""
+    tile kernel's candidates (``GEMM_TILES``) then run against the tiling kept, on this pass plus one over cold
+    weights at ``GEMM_COLD_ROWS`` rows, and replace it where they beat it by ``MIN_GAIN`` on the two together.
+    Set the result."""
     started = time.perf_counter()
     tensors, inputs, flops = _gemm_pass("bf16")
     default = GEMM_TILING_DEFAULT
@@ -880,13 +888,21 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
         tiling = fastest_by_min_gain(tiles, (default[0], pairs, "brgemm"))
         if tiling != default:  # the fastest of several noisy candidates looks faster than it is
             tiling = fastest_by_min_gain(medians([default, tiling]), default)
+        cold_gflops = {}
         if amx_tiles_run():
-            kernels = medians([tiling, *GEMM_TILES])
-            seconds.update(kernels)
-            tiling = fastest_by_min_gain(kernels, tiling)
+            kernels = [tiling, *GEMM_TILES]
+            hot = medians(kernels)
+            seconds.update(hot)
+            cold_tensors = _decode_pass("bf16")
+            cold_inputs = [{k: torch.randn(GEMM_COLD_ROWS, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}]
+            cold = _gemm_medians(cold_tensors, cold_inputs, kernels, lambda tiling: forced_gemm_tiling(*tiling))
+            cold_flops = sum(2 * GEMM_COLD_ROWS * n * k for _, _, n, k in cold_tensors)
+            del cold_tensors
+            cold_gflops = {t: cold_flops / s / 1e9 for t, s in cold.items()}
+            tiling = fastest_by_min_gain({t: hot[t] + cold[t] for t in kernels}, tiling)
     isa.native.set_gemm_tiling(*tiling)
     gflops = {t: flops / s / 1e9 for t, s in seconds.items()}
-    return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started)
+    return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started, cold_gflops)
 
 
 def choose_decode_gemm(gbps: dict[int, tuple[float, float]]) -> int:
@@ -960,9 +976,12 @@ def _tuned_gemm_tiling(path: str, saved: dict) -> tuple[GemmTilingChoice, bool]:
         tiling = _tiling_of(entry["tiling"])
         isa.native.set_gemm_tiling(*tiling)
         gflops = {_tiling_of(t): g for t, g in entry["gflops"].items()}
-        return GemmTilingChoice(tiling, "cached", gflops), False
+        cold = {_tiling_of(t): g for t, g in entry.get("cold_gflops", {}).items()}
+        return GemmTilingChoice(tiling, "cached", gflops, cold_gflops=cold), False
     choice = tune_gemm_tiling(path)
-    saved[key] = {"tiling": _tiling_name(choice.tiling), "gflops": {_tiling_name(t): g for t, g in choice.gflops.items()}}
+    saved[key] = {"tiling": _tiling_name(choice.tiling),
+                  "gflops": {_tiling_name(t): g for t, g in choice.gflops.items()},
+                  "cold_gflops": {_tiling_name(t): g for t, g in choice.cold_gflops.items()}}
     return choice, True
 
 

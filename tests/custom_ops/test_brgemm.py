@@ -180,10 +180,13 @@ def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeyp
 
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
+    monkeypatch.setattr(tuning, "_decode_pass", lambda format: [(None, None, 64, 32)])  # the cold pass
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
         assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
-    assert steps[-1] == [tuning.GEMM_TILING_DEFAULT, *tuning.GEMM_TILES]
+    # the prefill pass, then the cold one, each with the tiling kept against the tile candidates
+    assert steps[-2] == steps[-1] == [tuning.GEMM_TILING_DEFAULT, *tuning.GEMM_TILES]
+    assert set(choice.cold_gflops) == set(steps[-1]) and "; cold weights at 128 rows" in choice.line()
     assert "tiles 128x1024" in choice.line()
     if want[2] == "tiles":
         assert choice.line().startswith("prefill GEMM tiling: 128 rows x 1024 K pairs a call of tilefx's AMX tiles")
@@ -197,6 +200,8 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "GEMM_ROWS", (8, 16))
     monkeypatch.setattr(tuning, "GEMM_ROUNDS", 1)
     monkeypatch.setattr(tuning, "GEMM_TILING_ROWS", (32, 64))
+    monkeypatch.setattr(tuning, "LAYER_SHAPES", ((96, 128),))  # the tile kernel's cold pass, where it runs
+    monkeypatch.setattr(tuning, "cold_pass_bytes", lambda: 1 << 20)
     before, tiling = isa.native.get_prefill_gemm("int8"), tuple(isa.native.get_gemm_tiling())
     try:
         first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
@@ -225,6 +230,8 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
         if on_brgemm:
             assert again[1].tiling == first[1].tiling == tuple(isa.native.get_gemm_tiling())
             assert again[1].gflops == pytest.approx(first[1].gflops)
+            assert again[1].cold_gflops == pytest.approx(first[1].cold_gflops)
+            assert bool(first[1].cold_gflops) == tuning.amx_tiles_run()
         assert {c.how for c in tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path, enabled=False)} == {
             "untuned"}
     finally:
