@@ -137,27 +137,33 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       // K's chunks outermost: a chunk of the group's blocks stays in L2 while the panel's row tiles pass
       for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
         const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
-        if (tiles) {  // the panel's rows at once, each call fetching the next one's chunk of packed bf16
+        if (tiles) {  // the panel's rows at once, each call fetching what comes next from memory
           for (int64_t i = 0; i < blocks; ++i) {
-            const uint16_t* next = nullptr;
-            int64_t next_pairs = 0;
-            if (p.format == WeightFormat::bf16) {
-              const int64_t block = first * per_unit + i;
+            const void* next = nullptr;
+            int64_t next_bytes = 0;
+            const int64_t block = first * per_unit + i;
+            const bool last_pass = q + pairs >= p.K_pairs && panel + prows >= p.M;
+            if (p.format == WeightFormat::bf16) {  // the chunk the next call multiplies
+              const int64_t next_pairs = std::min(tiling.pairs, p.K_pairs);
               if (i + 1 < blocks) {
-                next = p.w + (block + 1) * block_elems + block_values(q), next_pairs = pairs;
+                next = p.w + (block + 1) * block_elems + block_values(q);
+                next_bytes = block_values(pairs) * 2;
               } else if (q + pairs < p.K_pairs) {
                 next = p.w + (first * per_unit) * block_elems + block_values(q + pairs);
-                next_pairs = std::min(tiling.pairs, p.K_pairs - q - pairs);
+                next_bytes = block_values(std::min(tiling.pairs, p.K_pairs - q - pairs)) * 2;
               } else if (panel + prows < p.M) {  // the next panel starts over at the group's first chunk
-                next = p.w + (first * per_unit) * block_elems, next_pairs = std::min(tiling.pairs, p.K_pairs);
+                next = p.w + (first * per_unit) * block_elems, next_bytes = block_values(next_pairs) * 2;
               } else if (first + units < end) {  // the next group's first block
-                next = p.w + (block + 1) * block_elems, next_pairs = std::min(tiling.pairs, p.K_pairs);
+                next = p.w + (block + 1) * block_elems, next_bytes = block_values(next_pairs) * 2;
               }
+            } else if (last_pass && block + blocks < end * per_unit) {
+              // the next group's block in this place, which the next group's dequantization reads whole
+              next_bytes = pairs_between_blocks(p) * pair_bytes(p.format);
+              next = p.wq + (block + blocks) * next_bytes;
             }
             multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows,
                            reinterpret_cast<const uint16_t*>(b[i] + block_values(q)), pairs,
-                           results + i * panel_rows * kBlockN, q > 0, next,
-                           block_values(next_pairs) * int64_t{sizeof(uint16_t)});
+                           results + i * panel_rows * kBlockN, q > 0, next, next_bytes);
           }
           continue;
         }
