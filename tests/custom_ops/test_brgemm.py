@@ -48,7 +48,8 @@ def _linear_ops(format, rows, in_features, out_features, intermediate):
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
-@pytest.mark.parametrize("rows,in_features,blocks", [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90), (300, 320, 3)],
+@pytest.mark.parametrize("rows,in_features,blocks",
+                         [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90), (300, 320, 3)],
                          ids=["5x300", "70x301-odd", "3x256", "70x64-groups", "300x320-panels"])
 @pytest.mark.parametrize("tiling", [tuning.GEMM_TILING_DEFAULT, (16, 64, "brgemm"), (256, 2048, "brgemm"),
                                     (64, 64, "tiles"), (16, 128, "tiles"), *tuning.GEMM_TILES],
