@@ -315,6 +315,11 @@ _MLA_TP = (("self_attn.q_proj", "colwise"), ("self_attn.q_b_proj", "colwise"), (
            ("self_attn.o_proj", "rowwise"))
 
 
+# The routed experts split within each expert, as HF's plans did until transformers 5.25 (from 5.25 they leave
+# the experts to an expert-parallel plan, base_model_ep_plan): each expert's gate and up rows, its down columns.
+_EXPERTS_TP = (("mlp.experts.gate_up_proj", "packed_colwise"), ("mlp.experts.down_proj", "rowwise"))
+
+
 def _gated_mlp_tp(path: str) -> tuple[tuple[str, str], ...]:
     """A gated MLP at ``path`` split as HF's plans split the dense one (HF's plans leave shared experts whole)."""
     return ((f"{path}.gate_proj", "colwise"), (f"{path}.up_proj", "colwise"), (f"{path}.down_proj", "rowwise"))
@@ -332,13 +337,14 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="sigmoid_gated",
                         shared_module="shared_expert"),
-            tp_extras=_gated_mlp_tp("mlp.shared_expert"),
+            tp_extras=_EXPERTS_TP + _gated_mlp_tp("mlp.shared_expert"),
         ),
         FamilyAdapter(
             "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeAttention", "Qwen3MoeDecoderLayer", qk_norm=True,
             moe=MoeSpec("Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts", routing="topk_softmax",
                         sparse_layers="decoder_sparse_step", num_experts_field="num_experts",
                         expert_size_field="moe_intermediate_size"),
+            tp_extras=_EXPERTS_TP,
         ),
         FamilyAdapter(
             "mixtral", "MixtralForCausalLM", "MixtralAttention", "MixtralDecoderLayer",
@@ -347,6 +353,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         expert_size_field="intermediate_size",
                         expert_keys=("{e}.w1.weight", "{e}.w3.weight", "{e}.w2.weight")),
             checkpoint_renames=((".mlp.", ".block_sparse_moe."),),
+            tp_extras=_EXPERTS_TP,
         ),
         FamilyAdapter(
             "deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Attention", "DeepseekV2DecoderLayer", mla=True,
@@ -355,7 +362,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",
                         shared_module="shared_experts"),
-            tp_extras=_MLA_TP + _gated_mlp_tp("mlp.shared_experts"),
+            tp_extras=_MLA_TP + _EXPERTS_TP + _gated_mlp_tp("mlp.shared_experts"),
         ),
         FamilyAdapter(
             "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Attention", "DeepseekV3DecoderLayer", mla=True,
@@ -364,7 +371,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {
                         sparse_layers="first_k_dense_replace", num_experts_field="n_routed_experts",
                         expert_size_field="moe_intermediate_size", shared_experts="added",
                         shared_module="shared_experts"),
-            tp_extras=_MLA_TP + _gated_mlp_tp("mlp.shared_experts"),
+            tp_extras=_MLA_TP + _EXPERTS_TP + _gated_mlp_tp("mlp.shared_experts"),
         ),
     )
 }

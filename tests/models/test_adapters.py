@@ -54,8 +54,9 @@ def test_structure_names_the_model_modules(preset):
         assert type(modules[path]).__name__ == adapter.moe.block_class
         assert type(modules[block.experts]).__name__ == adapter.moe.experts_class
         assert type(modules[block.router]).__name__ == adapter.moe.router_class
-    # every tensor-parallel extra names a module of some layer (DeepSeek's q_proj or q_b_proj: one of the two)
-    in_layers = {name for layer in layers for name, _ in layer.named_modules()}
+    # every tensor-parallel extra names a module or parameter of some layer (the experts' fused gate_up_proj and
+    # down_proj are parameters; DeepSeek's q_proj or q_b_proj: one of the two)
+    in_layers = {name for layer in layers for name, _ in (*layer.named_modules(), *layer.named_parameters())}
     missing = [pattern for pattern, _ in adapter.tp_extras if pattern not in in_layers]
     assert missing in ([], ["self_attn.q_proj"], ["self_attn.q_b_proj"]), missing
 
