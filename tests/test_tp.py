@@ -242,7 +242,8 @@ def test_tp_refusals_before_loading():
         split(fp8, 2)
     mla = split(get_preset("tiny-deepseek-v3").build_config(), 2)  # heads split, the latent whole
     assert mla.style_of("model.layers.0.self_attn.kv_b_proj.weight") == "colwise"
-    assert mla.style_of("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") is None
+    # whole on every rank: no entry (transformers < 5.25) or HF's mla_kv_a_proj (5.25), which tilefx replicates
+    assert mla.shard_of("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", (48, 64), 0) is None
     assert mla.local_config.num_attention_heads == 2 and mla.local_config.kv_lora_rank == 32
     local = split(get_preset("tiny-qwen2-mqa").build_config(), 2)
     assert (local.local_config.num_attention_heads, local.local_config.num_key_value_heads, local.kv_replicas,
