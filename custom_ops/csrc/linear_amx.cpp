@@ -98,13 +98,15 @@ struct Prefetch {
     _tile_stored(second, (c) + 16, kLdc);      \
   } while (0)
 
-// 32 rows of x from `x` (row stride ldx_bytes) times `steps` K steps of `b`, into C at `c`: C[2][2].
-void two_row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
-                   Prefetch& prefetch, int64_t step0) {
+// Two row tiles (32 rows: C[2][2]) or one (as many rows as the configuration gives: C[1][2]) of x from `x`
+// (row stride ldx_bytes) times `steps` K steps of `b`, into C at `c`.
+template <bool kTwoRowTiles>
+void row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
+               Prefetch& prefetch, int64_t step0) {
   float* c1 = c + kTileRows * kBlockN;
   const uint16_t* x1 = x + kTileRows * (ldx_bytes / 2);
   TILEFX_START_RESULTS(kC00, kC01, c, add);
-  TILEFX_START_RESULTS(kC10, kC11, c1, add);
+  if constexpr (kTwoRowTiles) TILEFX_START_RESULTS(kC10, kC11, c1, add);
   for (int64_t step = 0; step < steps; ++step) {
     prefetch.after(step0 + step);
     const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
@@ -113,28 +115,14 @@ void two_row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int6
     _tile_dpbf16ps(kC00, kA0, kB0);
     _tile_loadd(kB1, b + bx + kBlockN, kLdb);
     _tile_dpbf16ps(kC01, kA0, kB1);
-    _tile_loadd(kA1, x1 + ax, ldx_bytes);
-    _tile_dpbf16ps(kC10, kA1, kB0);
-    _tile_dpbf16ps(kC11, kA1, kB1);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(kA1, x1 + ax, ldx_bytes);
+      _tile_dpbf16ps(kC10, kA1, kB0);
+      _tile_dpbf16ps(kC11, kA1, kB1);
+    }
   }
   TILEFX_STORE_RESULTS(kC00, kC01, c);
-  TILEFX_STORE_RESULTS(kC10, kC11, c1);
-}
-
-// One row tile (as many rows as the configuration gives): C[1][2].
-void one_row_tile(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t steps, float* c, bool add,
-                  Prefetch& prefetch, int64_t step0) {
-  TILEFX_START_RESULTS(kC00, kC01, c, add);
-  for (int64_t step = 0; step < steps; ++step) {
-    prefetch.after(step0 + step);
-    const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
-    _tile_loadd(kA0, x + ax, ldx_bytes);
-    _tile_loadd(kB0, b + bx, kLdb);
-    _tile_loadd(kB1, b + bx + kBlockN, kLdb);
-    _tile_dpbf16ps(kC00, kA0, kB0);
-    _tile_dpbf16ps(kC01, kA0, kB1);
-  }
-  TILEFX_STORE_RESULTS(kC00, kC01, c);
+  if constexpr (kTwoRowTiles) TILEFX_STORE_RESULTS(kC10, kC11, c1);
 }
 
 }  // namespace
@@ -160,10 +148,10 @@ void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t
       configured = tile_rows;
     }
     if (rows - m >= 2 * kTileRows) {
-      two_row_tiles(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+      row_tiles<true>(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
       m += 2 * kTileRows;
     } else {
-      one_row_tile(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+      row_tiles<false>(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
       m += tile_rows;
     }
     step0 += steps;
