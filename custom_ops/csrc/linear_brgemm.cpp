@@ -142,22 +142,21 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
             const void* next = nullptr;
             int64_t next_bytes = 0;
             const int64_t block = first * per_unit + i;
-            const bool last_pass = q + pairs >= p.K_pairs && panel + prows >= p.M;
-            if (p.format == WeightFormat::bf16) {  // the chunk the next call multiplies
-              const int64_t next_pairs = std::min(tiling.pairs, p.K_pairs);
-              if (i + 1 < blocks) {
-                next = p.w + (block + 1) * block_elems + block_values(q);
-                next_bytes = block_values(pairs) * 2;
-              } else if (q + pairs < p.K_pairs) {
-                next = p.w + (first * per_unit) * block_elems + block_values(q + pairs);
-                next_bytes = block_values(std::min(tiling.pairs, p.K_pairs - q - pairs)) * 2;
-              } else if (panel + prows < p.M) {  // the next panel starts over at the group's first chunk
-                next = p.w + (first * per_unit) * block_elems, next_bytes = block_values(next_pairs) * 2;
-              } else if (first + units < end) {  // the next group's first block
-                next = p.w + (block + 1) * block_elems, next_bytes = block_values(next_pairs) * 2;
+            if (p.format == WeightFormat::bf16) {
+              // the chunk the next call multiplies: the group's next block at this chunk; after its last block,
+              // its first at the next chunk, or at the first chunk again for the next panel, or the next group's
+              int64_t next_block = block + 1, next_q = q;
+              if (i + 1 == blocks) {
+                next_q = q + pairs < p.K_pairs ? q + pairs : 0;
+                next_block = first * per_unit + (next_q == 0 && panel + prows >= p.M ? blocks : 0);
               }
-            } else if (last_pass && block + blocks < end * per_unit) {
-              // the next group's block in this place, which the next group's dequantization reads whole
+              if (next_block < end * per_unit) {
+                next = p.w + next_block * block_elems + block_values(next_q);
+                next_bytes = block_values(std::min(tiling.pairs, p.K_pairs - next_q)) * int64_t{sizeof(uint16_t)};
+              }
+            } else if (q + pairs >= p.K_pairs && panel + prows >= p.M && block + blocks < end * per_unit) {
+              // the last pass over the group: the next group's block in this place, which its dequantization
+              // reads whole
               next_bytes = pairs_between_blocks(p) * pair_bytes(p.format);
               next = p.wq + (block + blocks) * next_bytes;
             }
