@@ -701,6 +701,11 @@ GEMM_TILING_ROWS = (32, 64, 128, 256)
 # from DRAM once. The two passes' times are summed.
 GEMM_TILES = ((256, 1024, "tiles"), (128, 1024, "tiles"), (256, 512, "tiles"))
 GEMM_COLD_ROWS = 128
+# A call whose rows span several panels (a long prompt) multiplies each weight chunk again per panel, from cache
+# after the first; there a smaller K chunk keeps the block's part in L1 while the panel's row tiles pass (csrc/
+# tuning.h gemm_long_pairs). These chunks, below the tiling's own, are timed against it on the prefill pass's
+# longest prompt (the last of GEMM_ROWS) with the tiling kept.
+GEMM_LONG_PAIRS = (128, 256)
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -733,17 +738,24 @@ class GemmTilingChoice:
     gflops: dict = dataclasses.field(default_factory=dict)  # tiling -> GFLOP/s of the tuning pass
     seconds: float = 0.0
     cold_gflops: dict = dataclasses.field(default_factory=dict)  # the tile step's: GFLOP/s on cold weights
+    long_pairs: int = 0  # the K chunk over several panels of rows; 0: the tiling's
+    long_gflops: dict = dataclasses.field(default_factory=dict)  # K chunk (0: the tiling's) -> GFLOP/s
 
     def line(self) -> str:
         rows, pairs, kernel = self.tiling
         call = "a brgemm call" if kernel == "brgemm" else "a call of tilefx's AMX tiles"
         what = f"prefill GEMM tiling: {rows} rows x {pairs} K pairs {call}"
+        if self.long_pairs:
+            what += f", K in chunks of {self.long_pairs} pairs over several panels of rows"
         if self.how == "untuned":
             return f"{what} (not tuned)"
         rates = ", ".join(f"{_tiling_name(t)} {g:.0f}" for t, g in sorted(self.gflops.items()))
         if self.cold_gflops:
             rates += f"; cold weights at {GEMM_COLD_ROWS} rows " + ", ".join(
                 f"{_tiling_name(t)} {g:.0f}" for t, g in sorted(self.cold_gflops.items()))
+        if self.long_gflops:
+            rates += f"; K chunks at {GEMM_ROWS[-1]} rows " + ", ".join(
+                f"{chunk or pairs} {g:.0f}" for chunk, g in sorted(self.long_gflops.items()))
         return f"{what} ({self.how}: GFLOP/s {rates}{f', {self.seconds:.1f}s' if self.how == 'tuned' else ''})"
 
 
@@ -860,6 +872,11 @@ def forced_gemm_tiling(rows: int, pairs: int, kernel: str = "brgemm"):
     return _temporarily(isa.native.get_gemm_tiling, isa.native.set_gemm_tiling, (), (rows, pairs, kernel))
 
 
+def forced_gemm_long_pairs(pairs: int):
+    """Run a block with the K chunk of linears whose rows span several panels forced (0: the tiling's)."""
+    return _temporarily(isa.native.get_gemm_long_pairs, isa.native.set_gemm_long_pairs, (), (pairs,))
+
+
 def amx_tiles_run() -> bool:
     """Whether tilefx's AMX tile kernel runs here (a CPU with AMX, whose tile state Linux granted this process)."""
     return isa.native is not None and isa.native.cpu_has("amx_tiles")
@@ -872,7 +889,8 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
     by ``MIN_GAIN``; a winner other than the default must beat it again head to head. Where the CPU has AMX, the
     tile kernel's candidates (``GEMM_TILES``) then run against the tiling kept, on this pass plus one over cold
     weights at ``GEMM_COLD_ROWS`` rows, and replace it where they beat it by ``MIN_GAIN`` on the two together.
-    Set the result."""
+    Last, with the tiling kept, the long prompt's K chunk (``GEMM_LONG_PAIRS`` against the tiling's own) on the
+    pass's longest prompt, kept likewise. Set the result."""
     started = time.perf_counter()
     tensors, inputs, flops = _gemm_pass("bf16")
     default = GEMM_TILING_DEFAULT
@@ -881,6 +899,7 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
         return _gemm_medians(tensors, inputs, tilings, lambda tiling: forced_gemm_tiling(*tiling))
 
     with isa.forced(path), torch.inference_mode(), forced_gemm("bf16", "brgemm"):
+        isa.native.set_gemm_long_pairs(0)  # the tilings are timed with their own chunks
         seconds = medians([(default[0], pairs, "brgemm") for pairs in GEMM_TILING_PAIRS])
         _, pairs, _ = fastest_by_min_gain(seconds, default)
         tiles = medians([(rows, pairs, "brgemm") for rows in GEMM_TILING_ROWS])
@@ -900,9 +919,27 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
             del cold_tensors
             cold_gflops = {t: cold_flops / s / 1e9 for t, s in cold.items()}
             tiling = fastest_by_min_gain({t: hot[t] + cold[t] for t in kernels}, tiling)
-    isa.native.set_gemm_tiling(*tiling)
+        isa.native.set_gemm_tiling(*tiling)
+        long_pairs, long_gflops = _tune_long_pairs(tensors, inputs, tiling[1])
     gflops = {t: flops / s / 1e9 for t, s in seconds.items()}
-    return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started, cold_gflops)
+    return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started, cold_gflops, long_pairs,
+                            long_gflops)
+
+
+def _tune_long_pairs(tensors, inputs, tiling_pairs: int) -> tuple[int, dict]:
+    """The K chunk over several panels of rows with the tiling set: each of ``GEMM_LONG_PAIRS`` below
+    ``tiling_pairs`` against the tiling's own (0) on ``tensors`` at the prefill pass's longest prompt (the last of
+    ``inputs``, GEMM_ROWS'), interleaved; a winner must beat the tiling's again head to head, by ``MIN_GAIN`` both
+    times. Sets it; returns (the chunk, GFLOP/s per candidate)."""
+    longest = inputs[-1:]
+    candidates = [0, *(pairs for pairs in GEMM_LONG_PAIRS if pairs < tiling_pairs)]
+    seconds = _gemm_medians(tensors, longest, candidates, forced_gemm_long_pairs)
+    chosen = fastest_by_min_gain(seconds, 0)
+    if chosen:  # the fastest of several noisy candidates looks faster than it is
+        chosen = fastest_by_min_gain(_gemm_medians(tensors, longest, [0, chosen], forced_gemm_long_pairs), 0)
+    isa.native.set_gemm_long_pairs(chosen)
+    flops = sum(2 * GEMM_ROWS[-1] * n * k for _, _, n, k in tensors)
+    return chosen, {pairs: flops / s / 1e9 for pairs, s in seconds.items()}
 
 
 def choose_decode_gemm(gbps: dict[int, tuple[float, float]]) -> int:
@@ -975,13 +1012,17 @@ def _tuned_gemm_tiling(path: str, saved: dict) -> tuple[GemmTilingChoice, bool]:
     if entry is not None:
         tiling = _tiling_of(entry["tiling"])
         isa.native.set_gemm_tiling(*tiling)
+        isa.native.set_gemm_long_pairs(entry.get("long_pairs", 0))
         gflops = {_tiling_of(t): g for t, g in entry["gflops"].items()}
         cold = {_tiling_of(t): g for t, g in entry.get("cold_gflops", {}).items()}
-        return GemmTilingChoice(tiling, "cached", gflops, cold_gflops=cold), False
+        long = {int(pairs): g for pairs, g in entry.get("long_gflops", {}).items()}
+        return GemmTilingChoice(tiling, "cached", gflops, cold_gflops=cold, long_pairs=entry.get("long_pairs", 0),
+                                long_gflops=long), False
     choice = tune_gemm_tiling(path)
     saved[key] = {"tiling": _tiling_name(choice.tiling),
                   "gflops": {_tiling_name(t): g for t, g in choice.gflops.items()},
-                  "cold_gflops": {_tiling_name(t): g for t, g in choice.cold_gflops.items()}}
+                  "cold_gflops": {_tiling_name(t): g for t, g in choice.cold_gflops.items()},
+                  "long_pairs": choice.long_pairs, "long_gflops": {str(p): g for p, g in choice.long_gflops.items()}}
     return choice, True
 
 
@@ -1004,7 +1045,8 @@ def ensure_gemm_tuned(formats_used, *, path: str | None = None, cache: pathlib.P
     decode = [f for f in used if f in DECODE_GEMM_FORMATS]
     if not enabled:
         prefill = [GemmChoice(f, isa.native.get_prefill_gemm(f), "untuned") for f in used]
-        tiling = [GemmTilingChoice(tuple(isa.native.get_gemm_tiling()), "untuned")] \
+        tiling = [GemmTilingChoice(tuple(isa.native.get_gemm_tiling()), "untuned",
+                                   long_pairs=isa.native.get_gemm_long_pairs())] \
             if any(prefill_runs_brgemm(c.gemm, path) for c in prefill) else []
         return [*(DecodeGemmChoice(f, isa.native.get_decode_gemm(f)[1], "untuned") for f in decode), *prefill, *tiling]
     store = _store(cache)
@@ -1038,6 +1080,7 @@ def untuned():
             stack.enter_context(forced_decode_gemm(format, "unit", 0))
             stack.enter_context(forced_split(format, 0))
         stack.enter_context(forced_gemm_tiling(*GEMM_TILING_DEFAULT))
+        stack.enter_context(forced_gemm_long_pairs(0))
         for family in ("extend", "mla"):
             stack.enter_context(forced_attention(family, "unit"))
             stack.enter_context(forced_decode_attention(family, "unit"))

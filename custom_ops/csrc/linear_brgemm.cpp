@@ -27,7 +27,8 @@ namespace {
 // One brgemm call multiplies a tile of x's rows by a chunk of K pairs of a block, adding to the
 // previous chunk's result (tuning.h GemmTiling: 64 rows and 1024 pairs by default, where x's part,
 // 256 KiB, and the block's, 128 KiB, stay in L2 while brgemm walks them; a whole K of 8192 read both
-// from L3, docs/PERFORMANCE.md). Scratch holds the largest tile, so a tiling set meanwhile is safe.
+// from L3, docs/PERFORMANCE.md); a call over several panels of rows takes the long prompt's chunk where tuning
+// set one (tuning.h gemm_long_pairs). Scratch holds the largest tile, so a tiling set meanwhile is safe.
 // Decode's rows (1 to kGemvRows) take K in chunks of kDecodeGemmPairs whatever the tiling.
 constexpr int64_t kDecodeGemmPairs = 1024;
 
@@ -114,6 +115,10 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const int64_t per_unit = blocks_per_unit(p);
   // the tile kernel takes a panel of the tiling's rows at once (scratch holds kPanelRows of them)
   const int64_t panel_rows = std::min(p.M, tiles ? tiling.rows : kPanelRows);
+  // K's chunk: over several panels the weights come from cache after the first, and a long prompt's chunk
+  // (tuning.h gemm_long_pairs) applies
+  const int64_t long_pairs = gemm_long_pairs();
+  const int64_t chunk = p.M > panel_rows && long_pairs > 0 ? long_pairs : tiling.pairs;
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
@@ -127,7 +132,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   };
   // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul; the group's i-th block
   // (unit i / per_unit) keeps its results at results + i * panel_rows * kBlockN.
-  const int64_t group = group_units(p, tiling.pairs);
+  const int64_t group = group_units(p, chunk);
   const at::BFloat16* b[kMaxGroup * 2];
   for (int64_t first = begin; first < end; first += group) {
     const int64_t units = std::min(group, end - first), blocks = units * per_unit;
@@ -135,8 +140,8 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
     for (int64_t panel = 0; panel < p.M; panel += panel_rows) {
       const int64_t prows = std::min(panel_rows, p.M - panel);
       // K's chunks outermost: a chunk of the group's blocks stays in L2 while the panel's row tiles pass
-      for (int64_t q = 0; q < p.K_pairs; q += tiling.pairs) {
-        const int64_t pairs = std::min(tiling.pairs, p.K_pairs - q);
+      for (int64_t q = 0; q < p.K_pairs; q += chunk) {
+        const int64_t pairs = std::min(chunk, p.K_pairs - q);
         if (tiles) {  // the panel's rows at once, each call fetching what comes next from memory
           for (int64_t i = 0; i < blocks; ++i) {
             const void* next = nullptr;
@@ -152,7 +157,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
               }
               if (next_block < end * per_unit) {
                 next = p.w + next_block * block_elems + block_values(next_q);
-                next_bytes = block_values(std::min(tiling.pairs, p.K_pairs - next_q)) * int64_t{sizeof(uint16_t)};
+                next_bytes = block_values(std::min(chunk, p.K_pairs - next_q)) * int64_t{sizeof(uint16_t)};
               }
             } else if (q + pairs >= p.K_pairs && panel + prows >= p.M && block + blocks < end * per_unit) {
               // the last pass over the group: the next group's block in this place, which its dequantization

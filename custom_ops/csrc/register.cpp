@@ -91,6 +91,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the linear ops' brgemm blocking: rows of x a call multiplies (16 to 256), K pairs a chunk (64 to 8192), "
         "the kernel (brgemm: oneDNN's calls; tiles: tilefx's AMX kernel)");
   m.def("get_gemm_tiling", &tilefx::get_gemm_tiling, "(rows, pairs, kernel) of the linear ops' brgemm blocking");
+  m.def("set_gemm_long_pairs", &tilefx::set_gemm_long_pairs,
+        "the K chunk (64 to 8192 pairs, or 0: the tiling's) of a linear whose rows span several panels");
+  m.def("get_gemm_long_pairs", &tilefx::gemm_long_pairs, "the K chunk of a linear whose rows span several panels");
   m.def("set_decode_attention", &tilefx::set_decode_attention,
         "the kernel an attention family (extend, mla) runs for a few new tokens: unit or brgemm (flash decoding "
         "over oneDNN brgemm tiles)");

@@ -84,6 +84,7 @@ constexpr int64_t kDefaultTiling = int64_t{64} << 32 | 128;
 std::atomic<int64_t> attention_tiling_choice[2] = {kDefaultTiling, kDefaultTiling};
 // (rows << 32) | pairs | tiles, one word so a reader never sees half a tiling.
 std::atomic<int64_t> gemm_tiling_choice{int64_t{64} << 32 | 1024};
+std::atomic<int64_t> gemm_long_pairs_choice{0};
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
@@ -170,6 +171,15 @@ void set_gemm_tiling(int64_t rows, int64_t pairs, const std::string& kernel) {
 std::tuple<int64_t, int64_t, std::string> get_gemm_tiling() {
   const GemmTiling tiling = gemm_tiling();
   return {tiling.rows, tiling.pairs, tiling.tiles ? "tiles" : "brgemm"};
+}
+
+int64_t gemm_long_pairs() { return gemm_long_pairs_choice.load(std::memory_order_relaxed); }
+
+void set_gemm_long_pairs(int64_t pairs) {
+  TORCH_CHECK(pairs == 0 || (pairs >= 64 && pairs <= 8192 && pairs % 64 == 0),
+              "tilefx tuning: a long prompt's GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, or 0 (the "
+              "tiling's), got ", pairs);
+  gemm_long_pairs_choice = pairs;
 }
 
 DecodeAttention decode_attention(AttentionFamily family, int64_t rows) {

@@ -129,6 +129,73 @@ def test_decode_on_brgemm_keeps_its_blocking_whatever_the_tiling(kernel_path):
     assert all(torch.equal(a, b) for a, b in zip(default, small))
 
 
+def test_gemm_long_pairs_is_checked_and_defaults_to_the_tilings():
+    for pairs in (-64, 32, 100, 16384):
+        with pytest.raises(RuntimeError, match="long prompt's GEMM chunk"):
+            isa.native.set_gemm_long_pairs(pairs)
+    with tuning.untuned():
+        assert isa.native.get_gemm_long_pairs() == 0
+        with tuning.forced_gemm_long_pairs(128):
+            assert isa.native.get_gemm_long_pairs() == 128
+        assert isa.native.get_gemm_long_pairs() == 0
+
+
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("tiling,rows", [(tuning.GEMM_TILING_DEFAULT, 300), ((64, 1024, "tiles"), 150)],
+                         ids=["brgemm-300", "tiles-150"])
+def test_long_prompts_chunk_applies_over_several_panels_only(kernel_path, format, tiling, rows):
+    """Rows spanning several panels (300 on brgemm: 256 and 44; 150 on 64-row tiles: 64, 64 and 22) take K (160
+    pairs) in the long prompt's chunks of 64 (the last 32), against the reference and the tiling's own chunk (the
+    same products, summed in other fp32 chunks); one panel (the first rows alone) ignores it, bit for bit."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    if tiling[2] == "tiles" and not tuning.amx_tiles_run():
+        pytest.skip("tilefx's AMX tiles need a CPU with AMX")
+    panel = 256 if tiling[2] == "brgemm" else tiling[0]
+    run, want, want_gated = _linear_ops(format, rows, 320, 3 * 32 + 7, 3 * 32)
+    one_panel = _linear_ops(format, panel, 320, 3 * 32 + 7, 3 * 32)[0]
+    with tuning.forced_gemm(format, "brgemm"), tuning.forced_gemm_tiling(*tiling):
+        with tuning.forced_gemm_long_pairs(0):
+            whole, single = run(), one_panel()
+        with tuning.forced_gemm_long_pairs(64):
+            chunked, single_again = run(), one_panel()
+    assert _relative_error(chunked[0], want) < 1e-2 and _relative_error(chunked[2], want_gated) < 1e-2
+    assert _relative_error(chunked[1], whole[1]) < 1e-3
+    assert all(torch.equal(a, b) for a, b in zip(single, single_again))
+
+
+@pytest.mark.parametrize("seconds,confirm,want", [
+    ({0: 1.0, 128: 1.0, 256: 1.0}, None, 0),  # level: the tiling's own chunk stays
+    ({0: 1.0, 128: 0.9, 256: 0.95}, (1.0, 0.9), 128),
+    ({0: 1.0, 128: 0.9, 256: 0.95}, (1.0, 0.99), 0),  # unconfirmed
+    ({0: 1.0, 128: 1.0, 256: 0.99}, None, 0),  # within MIN_GAIN
+])
+def test_long_prompts_chunk_is_timed_against_the_tilings_own(monkeypatch, seconds, confirm, want):
+    if isa.native is None:
+        pytest.skip("native library not built")
+    steps = []
+
+    def medians(tensors, inputs, choices, force):
+        steps.append((list(choices), inputs))
+        if len(choices) == 2:  # the head to head
+            return dict(zip(choices, confirm))
+        return {c: seconds[c] for c in choices}
+
+    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    tensors = [(None, None, 32, 64)]
+    with tuning.forced_gemm_long_pairs(256):
+        chosen, gflops = tuning._tune_long_pairs(tensors, ["short", "long"], 1024)
+        assert chosen == want == isa.native.get_gemm_long_pairs()
+        # a chunk not below the tiling's is no candidate
+        assert tuning._tune_long_pairs(tensors, ["short", "long"], 128)[0] == 0
+    assert steps[0] == ([0, *tuning.GEMM_LONG_PAIRS], ["long"])  # on the longest prompt only
+    assert len(steps) == (3 if confirm else 2) and steps[-1][0] == [0]
+    assert set(gflops) == {0, *tuning.GEMM_LONG_PAIRS}
+    line = tuning.GemmTilingChoice((64, 1024, "brgemm"), "tuned", long_pairs=chosen, long_gflops=gflops).line()
+    assert f"; K chunks at {tuning.GEMM_ROWS[-1]} rows 1024 " in line
+    assert ("K in chunks of 128 pairs over several panels" in line) == (want == 128)
+
+
 @pytest.mark.parametrize("chunks,tiles,confirm,want", [
     # the chunk at 64 rows, then the rows at the chunk kept, then the winner against the default head to head
     ({512: 1.2, 1024: 1.0, 2048: 1.0}, {32: 1.0, 64: 1.0, 128: 1.0, 256: 1.0}, None, (64, 1024)),  # all level
@@ -153,6 +220,7 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "amx_tiles_run", lambda: False)  # the tile kernel's step: the test below
+    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs: (0, {}))  # and the long chunk's
     want = (*want, "brgemm")
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
@@ -182,6 +250,7 @@ def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeyp
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "_decode_pass", lambda format: [(None, None, 64, 32)])  # the cold pass
+    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs: (0, {}))
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
         assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
@@ -204,6 +273,7 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
     monkeypatch.setattr(tuning, "LAYER_SHAPES", ((96, 128),))  # the tile kernel's cold pass, where it runs
     monkeypatch.setattr(tuning, "cold_pass_bytes", lambda: 1 << 20)
     before, tiling = isa.native.get_prefill_gemm("int8"), tuple(isa.native.get_gemm_tiling())
+    long_pairs = isa.native.get_gemm_long_pairs()
     try:
         first = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
         assert first[0].how == "tuned" and first[0].gemm in ("unit", "brgemm")
@@ -223,8 +293,12 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
             kept_pairs = next(iter(rows_step))[1]
             assert first[1].tiling in (tuning.GEMM_TILING_DEFAULT, (32, kept_pairs, "brgemm"),
                                        (64, kept_pairs, "brgemm"), *tiles)
+        if on_brgemm:  # the long prompt's chunk, against the tiling's own
+            assert set(first[1].long_gflops) == {0, *(p for p in tuning.GEMM_LONG_PAIRS if p < first[1].tiling[1])}
+            assert first[1].long_pairs == isa.native.get_gemm_long_pairs() and first[1].long_pairs in first[1].long_gflops
         isa.native.set_prefill_gemm("int8", "default")
         isa.native.set_gemm_tiling(32, 64, "brgemm")
+        isa.native.set_gemm_long_pairs(2048)
         again = tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path)
         assert [c.how for c in again] == ["cached"] * len(first) and isa.native.get_prefill_gemm("int8") == first[0].gemm
         assert "prefill GEMM int8" in again[0].line()
@@ -233,11 +307,14 @@ def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
             assert again[1].gflops == pytest.approx(first[1].gflops)
             assert again[1].cold_gflops == pytest.approx(first[1].cold_gflops)
             assert bool(first[1].cold_gflops) == tuning.amx_tiles_run()
+            assert again[1].long_pairs == first[1].long_pairs == isa.native.get_gemm_long_pairs()
+            assert again[1].long_gflops == pytest.approx(first[1].long_gflops)
         assert {c.how for c in tuning.ensure_gemm_tuned(["int8"], path=path, cache=tmp_path, enabled=False)} == {
             "untuned"}
     finally:
         isa.native.set_prefill_gemm("int8", before)
         isa.native.set_gemm_tiling(*tiling)
+        isa.native.set_gemm_long_pairs(long_pairs)
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8", "int4"])
