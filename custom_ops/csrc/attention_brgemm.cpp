@@ -8,7 +8,8 @@
 // another. The keys and values of the valid prefix are first repacked once per call into brgemm's
 // VNNI layout for B, as zeros where no query row may see them (padding, holes: whatever their
 // cache rows hold never reaches a GEMM).
-// Key blocks no row of a tile may see are skipped, as the causal future is; blocks every row of a
+// Key blocks no row of a tile may see are skipped, as the causal future is, and a block is cut after the last
+// key any row of the tile may see (to the packing's 128: the causal diagonal's); blocks every row of a
 // tile may see whole (below the causal diagonal, past the padding) go to the softmax with no mask
 // to read (a 4096-token prompt's mask is 16 MiB, read once per KV head). How many query rows a
 // task takes and how many keys a step multiplies is tuned per CPU and model (tuning.h AttentionTiling).
@@ -225,10 +226,13 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
   const auto* values = reinterpret_cast<const at::BFloat16*>(packed.values_of(bh));
   const auto* q = reinterpret_cast<const at::BFloat16*>(query);
   for (int64_t c0 = lo / kAttentionKeyBlock * kAttentionKeyBlock; c0 < hi; c0 += step) {
-    const int64_t block = std::min(step, packed.padded - c0);  // the keys packed from c0, a multiple of 128
+    // the keys packed from c0 up to the last any row may see (the causal diagonal's block is mostly past it),
+    // a multiple of kAttentionKeyBlock
+    const int64_t seen = (hi - c0 + kAttentionKeyBlock - 1) / kAttentionKeyBlock * kAttentionKeyBlock;
+    const int64_t block = std::min({step, packed.padded - c0, seen});
     at::native::cpublas::brgemm(rows, block, qdim, qdim, packed.padded, step, /*add_C=*/false, q, keys + 2 * c0,
                                 tile.scores.data());
-    const int64_t keys_in_block = std::min(block, packed.end - c0);
+    const int64_t keys_in_block = std::min({block, packed.end - c0, hi - c0});
     const bool all_allowed = all_from <= c0 && c0 + keys_in_block <= all_to;
     tile.add_block(epilogue, rows, keys_in_block, block, all_allowed ? nullptr : mask + c0, group, p.mask_stride_s,
                    p.scale, values + c0 * v_dim, v_dim);
