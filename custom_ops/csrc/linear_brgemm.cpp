@@ -113,12 +113,14 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const bool tiles = tiling.tiles && p.K_pairs % 16 == 0;
   const int64_t tile = std::min(p.M, tiling.rows);
   const int64_t per_unit = blocks_per_unit(p);
-  // the tile kernel takes a panel of the tiling's rows at once (scratch holds kPanelRows of them)
-  const int64_t panel_rows = std::min(p.M, tiles ? tiling.rows : kPanelRows);
-  // K's chunk: over several panels the weights come from cache after the first, and a long prompt's chunk
-  // (tuning.h gemm_long_pairs) applies
+  // A long prompt (rows past one panel of the tiling's) takes the long prompt's chunk where tuning set one
+  // (tuning.h gemm_long_pairs): past the first panel the weights come from cache. The tile kernel then takes
+  // panels of kPanelRows, so that each chunk read serves the most row tiles; otherwise a panel of the tiling's
+  // rows at once (scratch holds kPanelRows of them).
   const int64_t long_pairs = gemm_long_pairs();
-  const int64_t chunk = p.M > panel_rows && long_pairs > 0 ? long_pairs : tiling.pairs;
+  const bool long_prompt = long_pairs > 0 && p.M > (tiles ? tiling.rows : kPanelRows);
+  const int64_t chunk = long_prompt ? long_pairs : tiling.pairs;
+  const int64_t panel_rows = std::min(p.M, tiles && !long_prompt ? tiling.rows : kPanelRows);
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);

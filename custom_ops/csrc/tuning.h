@@ -109,9 +109,9 @@ std::tuple<int64_t, int64_t, std::string> get_gemm_tiling();
 // The K chunk of a call whose rows span several panels (linear_brgemm.cpp: a long prompt), in place of the
 // tiling's; 0: the tiling's. Such a call multiplies each chunk of weights again for every panel, so after the
 // first panel the weights come from cache, and a smaller chunk keeps the block's part in L1 across the panel's
-// row tiles; one panel (a short prompt) reads each weight from memory once, where a longer chunk gives the
-// next chunk's fetch longer to land. Timed by custom_ops/tuning.py with the tiling. 64 to 8192 pairs, a
-// multiple of 64, or 0.
+// row tiles (on the tile kernel, panels of the most rows scratch holds, whatever the tiling's); one panel (a
+// short prompt) reads each weight from memory once, where a longer chunk gives the next chunk's fetch longer
+// to land. Timed by custom_ops/tuning.py with the tiling. 64 to 8192 pairs, a multiple of 64, or 0.
 int64_t gemm_long_pairs();
 void set_gemm_long_pairs(int64_t pairs);
 

@@ -141,12 +141,13 @@ def test_gemm_long_pairs_is_checked_and_defaults_to_the_tilings():
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
-@pytest.mark.parametrize("tiling,rows", [(tuning.GEMM_TILING_DEFAULT, 300), ((64, 1024, "tiles"), 150)],
-                         ids=["brgemm-300", "tiles-150"])
+@pytest.mark.parametrize("tiling,rows", [(tuning.GEMM_TILING_DEFAULT, 300), ((64, 1024, "tiles"), 150),
+                                         ((64, 1024, "tiles"), 300)], ids=["brgemm-300", "tiles-150", "tiles-300"])
 def test_long_prompts_chunk_applies_over_several_panels_only(kernel_path, format, tiling, rows):
-    """Rows spanning several panels (300 on brgemm: 256 and 44; 150 on 64-row tiles: 64, 64 and 22) take K (160
-    pairs) in the long prompt's chunks of 64 (the last 32), against the reference and the tiling's own chunk (the
-    same products, summed in other fp32 chunks); one panel (the first rows alone) ignores it, bit for bit."""
+    """Rows past one panel (300 on brgemm: panels of 256 and 44; 150 on 64-row tiles, which a long prompt takes as
+    one panel of 256 rows at most) take K (160 pairs) in the long prompt's chunks of 64 (the last 32), against the
+    reference and the tiling's own chunk (the same products, summed in other fp32 chunks); one panel of the tiling's
+    rows ignores it, bit for bit."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
     if tiling[2] == "tiles" and not tuning.amx_tiles_run():
