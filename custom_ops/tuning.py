@@ -1012,11 +1012,12 @@ def _tuned_gemm_tiling(path: str, saved: dict) -> tuple[GemmTilingChoice, bool]:
     if entry is not None:
         tiling = _tiling_of(entry["tiling"])
         isa.native.set_gemm_tiling(*tiling)
-        isa.native.set_gemm_long_pairs(entry.get("long_pairs", 0))
+        long_pairs = entry.get("long_pairs", 0)
+        isa.native.set_gemm_long_pairs(long_pairs)
         gflops = {_tiling_of(t): g for t, g in entry["gflops"].items()}
         cold = {_tiling_of(t): g for t, g in entry.get("cold_gflops", {}).items()}
         long = {int(pairs): g for pairs, g in entry.get("long_gflops", {}).items()}
-        return GemmTilingChoice(tiling, "cached", gflops, cold_gflops=cold, long_pairs=entry.get("long_pairs", 0),
+        return GemmTilingChoice(tiling, "cached", gflops, cold_gflops=cold, long_pairs=long_pairs,
                                 long_gflops=long), False
     choice = tune_gemm_tiling(path)
     saved[key] = {"tiling": _tiling_name(choice.tiling),

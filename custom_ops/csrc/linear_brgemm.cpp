@@ -117,10 +117,10 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   // (tuning.h gemm_long_pairs): past the first panel the weights come from cache. The tile kernel then takes
   // panels of kPanelRows, so that each chunk read serves the most row tiles; otherwise a panel of the tiling's
   // rows at once (scratch holds kPanelRows of them).
-  const int64_t long_pairs = gemm_long_pairs();
-  const bool long_prompt = long_pairs > 0 && p.M > (tiles ? tiling.rows : kPanelRows);
+  const int64_t tiling_panel = tiles ? tiling.rows : kPanelRows, long_pairs = gemm_long_pairs();
+  const bool long_prompt = long_pairs > 0 && p.M > tiling_panel;
   const int64_t chunk = long_prompt ? long_pairs : tiling.pairs;
-  const int64_t panel_rows = std::min(p.M, tiles && !long_prompt ? tiling.rows : kPanelRows);
+  const int64_t panel_rows = std::min(p.M, long_prompt ? kPanelRows : tiling_panel);
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);

@@ -85,6 +85,8 @@ std::atomic<int64_t> attention_tiling_choice[2] = {kDefaultTiling, kDefaultTilin
 // (rows << 32) | pairs | tiles, one word so a reader never sees half a tiling.
 std::atomic<int64_t> gemm_tiling_choice{int64_t{64} << 32 | 1024};
 std::atomic<int64_t> gemm_long_pairs_choice{0};
+// A GEMM's K chunk, the tiling's or a long prompt's: 64 to 8192 pairs, a multiple of 64.
+bool is_gemm_chunk(int64_t pairs) { return pairs >= 64 && pairs <= 8192 && pairs % 64 == 0; }
 std::atomic<int> prefill_gemm[kFormats] = {};  // PrefillGemm, per WeightFormat
 std::atomic<int64_t> decode_brgemm_from[kFormats] = {};  // decode_on_brgemm's row count, per WeightFormat (0: never)
 std::atomic<int64_t> expand_budget{int64_t{256} << 20};  // mla_expand_budget
@@ -159,8 +161,8 @@ GemmTiling gemm_tiling() {
 void set_gemm_tiling(int64_t rows, int64_t pairs, const std::string& kernel) {
   TORCH_CHECK(rows >= 16 && rows <= kMaxGemmRows && rows % 16 == 0, "tilefx tuning: a GEMM tile takes 16 to ",
               kMaxGemmRows, " rows of x, a multiple of 16, got ", rows);
-  TORCH_CHECK(pairs >= 64 && pairs <= 8192 && pairs % 64 == 0,
-              "tilefx tuning: a GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, got ", pairs);
+  TORCH_CHECK(is_gemm_chunk(pairs), "tilefx tuning: a GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, got ",
+              pairs);
   TORCH_CHECK(kernel == "brgemm" || kernel == "tiles", "tilefx tuning: unknown GEMM kernel '", kernel,
               "' (brgemm, tiles)");
   const bool tiles = kernel == "tiles";
@@ -176,7 +178,7 @@ std::tuple<int64_t, int64_t, std::string> get_gemm_tiling() {
 int64_t gemm_long_pairs() { return gemm_long_pairs_choice.load(std::memory_order_relaxed); }
 
 void set_gemm_long_pairs(int64_t pairs) {
-  TORCH_CHECK(pairs == 0 || (pairs >= 64 && pairs <= 8192 && pairs % 64 == 0),
+  TORCH_CHECK(pairs == 0 || is_gemm_chunk(pairs),
               "tilefx tuning: a long prompt's GEMM chunk takes 64 to 8192 K pairs, a multiple of 64, or 0 (the "
               "tiling's), got ", pairs);
   gemm_long_pairs_choice = pairs;
