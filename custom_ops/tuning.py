@@ -706,6 +706,10 @@ GEMM_COLD_ROWS = 128
 # tuning.h gemm_long_pairs). These chunks, below the tiling's own, are timed against it on the prefill pass's
 # longest prompt (the last of GEMM_ROWS) with the tiling kept.
 GEMM_LONG_PAIRS = (128, 256)
+# Its rounds: more than the tilings' (a pass here is one long prompt, ~25 ms), since one noisy minute must not
+# cost a long prompt its chunk: on the Xeon 6 the 128-pair chunk measured 9% off Llama-1B's 1024-token TTFT,
+# yet one tuning of three rounds in eight timed it 8% behind (docs/PERFORMANCE.md, forty-eighth session).
+GEMM_LONG_ROUNDS = 7
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -828,13 +832,13 @@ def _gemm_pass(format: str):
     return tensors, inputs, sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
 
 
-def _gemm_medians(tensors, inputs, choices, force) -> dict:
+def _gemm_medians(tensors, inputs, choices, force, rounds: int = GEMM_ROUNDS) -> dict:
     """Median seconds of one pass over ``tensors`` at every row count of ``inputs`` per choice, run under
-    ``force(choice)``, the choices interleaved over ``GEMM_ROUNDS`` rounds after one dropped (it warms up and
-    JIT-compiles brgemm)."""
+    ``force(choice)``, the choices interleaved over ``rounds`` rounds after one dropped (it warms up and
+    JIT-compiles brgemm), in reverse order every other round (no choice always runs after the same one)."""
     times = {choice: [] for choice in choices}
-    for _ in range(GEMM_ROUNDS + 1):
-        for choice in choices:
+    for round in range(rounds + 1):
+        for choice in (choices if round % 2 == 0 else choices[::-1]):
             with force(choice):
                 times[choice].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
     return {choice: statistics.median(t[1:]) for choice, t in times.items()}
@@ -929,14 +933,15 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
 def _tune_long_pairs(tensors, inputs, tiling_pairs: int) -> tuple[int, dict]:
     """The K chunk over several panels of rows with the tiling set: each of ``GEMM_LONG_PAIRS`` below
     ``tiling_pairs`` against the tiling's own (0) on ``tensors`` at the prefill pass's longest prompt (the last of
-    ``inputs``, GEMM_ROWS'), interleaved; a winner must beat the tiling's again head to head, by ``MIN_GAIN`` both
-    times. Sets it; returns (the chunk, GFLOP/s per candidate)."""
+    ``inputs``, GEMM_ROWS'), interleaved over ``GEMM_LONG_ROUNDS`` rounds; a winner must beat the tiling's again
+    head to head, by ``MIN_GAIN`` both times. Sets it; returns (the chunk, GFLOP/s per candidate)."""
     longest = inputs[-1:]
     candidates = [0, *(pairs for pairs in GEMM_LONG_PAIRS if pairs < tiling_pairs)]
-    seconds = _gemm_medians(tensors, longest, candidates, forced_gemm_long_pairs)
+    seconds = _gemm_medians(tensors, longest, candidates, forced_gemm_long_pairs, GEMM_LONG_ROUNDS)
     chosen = fastest_by_min_gain(seconds, 0)
     if chosen:  # the fastest of several noisy candidates looks faster than it is
-        chosen = fastest_by_min_gain(_gemm_medians(tensors, longest, [0, chosen], forced_gemm_long_pairs), 0)
+        chosen = fastest_by_min_gain(
+            _gemm_medians(tensors, longest, [0, chosen], forced_gemm_long_pairs, GEMM_LONG_ROUNDS), 0)
     isa.native.set_gemm_long_pairs(chosen)
     flops = sum(2 * GEMM_ROWS[-1] * n * k for _, _, n, k in tensors)
     return chosen, {pairs: flops / s / 1e9 for pairs, s in seconds.items()}

@@ -5,6 +5,8 @@ any CPU."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -165,6 +167,26 @@ def test_long_prompts_chunk_applies_over_several_panels_only(kernel_path, format
     assert all(torch.equal(a, b) for a, b in zip(single, single_again))
 
 
+def test_gemm_medians_alternate_the_order_and_drop_the_first_round(monkeypatch):
+    order, current = [], []
+    times = iter(range(100))
+
+    def time_pass(tensors, inputs):
+        order.append(current[-1])
+        return float(next(times))
+
+    @contextlib.contextmanager
+    def force(choice):
+        current.append(choice)
+        yield
+
+    monkeypatch.setattr(tuning, "_time_pass", time_pass)
+    seconds = tuning._gemm_medians([], [{}], ["a", "b", "c"], force, rounds=3)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    # round 0 dropped; then a took times 5, 6 and 11, b 4, 7, 10, c 3, 8, 9
+    assert seconds == {"a": 6.0, "b": 7.0, "c": 8.0}
+
+
 @pytest.mark.parametrize("seconds,confirm,want", [
     ({0: 1.0, 128: 1.0, 256: 1.0}, None, 0),  # level: the tiling's own chunk stays
     ({0: 1.0, 128: 0.9, 256: 0.95}, (1.0, 0.9), 128),
@@ -176,7 +198,8 @@ def test_long_prompts_chunk_is_timed_against_the_tilings_own(monkeypatch, second
         pytest.skip("native library not built")
     steps = []
 
-    def medians(tensors, inputs, choices, force):
+    def medians(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
+        assert rounds == tuning.GEMM_LONG_ROUNDS
         steps.append((list(choices), inputs))
         if len(choices) == 2:  # the head to head
             return dict(zip(choices, confirm))
