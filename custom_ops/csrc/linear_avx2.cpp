@@ -640,7 +640,7 @@ static inline __m256i bf16_bits8(__m256 v) {
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m256i byte = _mm256_set1_epi32(0xFF), low = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < p.k_groups; ++g) {
+  for (int64_t g = 0; g < p.k_groups && g * kInt4GroupPairs < p.K_pairs; ++g) {  // (a K chunk: its groups)
     const uint16_t* params = int4_group_params(p, block, g);
     __m256 scale[4], shift[4];  // columns 8j..8j+7
     for (int j = 0; j < 4; ++j) {

@@ -568,7 +568,7 @@ static inline __m512i bf16_bits16(__m512 v) {
 static void dequantize_int4_block(const LinearProblem& p, int64_t block, uint16_t* out) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
   const __m512i byte = _mm512_set1_epi32(0xFF), low = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < p.k_groups; ++g) {
+  for (int64_t g = 0; g < p.k_groups && g * kInt4GroupPairs < p.K_pairs; ++g) {  // (a K chunk: its groups)
     const uint16_t* params = int4_group_params(p, block, g);
     __m512 scale[2], shift[2];
     for (int h = 0; h < 2; ++h) {

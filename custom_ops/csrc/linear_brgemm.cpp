@@ -40,10 +40,12 @@ constexpr int64_t kDecodeGemmPairs = 1024;
 // by the K chunk a call takes, not whole: with K in chunks, the group's chunk is what stays in L2
 // while the row tiles pass, and K 8192 (a down projection) would otherwise make every group one block
 // and every block read all of x again (x of 1024 rows is then 16 MiB, read from L3 per block at a
-// third of AMX's rate). A quantized group's blocks are dequantized whole, once, into bf16 panels, which
-// kQuantizedPanelBytes also bounds (a down projection's 512 KiB blocks four to a group, not one).
+// third of AMX's rate). A quantized group's blocks are dequantized once, into bf16 panels (chunk by
+// chunk as the first panel of rows reaches them), which kQuantizedPanelBytes also bounds (a down
+// projection's 512 KiB blocks eight to a group, not one). 4 MiB, past an L2, where 2 made groups of half
+// bf16's (4 gate/up units to its 8) and int8's 1024-token TTFT 1.06x bf16's, against 1.01-1.03x.
 constexpr int64_t kGroupBytes = 512 << 10;
-constexpr int64_t kQuantizedPanelBytes = 2 << 20;
+constexpr int64_t kQuantizedPanelBytes = 4 << 20;
 constexpr int64_t kMaxGroup = 8;
 
 // Rows of x whose fp32 results a group keeps while K's chunks pass (at most kMaxGroup units of 2 blocks:
@@ -64,6 +66,18 @@ int64_t group_units(const LinearProblem& p, int64_t chunk_pairs) {
   int64_t units = kGroupBytes / unit_bytes(p, std::min(chunk_pairs, p.K_pairs));
   if (p.format != WeightFormat::bf16) units = std::min(units, kQuantizedPanelBytes / unit_bytes(p, p.K_pairs));
   return std::clamp<int64_t>(units, 1, kMaxGroup);
+}
+
+// Quantized `p` restricted to its K pairs [q, q + pairs) (q a multiple of the fp8 / int4 scale groups' 64 pairs),
+// each block still where it was: what dequantizing one chunk of a block reads.
+LinearProblem k_chunk(const LinearProblem& p, int64_t q, int64_t pairs) {
+  LinearProblem chunk = p;
+  chunk.block_pairs = pairs_between_blocks(p);
+  chunk.K_pairs = pairs;
+  chunk.wq = p.wq + q * pair_bytes(p.format);
+  if (p.format == WeightFormat::fp8) chunk.scales = p.scales + q / kFp8GroupPairs;
+  if (p.format == WeightFormat::int4) chunk.int4_params = p.int4_params + q / kInt4GroupPairs * 2 * kBlockN;
+  return chunk;
 }
 
 // `p` restricted to its rows [row, row + rows): what the epilogue writes.
@@ -125,12 +139,19 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
 
-  // Block `block` as brgemm's B: the packed bf16 block, or the quantized one dequantized into panel `which`.
+  // Block `block` as brgemm's B: the packed bf16 block, or panel `which`, into which the first panel of rows
+  // dequantizes each K chunk of the quantized block just before it multiplies it (dequantize_chunk). Whole
+  // blocks dequantized ahead of the group left the quantized bytes to the last chunk's calls to prefetch, and
+  // the dequantization waited on DRAM: int8's gate/up ran 13% behind bf16's at 1024 rows (docs/PERFORMANCE.md).
+  const bool quantized = p.format != WeightFormat::bf16;
+  const int64_t quantized_block_bytes = pairs_between_blocks(p) * pair_bytes(p.format);
   auto weight = [&](int64_t block, int64_t which) {
-    if (p.format == WeightFormat::bf16) return reinterpret_cast<const at::BFloat16*>(p.w + block * block_elems);
-    uint16_t* panel = panels + which * block_elems;
-    epilogue.dequantize[static_cast<int>(p.format)](p, block, panel);
-    return reinterpret_cast<const at::BFloat16*>(panel);
+    if (!quantized) return reinterpret_cast<const at::BFloat16*>(p.w + block * block_elems);
+    return reinterpret_cast<const at::BFloat16*>(panels + which * block_elems);
+  };
+  auto dequantize_chunk = [&](int64_t block, int64_t which, int64_t q, int64_t pairs) {
+    epilogue.dequantize[static_cast<int>(p.format)](k_chunk(p, q, pairs), block,
+                                                      panels + which * block_elems + block_values(q));
   };
   // Work units are blocks, or gate/up block pairs (2u, 2u + 1) with SiLU-and-mul; the group's i-th block
   // (unit i / per_unit) keeps its results at results + i * panel_rows * kBlockN.
@@ -144,28 +165,33 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       // K's chunks outermost: a chunk of the group's blocks stays in L2 while the panel's row tiles pass
       for (int64_t q = 0; q < p.K_pairs; q += chunk) {
         const int64_t pairs = std::min(chunk, p.K_pairs - q);
+        if (quantized && panel == 0 && !tiles) {  // (the tile kernel's calls dequantize theirs one by one)
+          for (int64_t i = 0; i < blocks; ++i) dequantize_chunk(first * per_unit + i, i, q, pairs);
+        }
         if (tiles) {  // the panel's rows at once, each call fetching what comes next from memory
           for (int64_t i = 0; i < blocks; ++i) {
+            const int64_t block = first * per_unit + i;
+            if (quantized && panel == 0) dequantize_chunk(block, i, q, pairs);
+            // the chunk the next call multiplies: the group's next block at this chunk; after its last block,
+            // its first at the next chunk, or at the first chunk again for the next panel, or the next group's.
+            // It comes from memory where it is bf16, or where the next call dequantizes it (a first panel).
+            int64_t next_block = block + 1, next_q = q;
+            bool next_first_panel = panel == 0;
+            if (i + 1 == blocks) {
+              next_q = q + pairs < p.K_pairs ? q + pairs : 0;
+              const bool next_group = next_q == 0 && panel + prows >= p.M;
+              next_block = first * per_unit + (next_group ? blocks : 0);
+              if (next_q == 0) next_first_panel = next_group;
+            }
             const void* next = nullptr;
             int64_t next_bytes = 0;
-            const int64_t block = first * per_unit + i;
-            if (p.format == WeightFormat::bf16) {
-              // the chunk the next call multiplies: the group's next block at this chunk; after its last block,
-              // its first at the next chunk, or at the first chunk again for the next panel, or the next group's
-              int64_t next_block = block + 1, next_q = q;
-              if (i + 1 == blocks) {
-                next_q = q + pairs < p.K_pairs ? q + pairs : 0;
-                next_block = first * per_unit + (next_q == 0 && panel + prows >= p.M ? blocks : 0);
-              }
-              if (next_block < end * per_unit) {
-                next = p.w + next_block * block_elems + block_values(next_q);
-                next_bytes = block_values(std::min(chunk, p.K_pairs - next_q)) * int64_t{sizeof(uint16_t)};
-              }
-            } else if (q + pairs >= p.K_pairs && panel + prows >= p.M && block + blocks < end * per_unit) {
-              // the last pass over the group: the next group's block in this place, which its dequantization
-              // reads whole
-              next_bytes = pairs_between_blocks(p) * pair_bytes(p.format);
-              next = p.wq + (block + blocks) * next_bytes;
+            const int64_t next_pairs = std::min(chunk, p.K_pairs - next_q);
+            if (next_block < end * per_unit && !quantized) {
+              next = p.w + next_block * block_elems + block_values(next_q);
+              next_bytes = block_values(next_pairs) * int64_t{sizeof(uint16_t)};
+            } else if (next_block < end * per_unit && next_first_panel) {
+              next = p.wq + next_block * quantized_block_bytes + next_q * pair_bytes(p.format);
+              next_bytes = next_pairs * pair_bytes(p.format);
             }
             multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows,
                            reinterpret_cast<const uint16_t*>(b[i] + block_values(q)), pairs,

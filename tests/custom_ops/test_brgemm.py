@@ -49,7 +49,7 @@ def _linear_ops(format, rows, in_features, out_features, intermediate):
     return run, x.float() @ w.T + bias.float(), torch.nn.functional.silu(x.float() @ g.T) * (x.float() @ u.T)
 
 
-@pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("format", ["bf16", "int8", "fp8", "int4"])
 @pytest.mark.parametrize("rows,in_features,blocks",
                          [(5, 300, 5), (70, 301, 5), (3, 256, 5), (70, 64, 90), (300, 320, 3)],
                          ids=["5x300", "70x301-odd", "3x256", "70x64-groups", "300x320-panels"])
@@ -66,11 +66,15 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     K's chunks again. tilefx's AMX tiles take a panel of the tiling's rows at once: 70 rows are two 32-row steps
     and a 6-row tile, or at 16 rows five panels (the last 6 rows); K 320 (160 pairs) in chunks of 64 pairs (the last
     32) or one; each call fetches the next one's bytes (the next block, the next chunk, the next panel's first,
-    the next group's first); K of 300 or 301 (not a multiple of 32) stays on brgemm."""
+    the next group's first); K of 300 or 301 (not a multiple of 32) stays on brgemm. A quantized block is
+    dequantized one chunk at a time as the first panel of rows reaches it (int4's and fp8's 64-pair scale groups
+    cut by the chunks of 64, and the last ragged)."""
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
     if tiling[2] == "tiles" and not tuning.amx_tiles_run():
         pytest.skip("tilefx's AMX tiles need a CPU with AMX")
+    if format == "int4" and in_features % 4:
+        pytest.skip("an int4 weight's inputs come in fours")
     # a ragged last block; gate/up take whole blocks
     run, want, want_gated = _linear_ops(format, rows, in_features, blocks * 32 + 7, blocks * 32)
     with tuning.forced_gemm(format, "brgemm"), tuning.forced_gemm_tiling(*tiling):
