@@ -43,8 +43,14 @@ static inline __m512 load_bf16x16(const uint16_t* p) {
   return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16).
+// 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16): one `vcvtneps2bf16` where the CPU has
+// AVX512-BF16 (a third of the instructions in the linears' output epilogues), which SIMDe's emulation lacks.
 static inline void store_bf16x16(uint16_t* p, __m512 v) {
+#ifndef TILEFX_AVX512_EMULATED
+  const __m256bh rounded = _mm512_cvtneps_pbh(v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(rounded));
+  return;
+#endif
   __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
