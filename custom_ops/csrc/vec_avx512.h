@@ -43,21 +43,26 @@ static inline __m512 load_bf16x16(const uint16_t* p) {
   return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 16 fp32 -> 16 bf16, round to nearest even (as float_to_bf16): one `vcvtneps2bf16` where the CPU has
-// AVX512-BF16 (a third of the instructions in the linears' output epilogues), which SIMDe's emulation lacks.
-static inline void store_bf16x16(uint16_t* p, __m512 v) {
-#ifndef TILEFX_AVX512_EMULATED
-  const __m256bh rounded = _mm512_cvtneps_pbh(v);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(rounded));
-  return;
-#endif
+// 16 fp32 -> 16 bf16 bits, round to nearest even (as float_to_bf16): one `vcvtneps2bf16` where the CPU has
+// AVX512-BF16 (a third of the instructions of the integer rounding in the linears' output epilogues); SIMDe's
+// emulation lacks it, and rounds in the integer unit.
+static inline __m256i round_bf16x16(__m512 v) {
+#ifdef TILEFX_AVX512_EMULATED
   __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   // packus packs within 128-bit lanes; the first quadword of each lane holds its 4 values.
   const __m512i packed = _mm512_permutexvar_epi64(_mm512_set_epi64(7, 7, 7, 7, 6, 4, 2, 0),
                                                   _mm512_packus_epi32(bits, bits));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(packed));
+  return _mm512_castsi512_si256(packed);
+#else
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
+}
+
+// 16 fp32 -> 16 bf16 at p (round_bf16x16).
+static inline void store_bf16x16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16x16(v));
 }
 
 // exp(x) as the AVX2 unit computes it (Cephes expf polynomial; relative error ~2e-7).
@@ -91,18 +96,6 @@ static inline __m512 exp2_for_bf16(__m512 t) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.69312197f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(0.99999917f));
   return _mm512_scalef_ps(y, n);
-}
-
-// 16 fp32 -> 16 bf16 bits, round to nearest even (store_bf16x16's rounding; one instruction where
-// the CPU has AVX512-BF16, which SIMDe's emulation does not provide).
-static inline __m256i round_bf16x16(__m512 v) {
-#ifdef TILEFX_AVX512_EMULATED
-  alignas(32) uint16_t bits[16];
-  store_bf16x16(bits, v);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
-#else
-  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-#endif
 }
 
 }  // namespace
