@@ -16,7 +16,6 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
@@ -185,25 +184,6 @@ struct TileSoftmax {
   }
 };
 
-// A tile row's output: n fp32 values times `inv` as bf16 (round to nearest even), 16 at a time on AVX512-BF16 (a
-// CPU the unit's AVX512 path runs on); this file is built for any x86-64, where the plain loop is SSE2's, 8 values
-// of ~20 instructions: 8% of a 1024-token prompt's attention on the Xeon 6.
-__attribute__((target("avx512f,avx512bf16"))) void normalized_row_avx512(const float* out, float inv, int64_t n,
-                                                                            at::BFloat16* dst) {
-  const __m512 scale = _mm512_set1_ps(inv);
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    const __m256bh bf16 = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(out + d), scale));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<const __m256i&>(bf16));
-  }
-  for (; d < n; ++d) dst[d] = static_cast<at::BFloat16>(out[d] * inv);
-}
-
-void normalized_row(const float* out, float inv, int64_t n, at::BFloat16* dst, bool avx512) {
-  if (avx512) return normalized_row_avx512(out, inv, n, dst);
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<at::BFloat16>(out[d] * inv);
-}
-
 // The task's positions [s0, s0 + positions) of (b, kv_head): rows r = i * group + g are position
 // s0 + i of query head kv_head * group + g; `step` keys (a multiple of kAttentionKeyBlock) a block.
 void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, int64_t h, int64_t s0,
@@ -263,7 +243,7 @@ void attend_tile(const UnitEpilogue& epilogue, const Packed& packed, int64_t b, 
       const int64_t r = i * group + g;
       const float inv = tile.sum[r] > 0.0f ? 1.0f / tile.sum[r] : 0.0f;
       at::BFloat16* dst = y + ((b * p.q_heads + h * group + g) * seq + s0 + i) * v_dim;
-      normalized_row(tile.out.data() + r * v_dim, inv, v_dim, dst, &epilogue == &unit_epilogue_avx512());
+      epilogue.scaled_bf16(tile.out.data() + r * v_dim, inv, v_dim, reinterpret_cast<uint16_t*>(dst));
     }
   }
 }

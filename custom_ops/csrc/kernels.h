@@ -207,10 +207,12 @@ void linear_blocks_avx512_emulated(const LinearProblem& p, int64_t block_begin, 
 
 // What oneDNN's brgemm GEMM (linear_brgemm.cpp) borrows from a unit: a quantized block as bf16
 // in the packed order (the unit's GEMM panel: fp8 scaled, int8 not), and the stores of fp32
-// result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul); and
-// what the flash attention on brgemm tiles (attention_brgemm.cpp) borrows: the online softmax
-// of one key block (flash_block_softmax_avx2's contract, `ld` a multiple of 16), and for decode
-// two value rows interleaved into brgemm's VNNI pairs.
+// result tiles [p.M][kBlockN] into y (bias, bf16 or fp32 output; gate/up -> SiLU-and-mul) and
+// int8's column scales; and what the flash attention on brgemm tiles (attention_brgemm.cpp)
+// borrows: the online softmax of one key block (flash_block_softmax_avx2's contract, `ld` a
+// multiple of 16), for decode two value rows interleaved into brgemm's VNNI pairs, and each output
+// row over its sum. (linear_brgemm.cpp and attention_brgemm.cpp are built for any x86-64: what
+// runs per value lives here, in the units built for their ISA.)
 struct UnitEpilogue {
   void (*dequantize[kWeightFormats])(const LinearProblem& p, int64_t block, uint16_t* out);  // by WeightFormat (bf16: null)
   void (*store)(const LinearProblem& p, int64_t col0, const float* c);
@@ -224,6 +226,10 @@ struct UnitEpilogue {
   // for i < pairs (a multiple of 8), r < 16; a null row reads as zeros. (The prefill kernel's keys
   // as brgemm's B; decode's transposed scores back to rows.)
   void (*transpose_pairs)(const uint16_t* const* rows, int64_t pairs, uint32_t* out, int64_t ld);
+  // out[i] = x[i] * scale as bf16 (round to nearest even), i < n: a flash tile's output row over its sum.
+  void (*scaled_bf16)(const float* x, float scale, int64_t n, uint16_t* out);
+  // c[m * kBlockN + j] *= s[j] for m < rows, j < kBlockN: int8's column scales on a block's fp32 results.
+  void (*scale_columns)(float* c, const float* s, int64_t rows);
 };
 // transpose_pairs one value at a time, for the units where brgemm attention is never fast (AVX2:
 // oneDNN has no compiled brgemm kernel there).

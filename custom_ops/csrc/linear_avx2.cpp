@@ -823,6 +823,27 @@ void interleave_rows(const uint16_t* a, const uint16_t* b, int64_t n, uint16_t* 
   }
 }
 
+// UnitEpilogue::scaled_bf16
+void scaled_bf16(const float* x, float scale, int64_t n, uint16_t* out) {
+  const __m256 vscale = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store_bf16x8(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vscale));
+  for (; i < n; ++i) out[i] = float_to_bf16(x[i] * scale);
+}
+
+// UnitEpilogue::scale_columns, a row's kBlockN columns as four vectors
+void scale_columns(float* c, const float* s, int64_t rows) {
+  static_assert(kBlockN == 32, "scale_columns takes a block's columns as four vectors");
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8), s2 = _mm256_loadu_ps(s + 16),
+               s3 = _mm256_loadu_ps(s + 24);
+  for (int64_t m = 0; m < rows; ++m, c += kBlockN) {
+    _mm256_storeu_ps(c, _mm256_mul_ps(_mm256_loadu_ps(c), s0));
+    _mm256_storeu_ps(c + 8, _mm256_mul_ps(_mm256_loadu_ps(c + 8), s1));
+    _mm256_storeu_ps(c + 16, _mm256_mul_ps(_mm256_loadu_ps(c + 16), s2));
+    _mm256_storeu_ps(c + 24, _mm256_mul_ps(_mm256_loadu_ps(c + 24), s3));
+  }
+}
+
 }  // namespace
 
 const UnitEpilogue& unit_epilogue_avx2() {
@@ -832,7 +853,9 @@ const UnitEpilogue& unit_epilogue_avx2() {
       store_block_silu_mul,
       flash_block_softmax_avx2,
       interleave_rows,
-      transpose_pairs_plain};
+      transpose_pairs_plain,
+      scaled_bf16,
+      scale_columns};
   return epilogue;
 }
 

@@ -891,6 +891,24 @@ void transpose_pairs(const uint16_t* const* rows, int64_t pairs, uint32_t* out, 
   }
 }
 
+// UnitEpilogue::scaled_bf16
+void scaled_bf16(const float* x, float scale, int64_t n, uint16_t* out) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store_bf16x16(out + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), vscale));
+  for (; i < n; ++i) out[i] = float_to_bf16(x[i] * scale);
+}
+
+// UnitEpilogue::scale_columns, a row's kBlockN columns as two vectors
+void scale_columns(float* c, const float* s, int64_t rows) {
+  static_assert(kBlockN == 32, "scale_columns takes a block's columns as two vectors");
+  const __m512 lo = _mm512_loadu_ps(s), hi = _mm512_loadu_ps(s + 16);
+  for (int64_t m = 0; m < rows; ++m, c += kBlockN) {
+    _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_loadu_ps(c), lo));
+    _mm512_storeu_ps(c + 16, _mm512_mul_ps(_mm512_loadu_ps(c + 16), hi));
+  }
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
@@ -905,7 +923,9 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
       store_block_silu_mul,
       flash_softmax,
       interleave_rows,
-      transpose_pairs};
+      transpose_pairs,
+      scaled_bf16,
+      scale_columns};
   return epilogue;
 }
 

@@ -10,7 +10,6 @@
 // computes the same thing on either GEMM.
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -79,23 +78,6 @@ LinearProblem k_chunk(const LinearProblem& p, int64_t q, int64_t pairs) {
   if (p.format == WeightFormat::fp8) chunk.scales = p.scales + q / kFp8GroupPairs;
   if (p.format == WeightFormat::int4) chunk.int4_params = p.int4_params + q / kInt4GroupPairs * 2 * kBlockN;
   return chunk;
-}
-
-// int8's column scales `s` (kBlockN) on `rows` rows of a block's fp32 results, 16 at a time where the unit is
-// AVX512's (this file is built for any x86-64, where the plain loop is SSE2's 4: 3% of an int8 prefill GEMM).
-__attribute__((target("avx512f"))) void scale_columns_avx512(float* c, const float* s, int64_t rows) {
-  const __m512 lo = _mm512_loadu_ps(s), hi = _mm512_loadu_ps(s + 16);
-  for (int64_t m = 0; m < rows; ++m, c += kBlockN) {
-    _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_loadu_ps(c), lo));
-    _mm512_storeu_ps(c + 16, _mm512_mul_ps(_mm512_loadu_ps(c + 16), hi));
-  }
-}
-
-void scale_columns(float* c, const float* s, int64_t rows, LinearUnit unit) {
-  static_assert(kBlockN == 32, "scale_columns_avx512 takes a block's columns as two vectors");
-  if (unit == LinearUnit::avx512) return scale_columns_avx512(c, s, rows);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
 }
 
 // `p` restricted to its rows [row, row + rows): what the epilogue writes.
@@ -229,7 +211,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       const LinearProblem out = row_tile(p, panel, prows);
       if (p.format == WeightFormat::int8) {  // the dequantized panels are unscaled: the column scales apply here
         for (int64_t i = 0; i < blocks; ++i) {
-          scale_columns(results + i * panel_rows * kBlockN, p.scales + (first * per_unit + i) * kBlockN, prows, unit);
+          epilogue.scale_columns(results + i * panel_rows * kBlockN, p.scales + (first * per_unit + i) * kBlockN, prows);
         }
       }
       for (int64_t i = 0; i < units; ++i) {
