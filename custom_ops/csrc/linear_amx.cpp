@@ -35,6 +35,7 @@ namespace {
 #define kA1 5
 #define kB0 6
 #define kB1 7
+#define kB2 5  // row_tile_pair's third B tile, in place of the second x tile
 
 constexpr int64_t kTileRows = 16;   // rows of x (and of C) a tile holds
 constexpr int64_t kTilePairs = 16;  // K pairs a step multiplies: 32 bf16 of a row of x, 16 pair rows of B
@@ -51,12 +52,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// C and x's tiles take `rows` rows (16, or a last row tile's fewer); B's take a step's 16 pairs.
-void configure(int rows) {
+// C and x's tiles take `rows` rows (16, or a last row tile's fewer); B's take a step's 16 pairs (with two
+// blocks, kB2 is a third B tile: row_tile_pair).
+void configure(int rows, bool pair) {
   TileConfig config{};
   config.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    config.rows[t] = t == kB0 || t == kB1 ? kTilePairs : rows;
+    config.rows[t] = t == kB0 || t == kB1 || (pair && t == kB2) ? kTilePairs : rows;
     config.bytes_per_row[t] = kRowBytes;
   }
   _tile_loadconfig(&config);
@@ -68,15 +70,18 @@ bool request_tile_state() {
   return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
 }
 
-// The prefetches a call spreads over its K steps: `lines` cache lines from `next`, the first `due(step)` of
-// them issued by the end of step `step` of `steps`.
+// The prefetches a call spreads over its K steps: `lines` cache lines from each of next[0] and next[1] (null:
+// none), the first `due(step)` of them all issued by the end of step `step` of `steps`.
 struct Prefetch {
-  const char* next;
+  const char* next[2];
   int64_t lines, steps, issued = 0;
 
   void after(int64_t step) {
-    const int64_t due = (step + 1) * lines / steps;
-    for (; issued < due; ++issued) _mm_prefetch(next + issued * kLine, _MM_HINT_T1);
+    const int64_t due = (step + 1) * 2 * lines / steps;
+    for (; issued < due; ++issued) {
+      const char* range = next[issued / lines];
+      if (range != nullptr) _mm_prefetch(range + issued % lines * kLine, _MM_HINT_T1);
+    }
   }
 };
 
@@ -125,6 +130,32 @@ void row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t 
   if constexpr (kTwoRowTiles) TILEFX_STORE_RESULTS(kC10, kC11, c1);
 }
 
+// One row tile of x (as many rows as the configuration gives) times `steps` K steps of two blocks, C[1][4]:
+// each x tile serves four products, where row_tiles<true> loads one for two. x comes from L2 and the blocks'
+// chunk stays in L1 while the panel's row tiles pass, so this halves the traffic from L2 (Llama-1B's prefill
+// GEMMs at 128 rows 0.96x the time, docs/PERFORMANCE.md). The fourth product reuses kB0, as the other kernels
+// reuse their tiles: only the register count (8) bounds the blocking.
+void row_tile_pair(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b0, const uint16_t* b1, int64_t steps,
+                   float* c0, float* c1, bool add, Prefetch& prefetch, int64_t step0) {
+  TILEFX_START_RESULTS(kC00, kC01, c0, add);
+  TILEFX_START_RESULTS(kC10, kC11, c1, add);
+  for (int64_t step = 0; step < steps; ++step) {
+    prefetch.after(step0 + step);
+    const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
+    _tile_loadd(kA0, x + ax, ldx_bytes);
+    _tile_loadd(kB0, b0 + bx, kLdb);
+    _tile_dpbf16ps(kC00, kA0, kB0);
+    _tile_loadd(kB1, b0 + bx + kBlockN, kLdb);
+    _tile_dpbf16ps(kC01, kA0, kB1);
+    _tile_loadd(kB2, b1 + bx, kLdb);
+    _tile_dpbf16ps(kC10, kA0, kB2);
+    _tile_loadd(kB0, b1 + bx + kBlockN, kLdb);
+    _tile_dpbf16ps(kC11, kA0, kB0);
+  }
+  TILEFX_STORE_RESULTS(kC00, kC01, c0);
+  TILEFX_STORE_RESULTS(kC10, kC11, c1);
+}
+
 }  // namespace
 
 bool amx_tiles_usable() {
@@ -132,26 +163,33 @@ bool amx_tiles_usable() {
   return usable;
 }
 
-void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, const uint16_t* b, int64_t pairs, float* c,
-                    bool add, const void* next, int64_t next_bytes) {
+void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks, const uint16_t* const* b,
+                    int64_t pairs, float* const* c, bool add, const void* const* next, int64_t next_bytes) {
   TORCH_CHECK(pairs % kTilePairs == 0, "tilefx AMX tiles: K pairs must be a multiple of ", kTilePairs, ", got ", pairs);
+  TORCH_CHECK(blocks == 1 || blocks == 2, "tilefx AMX tiles: one or two blocks a call, got ", blocks);
+  const bool pair = blocks == 2;
   const int64_t steps = pairs / kTilePairs, ldx_bytes = ldx * int64_t{sizeof(uint16_t)};
-  const int64_t row_steps = rows / (2 * kTileRows) + (rows % (2 * kTileRows) + kTileRows - 1) / kTileRows;
-  Prefetch prefetch{static_cast<const char*>(next), next ? next_bytes / kLine : 0,
-                    std::max<int64_t>(row_steps * steps, 1)};
+  const int64_t row_steps = pair ? (rows + kTileRows - 1) / kTileRows
+                                 : rows / (2 * kTileRows) + (rows % (2 * kTileRows) + kTileRows - 1) / kTileRows;
+  Prefetch prefetch{{static_cast<const char*>(next[0]), pair ? static_cast<const char*>(next[1]) : nullptr},
+                    next_bytes / kLine, std::max<int64_t>(row_steps * steps, 1)};
   int configured = 0;
   int64_t step0 = 0;
   for (int64_t m = 0; m < rows;) {
     const int tile_rows = static_cast<int>(std::min(kTileRows, rows - m));
     if (tile_rows != configured) {
-      configure(tile_rows);
+      configure(tile_rows, pair);
       configured = tile_rows;
     }
-    if (rows - m >= 2 * kTileRows) {
-      row_tiles<true>(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+    if (pair) {
+      row_tile_pair(x + m * ldx, ldx_bytes, b[0], b[1], steps, c[0] + m * kBlockN, c[1] + m * kBlockN, add, prefetch,
+                    step0);
+      m += tile_rows;
+    } else if (rows - m >= 2 * kTileRows) {
+      row_tiles<true>(x + m * ldx, ldx_bytes, b[0], steps, c[0] + m * kBlockN, add, prefetch, step0);
       m += 2 * kTileRows;
     } else {
-      row_tiles<false>(x + m * ldx, ldx_bytes, b, steps, c + m * kBlockN, add, prefetch, step0);
+      row_tiles<false>(x + m * ldx, ldx_bytes, b[0], steps, c[0] + m * kBlockN, add, prefetch, step0);
       m += tile_rows;
     }
     step0 += steps;

@@ -168,34 +168,40 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
         if (quantized && panel == 0 && !tiles) {  // (the tile kernel's calls dequantize theirs one by one)
           for (int64_t i = 0; i < blocks; ++i) dequantize_chunk(first * per_unit + i, i, q, pairs);
         }
-        if (tiles) {  // the panel's rows at once, each call fetching what comes next from memory
-          for (int64_t i = 0; i < blocks; ++i) {
-            const int64_t block = first * per_unit + i;
-            if (quantized && panel == 0) dequantize_chunk(block, i, q, pairs);
-            // the chunk the next call multiplies: the group's next block at this chunk; after its last block,
-            // its first at the next chunk, or at the first chunk again for the next panel, or the next group's.
-            // It comes from memory where it is bf16, or where the next call dequantizes it (a first panel).
-            int64_t next_block = block + 1, next_q = q;
+        if (tiles) {  // the panel's rows at once, two blocks a call, each call fetching what comes next from memory
+          for (int64_t i = 0; i < blocks; i += 2) {
+            const int64_t width = std::min<int64_t>(2, blocks - i), block = first * per_unit + i;
+            if (quantized && panel == 0) {
+              for (int64_t j = 0; j < width; ++j) dequantize_chunk(block + j, i + j, q, pairs);
+            }
+            // the chunks the next call multiplies: the group's next two blocks at this chunk; after its last, its
+            // first two at the next chunk, or at the first chunk again for the next panel, or the next group's.
+            // They come from memory where they are bf16, or where the next call dequantizes them (a first panel).
+            int64_t next_block = block + 2, next_q = q;
             bool next_first_panel = panel == 0;
-            if (i + 1 == blocks) {
+            if (i + 2 >= blocks) {
               next_q = q + pairs < p.K_pairs ? q + pairs : 0;
               const bool next_group = next_q == 0 && panel + prows >= p.M;
               next_block = first * per_unit + (next_group ? blocks : 0);
               if (next_q == 0) next_first_panel = next_group;
             }
-            const void* next = nullptr;
-            int64_t next_bytes = 0;
             const int64_t next_pairs = std::min(chunk, p.K_pairs - next_q);
-            if (next_block < end * per_unit && !quantized) {
-              next = p.w + next_block * block_elems + block_values(next_q);
-              next_bytes = block_values(next_pairs) * int64_t{sizeof(uint16_t)};
-            } else if (next_block < end * per_unit && next_first_panel) {
-              next = p.wq + next_block * quantized_block_bytes + next_q * pair_bytes(p.format);
-              next_bytes = next_pairs * pair_bytes(p.format);
+            const void* next[2] = {nullptr, nullptr};
+            const int64_t next_bytes = quantized ? next_pairs * pair_bytes(p.format)
+                                                 : block_values(next_pairs) * int64_t{sizeof(uint16_t)};
+            for (int64_t j = 0; j < 2 && next_block + j < end * per_unit; ++j) {
+              if (!quantized) {
+                next[j] = p.w + (next_block + j) * block_elems + block_values(next_q);
+              } else if (next_first_panel) {
+                next[j] = p.wq + (next_block + j) * quantized_block_bytes + next_q * pair_bytes(p.format);
+              }
             }
-            multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows,
-                           reinterpret_cast<const uint16_t*>(b[i] + block_values(q)), pairs,
-                           results + i * panel_rows * kBlockN, q > 0, next, next_bytes);
+            const uint16_t* chunks[2] = {reinterpret_cast<const uint16_t*>(b[i] + block_values(q)),
+                                         width == 2 ? reinterpret_cast<const uint16_t*>(b[i + 1] + block_values(q))
+                                                    : nullptr};
+            float* c[2] = {results + i * panel_rows * kBlockN, results + (i + 1) * panel_rows * kBlockN};
+            multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows, width, chunks,
+                           pairs, c, q > 0, next, next_bytes);
           }
           continue;
         }
