@@ -156,6 +156,10 @@ struct LinearProblem {
   // (linear_ops.cpp, split_k) reads K_pairs of each block's block_pairs, from w / wq, x (and fp8's scales)
   // pointed at the slice's first pair.
   int64_t block_pairs = 0;
+  // The AVX512 unit's epilogue writes bf16 y with non-temporal stores where a row's kBlockN columns are
+  // 32-byte aligned (others ignore it): a prefill on AMX tiles, whose output is megabytes that the GEMM's cache
+  // would otherwise read for ownership and keep (linear_brgemm.cpp kStreamRows). The caller fences after.
+  bool stream_y = false;
 
   const float* x_fp32() const { return static_cast<const float*>(x); }
   const uint32_t* x_pairs() const { return static_cast<const uint32_t*>(x); }

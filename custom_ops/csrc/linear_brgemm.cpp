@@ -11,6 +11,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 
@@ -51,6 +53,14 @@ constexpr int64_t kMaxGroup = 8;
 // Rows of x whose fp32 results a group keeps while K's chunks pass (at most kMaxGroup units of 2 blocks:
 // 512 KiB of scratch); a longer prompt takes the group's chunks again per panel of rows.
 constexpr int64_t kPanelRows = 256;
+
+// Rows from which a prefill on AMX tiles writes its output with non-temporal stores (LinearProblem::stream_y).
+// Stored through the cache, each output line is first read for ownership, and the lines then sit in L2 over
+// the weights and x the next calls read: on the Xeon 6, Llama-1B's prefill GEMMs at 1024 rows took 1.05x the
+// time stored so (o_proj 1.14x), and TTFT was 1.02x at 128 and 1024 tokens (int8: 1.04x at 1024), though the
+// output's consumers then read it from memory (docs/PERFORMANCE.md, forty-ninth session). Measured on AMX
+// CPUs only, so only the tile kernel's path streams.
+constexpr int64_t kStreamRows = 64;
 
 // Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
 int64_t blocks_per_unit(const LinearProblem& p) { return p.silu_mul ? 2 : 1; }
@@ -135,6 +145,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const bool long_prompt = long_pairs > 0 && p.M > tiling_panel;
   const int64_t chunk = long_prompt ? long_pairs : tiling.pairs;
   const int64_t panel_rows = std::min(p.M, long_prompt ? kPanelRows : tiling_panel);
+  const bool stream = tiles && p.M >= kStreamRows;
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);
@@ -214,7 +225,8 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
           }
         }
       }
-      const LinearProblem out = row_tile(p, panel, prows);
+      LinearProblem out = row_tile(p, panel, prows);
+      out.stream_y = stream;
       if (p.format == WeightFormat::int8) {  // the dequantized panels are unscaled: the column scales apply here
         for (int64_t i = 0; i < blocks; ++i) {
           epilogue.scale_columns(results + i * panel_rows * kBlockN, p.scales + (first * per_unit + i) * kBlockN, prows);
@@ -231,6 +243,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
       }
     }
   }
+  if (stream) _mm_sfence();  // the streamed lines reach memory before the op returns (other threads read y)
   if (tiles) {
     release_tiles();
   } else {
