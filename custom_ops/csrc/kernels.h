@@ -157,8 +157,8 @@ struct LinearProblem {
   // pointed at the slice's first pair.
   int64_t block_pairs = 0;
   // The AVX512 unit's epilogue writes bf16 y with non-temporal stores where a row's kBlockN columns are
-  // 32-byte aligned (others ignore it): a prefill on AMX tiles, whose output is megabytes that the GEMM's cache
-  // would otherwise read for ownership and keep (linear_brgemm.cpp kStreamRows). The caller fences after.
+  // 32-byte aligned (others ignore it), and the caller fences after. Set only by linear_blocks_brgemm, for
+  // a linear op's prefill on AMX tiles (ops.h stream_output, linear_brgemm.cpp kStreamRows).
   bool stream_y = false;
 
   const float* x_fp32() const { return static_cast<const float*>(x); }
