@@ -710,6 +710,20 @@ GEMM_LONG_PAIRS = (128, 256)
 # cost a long prompt its chunk: on the Xeon 6 the 128-pair chunk measured 9% off Llama-1B's 1024-token TTFT,
 # yet one tuning of three rounds in eight timed it 8% behind (docs/PERFORMANCE.md, forty-eighth session).
 GEMM_LONG_ROUNDS = 7
+# The chunk kept unless another beats it (above) where the tile kernel runs: 128 pairs. The pass above times hot
+# weights, where the chunk leads by little (2.5-6.5% on the Xeon 6), but a prompt reads its weights from DRAM,
+# where it leads by 9% (Llama-1B's four GEMMs at 1024 rows, cold copies) and so does TTFT (0.91x at 1024 tokens),
+# and one tuning in about eight still put the tiling's own chunk 10% ahead, on a machine whose stock TTFT then
+# read 1.5x its usual (docs/PERFORMANCE.md, forty-ninth session). Measured on AMX CPUs only: elsewhere (brgemm's
+# calls) the tiling's own chunk is kept unless a smaller one wins.
+GEMM_LONG_PAIRS_ON_TILES = 128
+
+
+def long_pairs_kept(tiling: tuple) -> int:
+    """The long prompt's chunk ``_tune_long_pairs`` keeps unless another beats it, for ``tiling``."""
+    rows, pairs, kernel = tiling
+    return GEMM_LONG_PAIRS_ON_TILES if kernel == "tiles" and GEMM_LONG_PAIRS_ON_TILES < pairs else 0
+
 DECODE_GEMM_FORMATS = ("bf16",)
 DECODE_GEMM_ROWS = (1, 2, 4)
 
@@ -924,24 +938,26 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
             cold_gflops = {t: cold_flops / s / 1e9 for t, s in cold.items()}
             tiling = fastest_by_min_gain({t: hot[t] + cold[t] for t in kernels}, tiling)
         isa.native.set_gemm_tiling(*tiling)
-        long_pairs, long_gflops = _tune_long_pairs(tensors, inputs, tiling[1])
+        long_pairs, long_gflops = _tune_long_pairs(tensors, inputs, tiling[1], long_pairs_kept(tiling))
     gflops = {t: flops / s / 1e9 for t, s in seconds.items()}
     return GemmTilingChoice(tiling, "tuned", gflops, time.perf_counter() - started, cold_gflops, long_pairs,
                             long_gflops)
 
 
-def _tune_long_pairs(tensors, inputs, tiling_pairs: int) -> tuple[int, dict]:
+def _tune_long_pairs(tensors, inputs, tiling_pairs: int, kept: int = 0) -> tuple[int, dict]:
     """The K chunk over several panels of rows with the tiling set: each of ``GEMM_LONG_PAIRS`` below
-    ``tiling_pairs`` against the tiling's own (0) on ``tensors`` at the prefill pass's longest prompt (the last of
-    ``inputs``, GEMM_ROWS'), interleaved over ``GEMM_LONG_ROUNDS`` rounds; a winner must beat the tiling's again
-    head to head, by ``MIN_GAIN`` both times. Sets it; returns (the chunk, GFLOP/s per candidate)."""
+    ``tiling_pairs`` and the tiling's own (0) on ``tensors`` at the prefill pass's longest prompt (the last of
+    ``inputs``, GEMM_ROWS'), interleaved over ``GEMM_LONG_ROUNDS`` rounds, against ``kept`` (``long_pairs_kept``):
+    another must beat it again head to head, by ``MIN_GAIN`` both times. Sets it; returns (the chunk, GFLOP/s per
+    candidate)."""
     longest = inputs[-1:]
     candidates = [0, *(pairs for pairs in GEMM_LONG_PAIRS if pairs < tiling_pairs)]
+    kept = kept if kept in candidates else 0
     seconds = _gemm_medians(tensors, longest, candidates, forced_gemm_long_pairs, GEMM_LONG_ROUNDS)
-    chosen = fastest_by_min_gain(seconds, 0)
-    if chosen:  # the fastest of several noisy candidates looks faster than it is
+    chosen = fastest_by_min_gain(seconds, kept)
+    if chosen != kept:  # the fastest of several noisy candidates looks faster than it is
         chosen = fastest_by_min_gain(
-            _gemm_medians(tensors, longest, [0, chosen], forced_gemm_long_pairs, GEMM_LONG_ROUNDS), 0)
+            _gemm_medians(tensors, longest, [kept, chosen], forced_gemm_long_pairs, GEMM_LONG_ROUNDS), kept)
     isa.native.set_gemm_long_pairs(chosen)
     flops = sum(2 * GEMM_ROWS[-1] * n * k for _, _, n, k in tensors)
     return chosen, {pairs: flops / s / 1e9 for pairs, s in seconds.items()}

@@ -224,6 +224,32 @@ def test_long_prompts_chunk_is_timed_against_the_tilings_own(monkeypatch, second
     assert ("K in chunks of 128 pairs over several panels" in line) == (want == 128)
 
 
+@pytest.mark.parametrize("seconds,confirm,want", [
+    ({0: 1.0, 128: 1.0, 256: 1.0}, None, 128),  # level: the kept chunk stays
+    ({0: 1.0, 128: 1.02, 256: 1.0}, None, 128),  # behind by less than MIN_GAIN: still kept
+    ({0: 0.9, 128: 1.0, 256: 0.95}, (1.0, 0.9), 0),  # the tiling's own, confirmed head to head
+    ({0: 0.9, 128: 1.0, 256: 0.95}, (1.0, 0.99), 128),  # unconfirmed
+])
+def test_long_prompts_chunk_on_tiles_is_kept_unless_beaten(monkeypatch, seconds, confirm, want):
+    if isa.native is None:
+        pytest.skip("native library not built")
+    heads = []
+
+    def medians(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
+        if len(choices) == 2:
+            heads.append(list(choices))
+            return dict(zip(choices, confirm))
+        return {c: seconds[c] for c in choices}
+
+    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    kept = tuning.long_pairs_kept((256, 1024, "tiles"))
+    assert kept == 128 and tuning.long_pairs_kept((256, 1024, "brgemm")) == 0
+    assert tuning.long_pairs_kept((256, 128, "tiles")) == 0  # not below the tiling's own chunk
+    with tuning.forced_gemm_long_pairs(256):
+        assert tuning._tune_long_pairs([(None, None, 32, 64)], ["long"], 1024, kept)[0] == want
+    assert heads == ([[128, 0]] if confirm else [])
+
+
 @pytest.mark.parametrize("chunks,tiles,confirm,want", [
     # the chunk at 64 rows, then the rows at the chunk kept, then the winner against the default head to head
     ({512: 1.2, 1024: 1.0, 2048: 1.0}, {32: 1.0, 64: 1.0, 128: 1.0, 256: 1.0}, None, (64, 1024)),  # all level
@@ -248,7 +274,7 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "amx_tiles_run", lambda: False)  # the tile kernel's step: the test below
-    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs: (0, {}))  # and the long chunk's
+    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs, kept=0: (0, {}))  # and the long chunk's
     want = (*want, "brgemm")
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
@@ -278,7 +304,7 @@ def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeyp
     monkeypatch.setattr(tuning, "_gemm_medians", medians)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "_decode_pass", lambda format: [(None, None, 64, 32)])  # the cold pass
-    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs: (0, {}))
+    monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs, kept=0: (0, {}))
     with tuning.forced_gemm_tiling(*tuning.GEMM_TILING_DEFAULT):
         choice = tuning.tune_gemm_tiling(isa.current())
         assert choice.tiling == want == tuple(isa.native.get_gemm_tiling())
