@@ -70,14 +70,14 @@ bool request_tile_state() {
   return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
 }
 
-// The prefetches a call spreads over its K steps: `lines` cache lines from each of next[0] and next[1] (null:
-// none), the first `due(step)` of them all issued by the end of step `step` of `steps`.
+// The prefetches a call spreads over its K steps: `lines` cache lines from next[0] and, where it is set, as many
+// from next[1], the first `due(step)` of them all issued by the end of step `step` of `steps`.
 struct Prefetch {
   const char* next[2];
   int64_t lines, steps, issued = 0;
 
   void after(int64_t step) {
-    const int64_t due = (step + 1) * 2 * lines / steps;
+    const int64_t due = (step + 1) * (next[1] ? 2 : 1) * lines / steps;
     for (; issued < due; ++issued) {
       const char* range = next[issued / lines];
       if (range != nullptr) _mm_prefetch(range + issued % lines * kLine, _MM_HINT_T1);
@@ -171,8 +171,8 @@ void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks
   const int64_t steps = pairs / kTilePairs, ldx_bytes = ldx * int64_t{sizeof(uint16_t)};
   const int64_t row_steps = pair ? (rows + kTileRows - 1) / kTileRows
                                  : rows / (2 * kTileRows) + (rows % (2 * kTileRows) + kTileRows - 1) / kTileRows;
-  Prefetch prefetch{{static_cast<const char*>(next[0]), pair ? static_cast<const char*>(next[1]) : nullptr},
-                    next_bytes / kLine, std::max<int64_t>(row_steps * steps, 1)};
+  Prefetch prefetch{{static_cast<const char*>(next[0]), static_cast<const char*>(next[1])}, next_bytes / kLine,
+                    std::max<int64_t>(row_steps * steps, 1)};
   int configured = 0;
   int64_t step0 = 0;
   for (int64_t m = 0; m < rows;) {

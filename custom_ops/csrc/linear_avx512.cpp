@@ -158,13 +158,22 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   }
 }
 
-// c (fp32, rows of kBlockN) + bias -> y, columns [col0, col0 + kBlockN) clipped to N.
 // Whether a row's kBlockN bf16 outputs from `y` go out as non-temporal stores (LinearProblem::stream_y): a whole
 // block's, two 32-byte stores to one cache line.
 static inline bool streams_row(const LinearProblem& p, const uint16_t* y, int64_t cols) {
   return p.stream_y && cols == kBlockN && reinterpret_cast<uintptr_t>(y) % 32 == 0;
 }
 
+// 16 fp32 -> 16 bf16 at p, non-temporal where `stream` (streams_row).
+static inline void put_bf16x16(uint16_t* p, __m512 v, bool stream) {
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), round_bf16x16(v));
+  } else {
+    store_bf16x16(p, v);
+  }
+}
+
+// c (fp32, rows of kBlockN) + bias -> y, columns [col0, col0 + kBlockN) clipped to N.
 static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
   const int64_t cols = p.N - col0 < kBlockN ? p.N - col0 : kBlockN;
   for (int64_t m = 0; m < p.M; ++m) {
@@ -176,18 +185,11 @@ static void store_block(const LinearProblem& p, int64_t col0, const float* c) {
       continue;
     }
     uint16_t* y = p.y + m * p.ldy + col0;
-    if (streams_row(p, y, cols)) {
-      for (; j < kBlockN; j += 16) {
-        __m512 v = _mm512_loadu_ps(cm + j);
-        if (p.bias) v = _mm512_add_ps(v, load_bf16x16(p.bias + col0 + j));
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(y + j), round_bf16x16(v));
-      }
-      continue;
-    }
+    const bool stream = streams_row(p, y, cols);
     for (; j + 16 <= cols; j += 16) {
       __m512 v = _mm512_loadu_ps(cm + j);
       if (p.bias) v = _mm512_add_ps(v, load_bf16x16(p.bias + col0 + j));
-      store_bf16x16(y + j, v);
+      put_bf16x16(y + j, v, stream);
     }
     for (; j < cols; ++j) y[j] = float_to_bf16(cm[j] + (p.bias ? bf16_to_float(p.bias[col0 + j]) : 0.0f));
   }
@@ -200,19 +202,13 @@ static void store_block_silu_mul(const LinearProblem& p, int64_t col0, const flo
     const float* g = gate + m * kBlockN;
     const float* u = up + m * kBlockN;
     int64_t j = 0;
-    if (!p.yf && streams_row(p, p.y + m * p.ldy + col0, cols)) {
-      for (; j < kBlockN; j += 16) {
-        const __m512 v = silu_mul16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j));
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(p.y + m * p.ldy + col0 + j), round_bf16x16(v));
-      }
-      continue;
-    }
+    const bool stream = !p.yf && streams_row(p, p.y + m * p.ldy + col0, cols);
     for (; j + 16 <= cols; j += 16) {
       const __m512 v = silu_mul16(_mm512_loadu_ps(g + j), _mm512_loadu_ps(u + j));
       if (p.yf) {
         _mm512_storeu_ps(p.yf + m * p.ldy + col0 + j, v);
       } else {
-        store_bf16x16(p.y + m * p.ldy + col0 + j, v);
+        put_bf16x16(p.y + m * p.ldy + col0 + j, v, stream);
       }
     }
     for (; j < cols; ++j) {

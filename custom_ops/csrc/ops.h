@@ -44,8 +44,8 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
 // tiling says so (tuning.h GemmTiling::tiles). amx_tiles_usable: the CPU has AMX and this process may use its
 // tiles. multiply_tiles: `rows` rows of x (bf16, row stride ldx) times `pairs` K pairs (a multiple of 16) of
 // `blocks` (1 or 2) packed bf16 blocks, block j from b[j] (its pair row at the chunk's start) into c[j]
-// ([rows][kBlockN] fp32, added to with `add`), fetching `next_bytes` from each of next[0] and (with two
-// blocks) next[1] (what the caller multiplies next; null: nothing) into L2 over its steps. It sets the calling
+// ([rows][kBlockN] fp32, added to with `add`), fetching `next_bytes` from each of next[0] and next[1] (the
+// chunks the caller multiplies next, whatever their count; null: nothing) into L2 over its steps. It sets the calling
 // thread's tile configuration; release_tiles gives the tile state back.
 bool amx_tiles_usable();
 void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks, const uint16_t* const* b,
