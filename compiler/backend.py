@@ -16,6 +16,10 @@ from tilefx.compiler.pass_manager import CacheKey, PassManager, packings_as_inpu
 from tilefx.compiler.report import CompileReport, GraphRecord
 
 
+# Loop iterations each thread must get before a static-shape graph's generated kernels run a loop in parallel.
+STATIC_MIN_CHUNK = 4096
+
+
 class Backend:
     """``torch.compile(fn, backend=Backend(options))``.
 
@@ -48,8 +52,8 @@ class Backend:
         finally:
             self._compiling = None
 
-    def inductor_config(self) -> dict:
-        return {
+    def inductor_config(self, static_shapes: bool = False) -> dict:
+        config = {
             "pre_grad_custom_pass": self.cache_key,
             "freezing": self.options.freezing,
             "cpp_wrapper": self.options.cpp_wrapper,
@@ -58,6 +62,14 @@ class Backend:
             "size_asserts": False,
             "alignment_asserts": False,
         }
+        if static_shapes:
+            # Inductor parallelizes a loop once each thread gets 512 iterations: batch 1's decode step's norms
+            # and RoPE (2048 values) then pay an OpenMP fork and join each, ~5 us of a ~9 us kernel on the Xeon
+            # 6 (docs/PERFORMANCE.md, fiftieth session). Only where every size is known: a dynamic dim (a
+            # prefill's tokens, a batch) is judged by its hint, the warm-up's, which would make the kernels of
+            # long prompts and big batches serial too.
+            config["cpp.min_chunk_size"] = STATIC_MIN_CHUNK
+        return config
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         start = time.perf_counter()
@@ -69,7 +81,8 @@ class Backend:
         packed, fakes, recipes = packings_as_inputs(gm, torch._guards.detect_fake_mode(example_inputs))
         if self.options.inductor:
             with torch._functorch.config.patch(bundled_autograd_cache=saveable):
-                compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=self.inductor_config())
+                config = self.inductor_config(static_shapes=_static(example_inputs))
+                compiled = compile_fx(gm, [*example_inputs, *fakes], config_patches=config)
         else:  # the rewritten graph as it is: its own generated Python runs the ops
             compiled = gm.forward
         record.compile_seconds = time.perf_counter() - start
@@ -89,6 +102,15 @@ def _saveable(sources: list, outputs, recipes: list | None, compiled, record: Gr
 
 
 _DYNAMO_ATTRIBUTES = ("_param_name_to_source", "_source_to_user_stacks", "_backend_id", "compile_subgraph_reason")
+
+
+def _static(example_inputs) -> bool:
+    """Whether a graph's inputs have no symbolic size (no dynamic dim, no SymInt argument)."""
+    for value in example_inputs:
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            return False
+    return True
 
 
 def _own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
