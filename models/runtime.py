@@ -248,8 +248,13 @@ class TilefxRuntime:
         position_ids = position_ids.clone(memory_format=torch.contiguous_format)
         allowed = self._attention_mask(mask, cache.seq_len, seq)
         if seq > 1:
+            # Inductor sizes a dynamic dim's kernels by its hint, by default the first call's (the warm-up's 2
+            # tokens): loops over a few heads times the tokens then run on one thread (RoPE's rotated halves of
+            # K). As long a prompt as fits is the hint instead: 0.977x the TTFT of 1024 tokens on the Xeon 6, no
+            # change at 16 (docs/PERFORMANCE.md, fiftieth session).
             for tensor, dim in ((input_ids, 1), (position_ids, 1), (allowed, 2)):
-                torch._dynamo.mark_dynamic(tensor, dim, min=2, max=self.options.max_seq_len)
+                torch._dynamo.mark_dynamic(tensor, dim, min=2, max=self.options.max_seq_len,
+                                           hint_override=self.options.max_seq_len)
         if batch > 1 and self.options.max_batch > 2:  # (2 is the only batch above 1: static)
             for tensor in (input_ids, position_ids, allowed):
                 torch._dynamo.mark_dynamic(tensor, 0, min=2, max=self.options.max_batch)

@@ -45,6 +45,19 @@ def test_greedy_batch1_matches_eager(pair, length):
     assert exact >= 10  # well-separated logits: near-ties (bf16-equal logits) are rare
 
 
+def test_prefill_kernels_are_sized_for_the_longest_prompt(pair, monkeypatch):
+    # Inductor decides a kernel's threads by the dynamic dim's hint: the warm-up's 2 tokens would make a long
+    # prompt's head-by-token loops serial
+    _, compiled = pair
+    marked = []
+    mark_dynamic = torch._dynamo.mark_dynamic
+    monkeypatch.setattr(torch._dynamo, "mark_dynamic", lambda *args, **kwargs: (marked.append(kwargs),
+                                                                                   mark_dynamic(*args, **kwargs)))
+    compiled.generate(torch.tensor([_prompt(6, 3)]), max_new_tokens=1, do_sample=False)
+    token_dims = [kwargs for kwargs in marked if kwargs.get("max") == MAX_SEQ_LEN]
+    assert token_dims and all(kwargs.get("hint_override") == MAX_SEQ_LEN for kwargs in token_dims)
+
+
 def test_greedy_batch2_padded_matches_eager(pair):
     reference, compiled = pair
     ids, mask = padded_batch([_prompt(9, 1), _prompt(4, 2)])
