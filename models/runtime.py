@@ -249,9 +249,10 @@ class TilefxRuntime:
         allowed = self._attention_mask(mask, cache.seq_len, seq)
         if seq > 1:
             # Inductor sizes a dynamic dim's kernels by its hint, by default the first call's (the warm-up's 2
-            # tokens): loops over a few heads times the tokens then run on one thread (RoPE's rotated halves of
-            # K). As long a prompt as fits is the hint instead: 0.977x the TTFT of 1024 tokens on the Xeon 6, no
-            # change at 16 (docs/PERFORMANCE.md, fiftieth session).
+            # tokens): loops over a few heads times the tokens then run on one thread, however long the prompt
+            # (RoPE's rotated halves of K). As long a prompt as fits is the hint instead. For Llama-1B those
+            # loops are small (two 0.5 MB copies a layer at 1024 tokens): TTFT within the noise either way, and
+            # no cost at 16 tokens (docs/PERFORMANCE.md, fiftieth session).
             for tensor, dim in ((input_ids, 1), (position_ids, 1), (allowed, 2)):
                 torch._dynamo.mark_dynamic(tensor, dim, min=2, max=self.options.max_seq_len,
                                            hint_override=self.options.max_seq_len)
