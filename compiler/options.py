@@ -21,6 +21,7 @@ class CompileOptions:
     moe: bool = True  # swap each sparse MoE block's routing + experts for tilefx router ops + fused_moe
     linear: bool = True  # swap every linear for tilefx.linear over its packed weight (packed as the model loads)
     fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear
+    rope: bool = True  # a prompt's rotate-half RoPE on queries and keys as tilefx.rope (one read, one write a row)
     compute_once: bool = True  # RoPE's cos/sin tables computed once per forward, not inside every layer's kernels
     # Inductor freezing (weights become constants of the compiled graphs). Off: packed weights are graph
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.

@@ -28,6 +28,7 @@ from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
 from tilefx.compiler.passes.partition import PartitionPass
+from tilefx.compiler.passes.rope import RopePass
 from tilefx.compiler.report import CompileReport, GraphRecord
 from tilefx.custom_ops import collectives, weights
 
@@ -46,6 +47,8 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
         passes.append(PartitionPass(collectives.TP_GROUP, options.tp_world_size))
     if options.linear:
         passes.append(LinearPass(fuse=options.fuse_linears))
+    if options.rope:
+        passes.append(RopePass())
     if options.compute_once:
         passes.append(ComputeOncePass())
     return passes

@@ -328,4 +328,24 @@ void flash_block_softmax_avx2(float* scores, int64_t rows, int64_t keys, int64_t
   }
 }
 
+void rope_heads_avx2(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride, int64_t heads,
+                     const uint16_t* cos, const uint16_t* sin, int64_t dim) {
+  const int64_t half = dim / 2, whole = half / 8 * 8;
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint16_t* row = x + h * x_stride;
+    uint16_t* dst = out + h * out_stride;
+    for (int64_t i = 0; i < whole; i += 8) {
+      const __m256 lo = load_bf16x8(row + i), hi = load_bf16x8(row + half + i);
+      store_bf16x8(dst + i, _mm256_fnmadd_ps(hi, load_bf16x8(sin + i), _mm256_mul_ps(lo, load_bf16x8(cos + i))));
+      store_bf16x8(dst + half + i,
+                   _mm256_fmadd_ps(lo, load_bf16x8(sin + half + i), _mm256_mul_ps(hi, load_bf16x8(cos + half + i))));
+    }
+    for (int64_t i = whole; i < half; ++i) {
+      const float lo = bf16_to_float(row[i]), hi = bf16_to_float(row[half + i]);
+      dst[i] = float_to_bf16(lo * bf16_to_float(cos[i]) - hi * bf16_to_float(sin[i]));
+      dst[half + i] = float_to_bf16(hi * bf16_to_float(cos[half + i]) + lo * bf16_to_float(sin[half + i]));
+    }
+  }
+}
+
 }  // namespace tilefx

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "bf16_scalar.h"
 #include "kernels.h"
 #include "vec_avx512.h"
 
@@ -361,6 +362,33 @@ void TILEFX_AVX512_ENTRY(attention_task)(const AttentionProblem& p, int64_t b, i
     part.sum[g] = st.sum[at];
     part.max[g] = st.sum[at] > 0.0f ? st.max[at] : -std::numeric_limits<float>::infinity();
     std::copy(st.acc + g * v_dim, st.acc + (g + 1) * v_dim, part.out + g * v_dim);
+  }
+}
+
+// RoPE (kernels.h rope_heads_avx2), 16 values of each half at a time, the tables' vectors loaded once for every
+// head; a half that is not a multiple of 16 ends one value at a time.
+void TILEFX_AVX512_ENTRY(rope_heads)(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride,
+                                     int64_t heads, const uint16_t* cos, const uint16_t* sin, int64_t dim) {
+  const int64_t half = dim / 2, whole = half / 16 * 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 cos_lo = load_bf16x16(cos + i), cos_hi = load_bf16x16(cos + half + i);
+    const __m512 sin_lo = load_bf16x16(sin + i), sin_hi = load_bf16x16(sin + half + i);
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* row = x + h * x_stride;
+      uint16_t* dst = out + h * out_stride;
+      const __m512 lo = load_bf16x16(row + i), hi = load_bf16x16(row + half + i);
+      store_bf16x16(dst + i, _mm512_fnmadd_ps(hi, sin_lo, _mm512_mul_ps(lo, cos_lo)));
+      store_bf16x16(dst + half + i, _mm512_fmadd_ps(lo, sin_hi, _mm512_mul_ps(hi, cos_hi)));
+    }
+  }
+  for (int64_t h = 0; h < heads && whole < half; ++h) {
+    const uint16_t* row = x + h * x_stride;
+    uint16_t* dst = out + h * out_stride;
+    for (int64_t i = whole; i < half; ++i) {
+      const float lo = bf16_to_float(row[i]), hi = bf16_to_float(row[half + i]);
+      dst[i] = float_to_bf16(lo * bf16_to_float(cos[i]) - hi * bf16_to_float(sin[i]));
+      dst[half + i] = float_to_bf16(hi * bf16_to_float(cos[half + i]) + lo * bf16_to_float(sin[half + i]));
+    }
   }
 }
 

@@ -105,6 +105,33 @@ at::Tensor run_attention(AttentionUnit unit, const AttentionProblem& p, int64_t 
   return merge_attention_splits(parts, options);
 }
 
+void rope_heads(AttentionUnit unit, const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride,
+                int64_t heads, const uint16_t* cos, const uint16_t* sin, int64_t dim) {
+  switch (unit) {
+    case AttentionUnit::avx2: return rope_heads_avx2(x, x_stride, out, out_stride, heads, cos, sin, dim);
+    case AttentionUnit::avx512: return rope_heads_avx512(x, x_stride, out, out_stride, heads, cos, sin, dim);
+    case AttentionUnit::avx512_emulated:
+#ifdef TILEFX_AVX512_EMULATION
+      return rope_heads_avx512_emulated(x, x_stride, out, out_stride, heads, cos, sin, dim);
+#endif
+      break;  // unreachable: set_path refuses the emulated path in builds without it
+  }
+}
+
+// Whether the native kernel takes rope's arguments: bf16 throughout, the shapes rope.py names, each row's values
+// dense. Anything else runs the reference.
+bool rope_native_takes(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (x.scalar_type() != at::kBFloat16 || x.dim() != 4 || x.size(3) % 2 != 0 || x.stride(3) != 1) return false;
+  for (const at::Tensor* table : {&cos, &sin}) {
+    if (table->scalar_type() != at::kBFloat16 || table->dim() != 4 || table->stride(3) != 1 ||
+        (table->size(0) != 1 && table->size(0) != x.size(0)) || table->size(1) != 1 ||
+        table->size(2) != x.size(2) || table->size(3) != x.size(3)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 at::Tensor merge_attention_splits(const AttentionSplits& parts, const at::TensorOptions& options) {
@@ -422,6 +449,36 @@ at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rop
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
   return portable.call(q_latent, q_rope, latent, k_rope, latent_cache, rope_cache, positions, mask, scale);
+}
+
+at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const KernelUnits units = current_units();
+  if (!units.native || !rope_native_takes(x, cos, sin)) {
+    static const auto portable =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("tilefx::rope_portable", "")
+            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return portable.call(x, cos, sin);
+  }
+  const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
+  at::Tensor out = at::empty({batch, seq, heads, dim}, x.options()).transpose(1, 2);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto* cos_at = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sin_at = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  // a table of batch 1 serves every batch row
+  const int64_t cos_b = cos.size(0) == 1 ? 0 : cos.stride(0), sin_b = sin.size(0) == 1 ? 0 : sin.stride(0);
+  // one task a token (all its heads, the tables' row read once); tokens in groups of ~4096 values
+  const int64_t grain = std::max<int64_t>(1, 4096 / (heads * dim));
+  at::parallel_for(0, batch * seq, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t b = token / seq, s = token % seq;
+      rope_heads(units.attention, src + b * x.stride(0) + s * x.stride(2), x.stride(1),
+                 dst + b * out.stride(0) + s * out.stride(2), out.stride(1), heads,
+                 cos_at + b * cos_b + s * cos.stride(2), sin_at + b * sin_b + s * sin.stride(2), dim);
+    }
+  });
+  return out;
 }
 
 }  // namespace tilefx

@@ -1,4 +1,4 @@
-// Scalar bf16 <-> fp32, for the ISA units' tails (vec_avx2.h, linear_avx512.cpp).
+// Scalar bf16 <-> fp32, for the ISA units' tails (vec_avx2.h, linear_avx512.cpp, attention_avx512.cpp).
 // Static inline in an anonymous namespace: each unit compiles its own copy for its ISA.
 #pragma once
 #include <cstdint>

@@ -433,6 +433,16 @@ void attention_task_avx512(const AttentionProblem& p, int64_t b, int64_t kv_head
 void attention_task_avx512_emulated(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t s,
                                     int64_t key_begin, int64_t key_end, const AttentionPartial& part);
 
+// RoPE's rotate-half form (custom_ops/rope.py) on the `heads` rows of one token: row h of `dim` values (dim
+// even) at x + h * x_stride, written at out + h * out_stride, with the token's tables `cos` and `sin` (dim values
+// each): out = x * cos + [-x[dim/2:], x[:dim/2]] * sin in fp32, rounded to bf16 once. The attention unit's.
+void rope_heads_avx2(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride, int64_t heads,
+                     const uint16_t* cos, const uint16_t* sin, int64_t dim);
+void rope_heads_avx512(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride, int64_t heads,
+                       const uint16_t* cos, const uint16_t* sin, int64_t dim);
+void rope_heads_avx512_emulated(const uint16_t* x, int64_t x_stride, uint16_t* out, int64_t out_stride,
+                                int64_t heads, const uint16_t* cos, const uint16_t* sin, int64_t dim);
+
 // One key block of the flash attention over brgemm tiles (attention_brgemm.cpp), for `rows`
 // query rows whose raw scores q.k are at `scores` (row stride `ld`): row r's mask row (its
 // allowed keys from the block's first) is `mask + (r / group) * mask_stride` (a null `mask`: every

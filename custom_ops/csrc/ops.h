@@ -115,6 +115,9 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
                              const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
                              const at::Tensor& positions, const at::Tensor& mask, double scale);
+// tilefx::rope: the rotate-half RoPE of x [B, H, S, D] with tables [B or 1, 1, S, D], written [B, S, H, D]-major
+// (custom_ops/rope.py).
+at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // tilefx::mla_prefill: MLA from q_nope to the per-head values, absorbed (linear_per_head,
 // mla_attention, linear_per_head) or, where the brgemm attention kernel runs MLA prefill and
 // that costs fewer multiply-adds, over K/V expanded from the latent (attention_ops.cpp).
