@@ -22,6 +22,9 @@ class CompileOptions:
     linear: bool = True  # swap every linear for tilefx.linear over its packed weight (packed as the model loads)
     fuse_linears: bool = True  # sibling linears (q/k/v, gate/up + SiLU-and-mul) become one packed linear
     rope: bool = True  # a prompt's rotate-half RoPE on queries and keys as tilefx.rope (one read, one write a row)
+    norm: bool = True  # a prompt's RMSNorms (and the residual adds before them) as tilefx ops: one pass over each row
+    # A prompt's last layer after its attention (o_proj, the MLP, the norms) only for the rows whose logits are kept
+    kept_rows: bool = True
     compute_once: bool = True  # RoPE's cos/sin tables computed once per forward, not inside every layer's kernels
     # Inductor freezing (weights become constants of the compiled graphs). Off: packed weights are graph
     # inputs either way, and without it both compile caches (FX graph and AOT autograd) serve a warm start.

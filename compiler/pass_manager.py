@@ -24,9 +24,11 @@ from tilefx.compiler.passes.attention import AttentionPass
 from tilefx.compiler.passes.compute_once import ComputeOncePass
 from tilefx.compiler.passes.base import PassResult, TilefxPass
 from tilefx.compiler.passes.graph_utils import model_parameter
+from tilefx.compiler.passes.kept_rows import KeptRowsPass
 from tilefx.compiler.passes.linear import LinearPass
 from tilefx.compiler.passes.mla import MlaPass
 from tilefx.compiler.passes.moe import MoePass
+from tilefx.compiler.passes.norm import NormPass
 from tilefx.compiler.passes.partition import PartitionPass
 from tilefx.compiler.passes.rope import RopePass
 from tilefx.compiler.report import CompileReport, GraphRecord
@@ -49,6 +51,10 @@ def build_passes(options: CompileOptions, moe_blocks: dict | None = None) -> lis
         passes.append(LinearPass(fuse=options.fuse_linears))
     if options.rope:
         passes.append(RopePass())
+    if options.norm:
+        passes.append(NormPass())
+    if options.kept_rows:  # after the linear and norm passes: it moves the slice up through their ops
+        passes.append(KeptRowsPass())
     if options.compute_once:
         passes.append(ComputeOncePass())
     return passes

@@ -9,12 +9,12 @@ import functools
 import hashlib
 import pathlib
 
-from tilefx.custom_ops import attention, buffers, collectives, isa, linear, materialize, moe, rope, tuning, weights  # noqa: F401  (importing defines the ops)
+from tilefx.custom_ops import attention, buffers, collectives, isa, linear, materialize, moe, norm, rope, tuning, weights  # noqa: F401  (importing defines the ops)
 
 if isa.native is not None:
     isa.native.register_cpu_kernels()  # after the schemas above are defined
 
-__all__ = ["attention", "buffers", "collectives", "isa", "linear", "materialize", "moe", "rope", "source_hash", "tuning", "weights"]
+__all__ = ["attention", "buffers", "collectives", "isa", "linear", "materialize", "moe", "norm", "rope", "source_hash", "tuning", "weights"]
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import runpy
 import sys
 
@@ -10,6 +11,9 @@ import pytest
 
 import torch
 
+from tilefx.models.adapters import adapter_for
+from tilefx.models.kv_cache import TilefxCache
+from tilefx.models.presets import build_model
 from tilefx.models.runtime import cache_kwargs
 
 CLOSE_LOGPROB_NATS = 0.1  # vLLM's close-logprobs rule for near-tied bf16 logits
@@ -220,8 +224,8 @@ class PassTestBackend:
         return gm.forward
 
 
-def run(model, cache, ids, backend):
-    """One forward over an empty tilefx cache, compiled with ``backend``."""
+def run(model, cache, ids, backend, **kwargs):
+    """One forward over an empty tilefx cache, compiled with ``backend`` (``kwargs``: more of the forward's)."""
     batch, seq = ids.shape
     mask = torch.zeros(batch, cache.max_seq_len, dtype=torch.long)
     mask[:, :seq] = 1
@@ -229,7 +233,20 @@ def run(model, cache, ids, backend):
     fn = torch.compile(type(model).forward.__get__(model), backend=backend, fullgraph=True)
     with torch.no_grad():
         return fn(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                  **cache_kwargs(cache)).logits
+                  **cache_kwargs(cache), **kwargs).logits
+
+
+def run_on_new_cache(model, ids, backend, **kwargs):
+    """``run`` over a new tilefx cache of the model (2 rows of 32 tokens); returns the logits and the cache."""
+    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
+    cache.start(ids.shape[0])
+    return run(model, cache, ids, backend, **kwargs), cache
+
+
+@functools.cache
+def tiny_model(family: str):
+    """The preset's model with seed 3, built once per test process (pass tests only read it)."""
+    return build_model(family, seed=3)
 
 
 

@@ -234,6 +234,11 @@ struct UnitEpilogue {
   void (*scaled_bf16)(const float* x, float scale, int64_t n, uint16_t* out);
   // c[m * kBlockN + j] *= s[j] for m < rows, j < kBlockN: int8's column scales on a block's fp32 results.
   void (*scale_columns)(float* c, const float* s, int64_t rows);
+  // HF's RMSNorm of one row of n values (custom_ops/norm.py), after its residual add where `residual` is not null:
+  // sum = bf16(x + residual) stored at `sum`; out = bf16(weight * bf16(sum * rsqrt(mean(sum^2) + eps))). Without a
+  // residual the row normalized is x and `sum` is not written (null).
+  void (*rms_norm_row)(const uint16_t* x, const uint16_t* residual, int64_t n, const uint16_t* weight, float eps,
+                       uint16_t* sum, uint16_t* out);
 };
 // transpose_pairs one value at a time, for the units where brgemm attention is never fast (AVX2:
 // oneDNN has no compiled brgemm kernel there).

@@ -844,6 +844,38 @@ void scale_columns(float* c, const float* s, int64_t rows) {
   }
 }
 
+// UnitEpilogue::rms_norm_row, 8 values a vector, the last n % 8 one at a time.
+void rms_norm_row(const uint16_t* x, const uint16_t* residual, int64_t n, const uint16_t* weight, float eps,
+                  uint16_t* sum, uint16_t* out) {
+  const int64_t whole = n / 8 * 8;
+  __m256 squares = _mm256_setzero_ps();
+  float tail_squares = 0.0f;
+  const uint16_t* row = x;
+  if (residual != nullptr) {  // the sum rounded to bf16 as HF's add rounds it; the norm reads it back from L1
+    for (int64_t i = 0; i < whole; i += 8) store_bf16x8(sum + i, _mm256_add_ps(load_bf16x8(x + i), load_bf16x8(residual + i)));
+    for (int64_t i = whole; i < n; ++i) sum[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+    row = sum;
+  }
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = load_bf16x8(row + i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  for (int64_t i = whole; i < n; ++i) tail_squares += bf16_to_float(row[i]) * bf16_to_float(row[i]);
+  const __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(squares), _mm256_extractf128_ps(squares, 1));
+  const __m128 half = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+  const float total = _mm_cvtss_f32(_mm_add_ss(half, _mm_shuffle_ps(half, half, 1))) + tail_squares;
+  const float scale = 1.0f / std::sqrt(total / float(n) + eps);
+  const __m256 scales = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < whole; i += 8) {
+    uint16_t normed[8];
+    store_bf16x8(normed, _mm256_mul_ps(load_bf16x8(row + i), scales));
+    store_bf16x8(out + i, _mm256_mul_ps(load_bf16x8(weight + i), load_bf16x8(normed)));
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    out[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(row[i]) * scale)));
+  }
+}
+
 }  // namespace
 
 const UnitEpilogue& unit_epilogue_avx2() {
@@ -855,7 +887,8 @@ const UnitEpilogue& unit_epilogue_avx2() {
       interleave_rows,
       transpose_pairs_plain,
       scaled_bf16,
-      scale_columns};
+      scale_columns,
+      rms_norm_row};
   return epilogue;
 }
 

@@ -926,6 +926,43 @@ void scale_columns(float* c, const float* s, int64_t rows) {
   }
 }
 
+// UnitEpilogue::rms_norm_row, 16 values a vector, the last n % 16 one at a time.
+void rms_norm_row(const uint16_t* x, const uint16_t* residual, int64_t n, const uint16_t* weight, float eps,
+                  uint16_t* sum, uint16_t* out) {
+  const int64_t whole = n / 16 * 16;
+  __m512 squares = _mm512_setzero_ps();
+  float tail_squares = 0.0f;  // then the lanes' too
+  const uint16_t* row = x;
+  if (residual != nullptr) {  // the sum rounded to bf16 as HF's add rounds it; the norm reads it back from L1
+    for (int64_t i = 0; i < whole; i += 16) {
+      const __m256i rounded = round_bf16x16(_mm512_add_ps(load_bf16x16(x + i), load_bf16x16(residual + i)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(sum + i), rounded);
+      const __m512 v = widen_bf16x16(rounded);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    for (int64_t i = whole; i < n; ++i) sum[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+    row = sum;
+  } else {
+    for (int64_t i = 0; i < whole; i += 16) {
+      const __m512 v = load_bf16x16(x + i);
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+  }
+  for (int64_t i = whole; i < n; ++i) tail_squares += bf16_to_float(row[i]) * bf16_to_float(row[i]);
+  float lanes[16];
+  _mm512_storeu_ps(lanes, squares);
+  for (const float lane : lanes) tail_squares += lane;
+  const float scale = 1.0f / std::sqrt(tail_squares / float(n) + eps);
+  const __m512 scales = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 normed = widen_bf16x16(round_bf16x16(_mm512_mul_ps(load_bf16x16(row + i), scales)));
+    store_bf16x16(out + i, _mm512_mul_ps(load_bf16x16(weight + i), normed));
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    out[i] = float_to_bf16(bf16_to_float(weight[i]) * bf16_to_float(float_to_bf16(bf16_to_float(row[i]) * scale)));
+  }
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
@@ -942,7 +979,8 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
       interleave_rows,
       transpose_pairs,
       scaled_bf16,
-      scale_columns};
+      scale_columns,
+      rms_norm_row};
   return epilogue;
 }
 

@@ -115,6 +115,10 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
 at::Tensor mla_attention_cpu(const at::Tensor& q_latent, const at::Tensor& q_rope, const at::Tensor& latent,
                              const at::Tensor& k_rope, const at::Tensor& latent_cache, const at::Tensor& rope_cache,
                              const at::Tensor& positions, const at::Tensor& mask, double scale);
+// norm_ops.cpp: tilefx::rms_norm and tilefx::add_rms_norm (custom_ops/norm.py).
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps);
 // tilefx::rope: the rotate-half RoPE of x [B, H, S, D] with tables [B or 1, 1, S, D], written [B, S, H, D]-major
 // (custom_ops/rope.py).
 at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

@@ -39,6 +39,8 @@ void register_cpu_kernels() {
   cpu_kernels->impl("mla_attention", TORCH_FN(mla_attention_cpu));
   cpu_kernels->impl("mla_prefill", TORCH_FN(mla_prefill_cpu));
   cpu_kernels->impl("rope", TORCH_FN(rope_cpu));
+  cpu_kernels->impl("rms_norm", TORCH_FN(rms_norm_cpu));
+  cpu_kernels->impl("add_rms_norm", TORCH_FN(add_rms_norm_cpu));
   cpu_kernels->impl("all_reduce", TORCH_FN(all_reduce_cpu));
   cpu_kernels->impl("all_gather", TORCH_FN(all_gather_cpu));
 }

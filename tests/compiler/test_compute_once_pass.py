@@ -9,18 +9,14 @@ from torch._inductor.compile_fx import compile_fx
 from torch._inductor.utils import run_and_get_code
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run
+from helpers import PassTestBackend, count, is_op, run_on_new_cache
 from tilefx.compiler.passes.compute_once import ComputeOncePass
-from tilefx.models.adapters import adapter_for
-from tilefx.models.kv_cache import TilefxCache
 from tilefx.models.presets import build_model
 
 
 def _forward(model, ids, backend):
     """One forward of ``model`` over an empty tilefx cache (helpers.run), compiled with ``backend``."""
-    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
-    cache.start(ids.shape[0])
-    return run(model, cache, ids, backend)
+    return run_on_new_cache(model, ids, backend)[0]
 
 
 # (family, tables): cos and sin, or DeepSeek-V2's one complex table (torch.polar)

@@ -9,11 +9,8 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run
+from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model
 from tilefx.compiler.passes.rope import RopePass, match
-from tilefx.models.adapters import adapter_for
-from tilefx.models.kv_cache import TilefxCache
-from tilefx.models.presets import build_model
 
 
 def _is_cat(node) -> bool:
@@ -25,27 +22,14 @@ def _is_neg(node) -> bool:
 
 
 def _forward(model, ids, backend):
-    cache = TilefxCache.for_config(model.config, adapter_for(model.config), max_batch=2, max_seq_len=32)
-    cache.start(ids.shape[0])
-    return run(model, cache, ids, backend)
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {}
-
-
-def _model(models, family):
-    if family not in models:
-        models[family] = build_model(family, seed=3)
-    return models[family]
+    return run_on_new_cache(model, ids, backend)[0]
 
 
 # families whose attention applies HF's rotate_half to q and k
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3-moe", "tiny-mixtral"])
 @pytest.mark.parametrize("batch,seq", [(1, 7), (2, 5)])
-def test_a_prompts_rope_becomes_one_op_for_q_and_one_for_k(models, family, batch, seq):
-    model = _model(models, family)
+def test_a_prompts_rope_becomes_one_op_for_q_and_one_for_k(family, batch, seq):
+    model = tiny_model(family)
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
     torch._dynamo.reset()
@@ -64,8 +48,8 @@ def test_a_prompts_rope_becomes_one_op_for_q_and_one_for_k(models, family, batch
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
-def test_a_decode_steps_rope_is_left_to_inductor(models):
-    model = _model(models, "tiny-llama")
+def test_a_decode_steps_rope_is_left_to_inductor():
+    model = tiny_model("tiny-llama")
     torch._dynamo.reset()
     backend = PassTestBackend(RopePass())
     _forward(model, torch.tensor([[5]]), backend)
@@ -76,10 +60,10 @@ def test_a_decode_steps_rope_is_left_to_inductor(models):
 
 
 @pytest.mark.parametrize("family", ["tiny-deepseek-v2", "tiny-deepseek-v3"])
-def test_deepseeks_forms_do_not_match(models, family):
+def test_deepseeks_forms_do_not_match(family):
     """V2 rotates by complex numbers (torch.polar), V3 (rope_interleave) the pairs (x[0::2], x[1::2]): other
     regions, left to Inductor."""
-    model = _model(models, family)
+    model = tiny_model(family)
     torch._dynamo.reset()
     backend = PassTestBackend(RopePass())
     _forward(model, torch.randint(3, 500, (1, 6)), backend)
