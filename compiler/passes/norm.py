@@ -10,11 +10,11 @@ and replaces it by ``tilefx.rms_norm(x, weight, eps)`` or, where x is the residu
 whose first output takes the sum's place for its other readers (the next residual add) and whose second is the
 norm (custom_ops/norm.py). Inductor's kernels of these regions keep the residual stream as fp32 sums of several
 layers' outputs and pass over each sum twice; the op reads a row's two inputs once and writes the sum (bf16,
-as HF's add rounds it) and the norm once. Preconditions (else the region is left alone and the reason recorded):
-bf16 throughout (the native kernel's dtype), x's rows at one stride (the hidden states; Qwen3's per-head q/k
-norms read heads of a fused projection's rows and are left to Inductor), and more than one new token: a decode
-step's norms (one row) stay in Inductor's kernels, fused with their neighbours, where an op call would cost
-more than it saves (the same rule as the RoPE pass).
+as HF's add rounds it) and the norm once. Qwen3's per-head q/k norms (rows of heads inside a fused projection's
+rows) are the same op on rows at two strides. Preconditions (else the region is left alone and the reason
+recorded): bf16 throughout (the native kernel's dtype), and more than one new token: a decode step's norms (one
+row) stay in Inductor's kernels, fused with their neighbours, where an op call would cost more than it saves (the
+same rule as the RoPE pass).
 """
 
 from __future__ import annotations
@@ -106,20 +106,6 @@ def _residual_add(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
     return x.args[0], x.args[1]
 
 
-def _rows_of_one_stride(t: torch.Tensor) -> bool:
-    """Whether t's leading dims step as one over rows of its last dim (csrc/norm_ops.cpp row_stride)."""
-    if t.dim() < 1 or (t.shape[-1] != 1 and t.stride(-1) != 1):
-        return False
-    inner_size, inner_stride = None, None
-    for d in range(t.dim() - 2, -1, -1):
-        if t.shape[d] == 1:
-            continue
-        if inner_stride is not None and t.stride(d) != inner_stride * inner_size:
-            return False
-        inner_size, inner_stride = t.shape[d], t.stride(d)
-    return True
-
-
 def _refusal(x, weight, normed) -> str | None:
     """Why the norm ops should not take these example values, or None."""
     if x is None or weight is None or normed is None:
@@ -128,8 +114,6 @@ def _refusal(x, weight, normed) -> str | None:
         return f"x {x.dtype}, weight {weight.dtype}: the native kernel is bf16's"
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight {tuple(weight.shape)} is not x {tuple(x.shape)}'s last dim"
-    if not _rows_of_one_stride(x):
-        return f"x's rows (strides {tuple(x.stride())}) are not at one stride: left to Inductor"
     if x.dim() >= 3 and isinstance(x.shape[1], int) and x.shape[1] == 1:
         return "one new token (decode): left to Inductor's kernels, fused with their neighbours"
     return None

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include "dispatch.h"
 #include "kernels.h"
@@ -15,33 +16,34 @@
 namespace tilefx {
 namespace {
 
-// The stride between consecutive rows of D values of `t` taken as [rows, D] (D = its last dim, dense): its leading
-// dims must step as one (a contiguous tensor, or a slice of each row of one); -1 where they do not. Dims of size 1
-// do not step.
-int64_t row_stride(const at::Tensor& t) {
-  if (t.dim() < 1 || (t.size(-1) > 1 && t.stride(-1) != 1)) return -1;
-  int64_t stride = t.size(-1), inner_size = 1, inner_stride = -1;
-  for (int64_t d = t.dim() - 2; d >= 0; --d) {
-    if (t.size(d) == 1) continue;
-    if (inner_stride < 0) {
-      stride = t.stride(d);  // the innermost leading dim that steps sets the rows' stride
-    } else if (t.stride(d) != inner_stride * inner_size) {
-      return -1;
+// Where row r of `t` taken as [rows, D] (D its last dim) begins, in values from its data pointer: its leading dims
+// may lie at any strides (Qwen3's per-head norms read heads of a fused projection's rows).
+class RowOffsets {
+ public:
+  explicit RowOffsets(const at::Tensor& t) : sizes_(t.sizes().begin(), t.sizes().end() - 1),
+                                             strides_(t.strides().begin(), t.strides().end() - 1) {}
+  int64_t operator()(int64_t r) const {
+    int64_t offset = 0;
+    for (int64_t d = static_cast<int64_t>(sizes_.size()) - 1; d >= 0; --d) {
+      offset += (r % sizes_[d]) * strides_[d];
+      r /= sizes_[d];
     }
-    inner_size = t.size(d);
-    inner_stride = t.stride(d);
+    return offset;
   }
-  return stride;
-}
 
-// Whether the native kernel takes these: bf16 throughout, weight [D] dense, x (and residual) rows at one stride.
+ private:
+  std::vector<int64_t> sizes_, strides_;
+};
+
+// Whether the native kernel takes these: bf16 throughout, weight [D] dense, each row of x (and residual) dense.
 bool native_takes(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight) {
+  const auto rows_dense = [](const at::Tensor& t) { return t.dim() >= 1 && (t.size(-1) <= 1 || t.stride(-1) == 1); };
   if (x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 || weight.dim() != 1 ||
-      weight.stride(0) != 1 || x.dim() < 1 || weight.size(0) != x.size(-1) || row_stride(x) < 0) {
+      weight.stride(0) != 1 || !rows_dense(x) || weight.size(0) != x.size(-1)) {
     return false;
   }
-  return residual == nullptr || (residual->scalar_type() == at::kBFloat16 && residual->sizes() == x.sizes() &&
-                                 row_stride(*residual) >= 0);
+  return residual == nullptr ||
+         (residual->scalar_type() == at::kBFloat16 && residual->sizes() == x.sizes() && rows_dense(*residual));
 }
 
 // The rows of x (and residual) normalized into `out` (and their sums into `sum`), contiguous [rows, D].
@@ -54,12 +56,13 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* total = sum ? reinterpret_cast<uint16_t*>(sum->data_ptr<at::BFloat16>()) : nullptr;
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t x_stride = row_stride(x), res_stride = residual ? row_stride(*residual) : 0;
+  const RowOffsets x_row(x);
+  const RowOffsets res_row(residual ? *residual : x);
   // a row is a few thousand values: tasks of a few rows, so a decode's one row stays on one thread
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      unit.rms_norm_row(src + r * x_stride, res ? res + r * res_stride : nullptr, dim, w, static_cast<float>(eps),
+      unit.rms_norm_row(src + x_row(r), res ? res + res_row(r) : nullptr, dim, w, static_cast<float>(eps),
                         total ? total + r * dim : nullptr, dst + r * dim);
     }
   });
