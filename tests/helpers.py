@@ -243,6 +243,16 @@ def run_on_new_cache(model, ids, backend, **kwargs):
     return run(model, cache, ids, backend, **kwargs), cache
 
 
+def without_and_with(model, ids, *passes):
+    """The logits of one forward over a new cache without the passes and with them (each compiled afresh), and the
+    backend that ran them (its graphs before and after, its results)."""
+    torch._dynamo.reset()
+    want = run_on_new_cache(model, ids, PassTestBackend())[0]
+    torch._dynamo.reset()
+    backend = PassTestBackend(*passes)
+    return want, run_on_new_cache(model, ids, backend)[0], backend
+
+
 @functools.cache
 def tiny_model(family: str):
     """The preset's model with seed 3, built once per test process (pass tests only read it)."""

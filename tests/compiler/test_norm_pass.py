@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model
+from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model, without_and_with
 from tilefx.compiler.passes.norm import NormPass, match
 
 
@@ -31,11 +31,7 @@ def test_a_prompts_norms_become_the_ops_with_their_residual_adds(family, batch, 
     model = tiny_model(family)
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    torch._dynamo.reset()
-    want = _forward(model, ids, PassTestBackend())
-    torch._dynamo.reset()
-    backend = PassTestBackend(NormPass())
-    got = _forward(model, ids, backend)
+    want, got, backend = without_and_with(model, ids, NormPass())
 
     before, after, result = backend.before[0], backend.after[0], backend.results[0]
     assert count(before, _is_rsqrt) == _norms(model)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model
+from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model, without_and_with
 from tilefx.compiler.passes.rope import RopePass, match
 
 
@@ -32,11 +32,7 @@ def test_a_prompts_rope_becomes_one_op_for_q_and_one_for_k(family, batch, seq):
     model = tiny_model(family)
     layers = model.config.num_hidden_layers
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    torch._dynamo.reset()
-    want = _forward(model, ids, PassTestBackend())
-    torch._dynamo.reset()
-    backend = PassTestBackend(RopePass())
-    got = _forward(model, ids, backend)
+    want, got, backend = without_and_with(model, ids, RopePass())
 
     before, after, result = backend.before[0], backend.after[0], backend.results[0]
     assert count(before, is_op("rope")) == 0 and count(before, _is_cat) >= 2 * layers
