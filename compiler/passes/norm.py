@@ -31,6 +31,8 @@ from tilefx.custom_ops import norm
 
 _MUL = {operator.mul, torch.mul}
 _ADD = {operator.add, torch.add}
+# a decode step's regions, reported once a graph (a model has two or more a layer)
+_DECODE = "one new token (decode): left to Inductor's kernels, fused with their neighbours"
 
 
 def _function(node, targets) -> bool:
@@ -115,7 +117,7 @@ def _refusal(x, weight, normed) -> str | None:
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         return f"weight {tuple(weight.shape)} is not x {tuple(x.shape)}'s last dim"
     if x.dim() >= 3 and isinstance(x.shape[1], int) and x.shape[1] == 1:
-        return "one new token (decode): left to Inductor's kernels, fused with their neighbours"
+        return _DECODE
     return None
 
 
@@ -125,9 +127,13 @@ class NormPass(TilefxPass):
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
         norms = [found for node in graph.nodes if (found := match(node)) is not None]
+        decode = 0
         for index, found in enumerate(norms):
             output = found.nodes[0]
             why = _refusal(example_value(found.x), example_value(found.weight), example_value(output))
+            if why == _DECODE:
+                decode += 1
+                continue
             if why is not None:
                 result.skip(f"norm #{index}", why)
                 continue
@@ -151,4 +157,6 @@ class NormPass(TilefxPass):
                 found.x.replace_all_uses_with(total)
                 erase_unused(graph, [found.x, total])  # the sum stays where the next residual add reads it
             result.rewritten += 1
+        if decode:
+            result.skip(f"{decode} norm region(s)", _DECODE)
         return result

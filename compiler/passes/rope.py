@@ -29,6 +29,8 @@ from tilefx.custom_ops import rope
 
 _MUL = {operator.mul, torch.mul}
 _ADD = {operator.add, torch.add}
+# a decode step's regions, reported once a graph (a model has two or more a layer)
+_DECODE = "one new token (decode): left to Inductor's kernel, fused with its neighbours"
 _NEG = {operator.neg, torch.neg}
 
 
@@ -122,7 +124,7 @@ def _refusal(x, cos, sin) -> str | None:
         if table.dim() != 4 or table.shape[0] not in (1, batch) or table.shape[1] != 1 or table.shape[2:] != (seq, width):
             return f"table {tuple(table.shape)} is not [B or 1, 1, S, D] for x {tuple(x.shape)}"
     if isinstance(seq, int) and seq == 1:
-        return "one new token (decode): left to Inductor's kernel, fused with its neighbours"
+        return _DECODE
     return None
 
 
@@ -132,8 +134,12 @@ class RopePass(TilefxPass):
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
         regions = [region for node in graph.nodes if (region := match(node)) is not None]
+        decode = 0
         for index, region in enumerate(regions):
             why = _refusal(example_value(region.x), example_value(region.cos), example_value(region.sin))
+            if why == _DECODE:
+                decode += 1
+                continue
             if why is not None:
                 result.skip(f"rope #{index}", why)
                 continue
@@ -143,4 +149,6 @@ class RopePass(TilefxPass):
             add.replace_all_uses_with(fused)
             erase_unused(graph, region.nodes)  # a node something else still reads stays
             result.rewritten += 1
+        if decode:
+            result.skip(f"{decode} rope region(s)", _DECODE)
         return result
