@@ -13,6 +13,8 @@ import torch.fx
 
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+ADD = (operator.add, torch.add)
+MUL = (operator.mul, torch.mul)
 _ROOT = re.compile(r"^L\['[^']*'\]\.?(?:__self__\.)?")  # L['self']. or L['forward'].__self__. (a bound forward)
 
 
@@ -119,6 +121,16 @@ def computed_from_cache(node: torch.fx.Node, writes, limit: int = 64) -> bool:
             seen.add(current)
             frontier.extend(current.all_input_nodes)
     return False
+
+
+def calls(node, targets) -> bool:
+    """Whether ``node`` is a call of one of ``targets`` with positional arguments only."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets and not node.kwargs
+
+
+def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one node reading ``node``, or None where none or several do."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def erase_unused(graph: torch.fx.Graph, nodes) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import example_value, run_fake
+from tilefx.compiler.passes.graph_utils import ADD, calls, example_value, run_fake
 from tilefx.custom_ops import linear, norm
 
 _ROW_OPS = {  # op -> the positions of its row inputs
@@ -62,7 +62,7 @@ def _row_inputs(node: torch.fx.Node) -> tuple[int, ...] | None:
         return None
     if node.target in _ROW_OPS:
         return _ROW_OPS[node.target]
-    if node.target in (operator.add, torch.add) and len(node.args) == 2:
+    if node.target in ADD and len(node.args) == 2:
         values = [example_value(a) if isinstance(a, torch.fx.Node) else None for a in node.args]
         if all(v is not None for v in values) and values[0].shape == values[1].shape:
             return (0, 1)
@@ -76,11 +76,20 @@ def _kept_rows(value: torch.Tensor, rows: slice) -> torch.Tensor:
         return value[:, rows].contiguous()
 
 
+def _several_outputs(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), (tuple, list))
+
+
 def _outputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The values ``node`` gives: its getitem readers for an op with several outputs, else itself."""
-    if isinstance(node.meta.get("example_value"), (tuple, list)):
-        return list(node.users)
-    return [node]
+    return list(node.users) if _several_outputs(node) else [node]
+
+
+def _producer(value: torch.fx.Node) -> torch.fx.Node:
+    """The op that computes ``value``: the op itself, or the op with several outputs ``value`` takes one of."""
+    if calls(value, (operator.getitem,)) and isinstance(value.args[0], torch.fx.Node) and _several_outputs(value.args[0]):
+        return value.args[0]
+    return value
 
 
 class KeptRowsPass(TilefxPass):
@@ -112,24 +121,19 @@ class KeptRowsPass(TilefxPass):
 
         # Which ops only the kept rows of are read: those up the row inputs from the slice's source whose every
         # output is read by the slice or by ops already taken (users come later in the graph: decided first).
-        def producer(value: torch.fx.Node) -> torch.fx.Node:
-            multi = value.op == "call_function" and value.target is operator.getitem and \
-                isinstance(value.args[0], torch.fx.Node) and isinstance(value.args[0].meta.get("example_value"), (tuple, list))
-            return value.args[0] if multi else value
-
-        candidates, stack = set(), [producer(source)]
+        candidates, stack = set(), [_producer(source)]
         while stack:
             op = stack.pop()
             if op in candidates or _row_inputs(op) is None:
                 continue
             candidates.add(op)
-            stack.extend(producer(op.args[p]) for p in _row_inputs(op) if isinstance(op.args[p], torch.fx.Node))
+            stack.extend(_producer(op.args[p]) for p in _row_inputs(op) if isinstance(op.args[p], torch.fx.Node))
         ops: set[torch.fx.Node] = set()
         for op in sorted(candidates, key=order.__getitem__, reverse=True):
             outputs = _outputs(op)
             if all(fits(v) for v in outputs) and all(user is keep or user in ops for v in outputs for user in v.users):
                 ops.add(op)
-        if producer(source) not in ops:
+        if _producer(source) not in ops:
             return "the kept rows' source is not a row-wise op read by the slice alone"
 
         # Rewrite: each op of the set again on its inputs' kept rows, in graph order; inputs outside the set are
@@ -147,7 +151,7 @@ class KeptRowsPass(TilefxPass):
             args = list(op.args)
             for position in _row_inputs(op):
                 arg = args[position]
-                args[position] = sliced[arg] if producer(arg) in ops else kept(arg)
+                args[position] = sliced[arg] if _producer(arg) in ops else kept(arg)
             with graph.inserting_before(keep):
                 new = graph.call_function(op.target, tuple(args))
             # the op's value on its kept rows: the packed weights' nodes carry no example values to run it on

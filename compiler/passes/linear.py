@@ -42,7 +42,7 @@ import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
 from tilefx.compiler.passes.graph_utils import (
-    LINEAR, example_value, is_parameter, linear_args, model_parameter, packing_node, replace,
+    LINEAR, example_value, is_parameter, linear_args, model_parameter, only_user, packing_node, replace,
 )
 from tilefx.custom_ops import weights as packed_weights
 from tilefx.custom_ops.weights import layouts
@@ -52,10 +52,6 @@ from tilefx.custom_ops.weights import layouts
 def _is_silu(node) -> bool:
     return node.op == "call_function" and node.target in (torch.nn.functional.silu, torch._C._nn.silu) and not (
         node.kwargs.get("inplace") or (len(node.args) > 1 and node.args[1]))
-
-
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 class LinearPass(TilefxPass):
@@ -165,13 +161,13 @@ class LinearPass(TilefxPass):
 
     @staticmethod
     def _gate_up(graph, x, gate, up) -> None:
-        mul = _only_user(up)
+        mul = only_user(up)
         width = int(example_value(gate).shape[-1])
         pair = [linear_args(gate)[1], linear_args(up)[1]]
         with graph.inserting_before(mul):
             packed, scales = packing_node(graph, packed_weights.pack_gate_up_weight, tuple(pair), pair[0])
             fused = graph.call_function(torch.ops.tilefx.linear_silu_mul.default, (x, packed, width, *scales))
-        silu = _only_user(gate)
+        silu = only_user(gate)
         replace(graph, mul, fused)
         graph.erase_node(silu)
         graph.erase_node(gate)
@@ -241,12 +237,12 @@ def _packed_index(node: torch.fx.Node) -> int:
 
 def _gated_partner(gate: torch.fx.Node) -> torch.fx.Node | None:
     """``up`` where ``gate`` is used only as ``silu(gate) * up`` and both are bias-free linears of one width."""
-    silu = _only_user(gate)
-    mul = _only_user(silu) if silu is not None and _is_silu(silu) else None
+    silu = only_user(gate)
+    mul = only_user(silu) if silu is not None and _is_silu(silu) else None
     if mul is None or mul.target is not operator.mul or len(mul.args) != 2 or mul.kwargs:
         return None
     up = mul.args[1] if mul.args[0] is silu else mul.args[0]
-    if (not isinstance(up, torch.fx.Node) or up is gate or up.target not in LINEAR or _only_user(up) is not mul
+    if (not isinstance(up, torch.fx.Node) or up is gate or up.target not in LINEAR or only_user(up) is not mul
             or linear_args(gate)[2] is not None or linear_args(up)[2] is not None
             or example_value(up).shape[-1] != example_value(gate).shape[-1]):
         return None

@@ -26,30 +26,20 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import erase_unused, example_value, run_fake
+from tilefx.compiler.passes.graph_utils import ADD, MUL, calls, erase_unused, example_value, only_user, run_fake
 from tilefx.custom_ops import norm
 
-_MUL = {operator.mul, torch.mul}
-_ADD = {operator.add, torch.add}
 # a decode step's regions, reported once a graph (a model has two or more a layer)
 _DECODE = "one new token (decode): left to Inductor's kernels, fused with their neighbours"
-
-
-def _function(node, targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets and not node.kwargs
 
 
 def _method(node, name: str) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
 
 
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _other_factor(mul: torch.fx.Node, factor: torch.fx.Node) -> torch.fx.Node | None:
     """b where ``mul`` is ``factor * b`` or ``b * factor``, else None."""
-    if not _function(mul, _MUL) or len(mul.args) != 2 or factor not in mul.args:
+    if not calls(mul, MUL) or len(mul.args) != 2 or factor not in mul.args:
         return None
     other = mul.args[1] if mul.args[0] is factor else mul.args[0]
     return other if isinstance(other, torch.fx.Node) else None
@@ -68,10 +58,10 @@ class Norm:
 
 def match(rsqrt: torch.fx.Node) -> Norm | None:
     """The RMSNorm whose ``rsqrt`` this is, else None."""
-    if not _function(rsqrt, {torch.rsqrt}) or len(rsqrt.args) != 1:
+    if not calls(rsqrt, {torch.rsqrt}) or len(rsqrt.args) != 1:
         return None
     shifted = rsqrt.args[0]
-    if not _function(shifted, _ADD) or len(shifted.args) != 2 or not isinstance(shifted.args[1], float):
+    if not calls(shifted, ADD) or len(shifted.args) != 2 or not isinstance(shifted.args[1], float):
         return None
     mean, eps = shifted.args
     if not (_method(mean, "mean") and mean.args[1:] in ((-1,), ([-1],)) and mean.kwargs == {"keepdim": True}):
@@ -82,14 +72,14 @@ def match(rsqrt: torch.fx.Node) -> Norm | None:
     wide = squares.args[0]
     if not (_method(wide, "to") and wide.args[1:] == (torch.float32,) and not wide.kwargs):
         return None
-    scaled = _only_user(rsqrt)
+    scaled = only_user(rsqrt)
     if scaled is None or _other_factor(scaled, rsqrt) is not wide or set(wide.users) != {squares, scaled}:
         return None
     x = wide.args[0]
-    narrow = _only_user(scaled)
+    narrow = only_user(scaled)
     if not (_method(narrow, "to") and len(narrow.args) == 2 and not narrow.kwargs):
         return None
-    out = _only_user(narrow)
+    out = only_user(narrow)
     weight = _other_factor(out, narrow) if out is not None else None
     if weight is None:
         return None
@@ -98,7 +88,7 @@ def match(rsqrt: torch.fx.Node) -> Norm | None:
 
 def _residual_add(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(a, b) where ``x`` is ``a + b`` of two tensors of x's shape and dtype, else None."""
-    if not _function(x, _ADD) or len(x.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in x.args):
+    if not calls(x, ADD) or len(x.args) != 2 or not all(isinstance(a, torch.fx.Node) for a in x.args):
         return None
     value = example_value(x)
     for term in x.args:

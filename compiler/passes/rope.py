@@ -24,23 +24,17 @@ import torch
 import torch.fx
 
 from tilefx.compiler.passes.base import PassResult, TilefxPass
-from tilefx.compiler.passes.graph_utils import erase_unused, example_value, run_fake
+from tilefx.compiler.passes.graph_utils import ADD, MUL, calls, erase_unused, example_value, run_fake
 from tilefx.custom_ops import rope
 
-_MUL = {operator.mul, torch.mul}
-_ADD = {operator.add, torch.add}
+_NEG = (operator.neg, torch.neg)
 # a decode step's regions, reported once a graph (a model has two or more a layer)
 _DECODE = "one new token (decode): left to Inductor's kernel, fused with its neighbours"
-_NEG = {operator.neg, torch.neg}
-
-
-def _call(node, targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets and not node.kwargs
 
 
 def _half_slice(node, width: int) -> str | None:
     """"lo" for ``x[..., :width/2]``, "hi" for ``x[..., width/2:]``, else None."""
-    if not _call(node, {operator.getitem}) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
+    if not calls(node, {operator.getitem}) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
         return None
     ellipsis, cut = node.args[1]
     if ellipsis is not Ellipsis or not isinstance(cut, slice) or cut.step not in (None, 1):
@@ -63,7 +57,7 @@ def rotated_source(node) -> torch.fx.Node | None:
     if value is None or not isinstance(parts, (tuple, list)) or len(parts) != 2 or dim not in (-1, value.dim() - 1):
         return None
     negated, first = parts
-    if not _call(negated, _NEG):
+    if not calls(negated, _NEG):
         return None
     second = negated.args[0]
     width = value.shape[-1]
@@ -75,7 +69,7 @@ def rotated_source(node) -> torch.fx.Node | None:
 
 def _product_of(node, pick) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(a, b) where ``node`` is ``a * b`` and ``pick(a)`` holds (either order), else None."""
-    if not _call(node, _MUL) or len(node.args) != 2:
+    if not calls(node, MUL) or len(node.args) != 2:
         return None
     for a, b in (node.args, node.args[::-1]):
         if isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and pick(a):
@@ -96,7 +90,7 @@ class Rotation:
 
 def match(add: torch.fx.Node) -> Rotation | None:
     """The region where ``add`` is ``x * cos + rotate_half(x) * sin`` (terms and factors in any order), else None."""
-    if not _call(add, _ADD) or len(add.args) != 2:
+    if not calls(add, ADD) or len(add.args) != 2:
         return None
     for straight, rotated in (add.args, add.args[::-1]):
         turned = _product_of(rotated, lambda a: rotated_source(a) is not None)
