@@ -158,7 +158,7 @@ struct LinearProblem {
   int64_t block_pairs = 0;
   // The AVX512 unit's epilogue writes bf16 y with non-temporal stores where a row's kBlockN columns are
   // 32-byte aligned (others ignore it), and the caller fences after. Set only by linear_blocks_brgemm, for
-  // a linear op's prefill on AMX tiles (ops.h stream_output, linear_brgemm.cpp kStreamRows).
+  // a prefill on AMX tiles (linear_brgemm.cpp kStreamRows).
   bool stream_y = false;
 
   const float* x_fp32() const { return static_cast<const float*>(x); }

@@ -54,13 +54,15 @@ constexpr int64_t kMaxGroup = 8;
 // 512 KiB of scratch); a longer prompt takes the group's chunks again per panel of rows.
 constexpr int64_t kPanelRows = 256;
 
-// Rows from which a prefill on AMX tiles writes its output with non-temporal stores where the caller lets it
-// (stream_output; LinearProblem::stream_y).
+// Rows from which a prefill on AMX tiles writes its output with non-temporal stores (LinearProblem::stream_y).
 // Stored through the cache, each output line is first read for ownership, and the lines then sit in L2 over
 // the weights and x the next calls read: on the Xeon 6, Llama-1B's prefill GEMMs at 1024 rows took 1.05x the
 // time stored so (o_proj 1.14x), and TTFT was 1.02x at 128 and 1024 tokens (int8: 1.04x at 1024), though the
-// output's consumers then read it from memory (docs/PERFORMANCE.md, forty-ninth session). Measured on AMX
-// CPUs only, so only the tile kernel's path streams.
+// output's consumers then read it from memory (docs/PERFORMANCE.md, forty-ninth session). fused_moe's experts
+// too: their outputs are read only once every expert is done (the down projection's by the combine, megabytes
+// later), and a 1024-token prompt's routed experts took 1.10x (Qwen3-30B-A3B) and 1.12x (DeepSeek-V2-Lite) the
+// time stored through the cache, the down projection 1.2-1.3x (fifty-second session). Measured on AMX CPUs
+// only, so only the tile kernel's path streams.
 constexpr int64_t kStreamRows = 64;
 
 // Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
@@ -127,8 +129,7 @@ int64_t brgemm_scratch_floats(const LinearProblem& p) {
   return results + panels;
 }
 
-void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch,
-                          bool stream_output) {
+void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch) {
   TORCH_CHECK(p.x_form == ActivationForm::bf16_pairs, "tilefx brgemm: x must be bf16 pairs");
   // its panels and result tiles are brgemm's B and C: a row split across two cache lines costs two (aligned.h)
   TORCH_CHECK(reinterpret_cast<uintptr_t>(scratch) % kCacheLine == 0, "tilefx brgemm: scratch must be cache-line aligned");
@@ -147,7 +148,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
   const bool long_prompt = long_pairs > 0 && p.M > tiling_panel;
   const int64_t chunk = long_prompt ? long_pairs : tiling.pairs;
   const int64_t panel_rows = std::min(p.M, long_prompt ? kPanelRows : tiling_panel);
-  const bool stream = stream_output && tiles && p.M >= kStreamRows;
+  const bool stream = tiles && p.M >= kStreamRows;
   float* results = scratch;  // per block of the group: [panel_rows][kBlockN] fp32
   uint16_t* panels = reinterpret_cast<uint16_t*>(scratch + panel_rows * kMaxGroup * per_unit * kBlockN);
   const auto* x = static_cast<const at::BFloat16*>(p.x);

@@ -217,7 +217,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
     thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
     if (brgemm) {
-      linear_blocks_brgemm(unit, p, begin, end, scratch.data(), /*stream_output=*/true);
+      linear_blocks_brgemm(unit, p, begin, end, scratch.data());
     } else {
       linear_blocks(unit, p, begin, end, scratch.data());
     }

@@ -35,10 +35,8 @@ bool amx_available();
 // What the brgemm kernels borrow from `unit` (kernels.h UnitEpilogue).
 const UnitEpilogue& epilogue_of(LinearUnit unit);
 int64_t brgemm_scratch_floats(const LinearProblem& p);
-// stream_output: the output is the op's result, read next by another op, and a prefill on AMX tiles may write it
-// with non-temporal stores (LinearProblem::stream_y; fused_moe's expert outputs are read again at once).
-void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch,
-                          bool stream_output = false);
+// A prefill on AMX tiles writes its output with non-temporal stores (linear_brgemm.cpp kStreamRows).
+void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin, int64_t end, float* scratch);
 
 // linear_amx.cpp: tilefx's own AMX kernel, what linear_blocks_brgemm runs instead of brgemm's calls where the
 // tiling says so (tuning.h GemmTiling::tiles). amx_tiles_usable: the CPU has AMX and this process may use its

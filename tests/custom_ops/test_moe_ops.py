@@ -320,16 +320,16 @@ def test_packed_experts_round_trip_and_fused_moe_matches(kernel_path, tokens, hi
 
 @pytest.mark.parametrize("format", ["bf16", "int8"])
 def test_fused_moe_experts_on_each_prefill_gemm(kernel_path, format):
-    """Experts with more than 4 rows (40 tokens, top 3 of 6: ~20 rows an expert) on the unit's GEMM, on oneDNN's
-    brgemm and, on AMX CPUs, on tilefx's tile kernel (panels of 16 rows: an expert's ~20 rows in a full panel and a
-    short one), all equal the reference."""
+    """Experts with more than 4 rows (150 tokens, top 3 of 6: ~75 rows an expert) on the unit's GEMM, on oneDNN's
+    brgemm and, on AMX CPUs, on tilefx's tile kernel (row tiles of 16: an expert's ~75 rows in full tiles and a
+    short one, past the 64 rows from which it streams its output), all equal the reference."""
     from tilefx.custom_ops import tuning
     from tilefx.custom_ops.moe import experts_reference
 
     if kernel_path == "reference":
         pytest.skip("the reference path runs PyTorch's matmul; the GEMM is a native path's choice")
     g = torch.Generator().manual_seed(5)
-    experts, tokens, hidden_size, inter = 6, 40, 128, 64
+    experts, tokens, hidden_size, inter = 6, 150, 128, 64
     gate_up = (torch.randn(experts, 2 * inter, hidden_size, generator=g) / hidden_size**0.5).to(torch.bfloat16)
     down = (torch.randn(experts, hidden_size, inter, generator=g) / inter**0.5).to(torch.bfloat16)
     w13 = packed_weights.pack_expert_gate_up_weight(gate_up, format)
