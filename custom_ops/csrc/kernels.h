@@ -239,6 +239,9 @@ struct UnitEpilogue {
   // residual the row normalized is x and `sum` is not written (null).
   void (*rms_norm_row)(const uint16_t* x, const uint16_t* residual, int64_t n, const uint16_t* weight, float eps,
                        uint16_t* sum, uint16_t* out);
+  // out[i] = bf16(sum over s < k, in order, of weights[s] * rows[s][i]) for i < n, the sum in fp32 from zero: a
+  // token's routed experts' outputs combined (moe.cpp).
+  void (*weighted_sum_row)(const uint16_t* const* rows, const float* weights, int64_t k, int64_t n, uint16_t* out);
 };
 // transpose_pairs one value at a time, for the units where brgemm attention is never fast (AVX2:
 // oneDNN has no compiled brgemm kernel there).

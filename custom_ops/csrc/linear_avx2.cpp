@@ -876,6 +876,21 @@ void rms_norm_row(const uint16_t* x, const uint16_t* residual, int64_t n, const 
   }
 }
 
+// UnitEpilogue::weighted_sum_row, 8 values a vector, the last n % 8 one at a time.
+void weighted_sum_row(const uint16_t* const* rows, const float* weights, int64_t k, int64_t n, uint16_t* out) {
+  const int64_t whole = n / 8 * 8;
+  for (int64_t i = 0; i < whole; i += 8) {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t s = 0; s < k; ++s) sum = _mm256_fmadd_ps(_mm256_set1_ps(weights[s]), load_bf16x8(rows[s] + i), sum);
+    store_bf16x8(out + i, sum);
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    float sum = 0.0f;
+    for (int64_t s = 0; s < k; ++s) sum = std::fma(weights[s], bf16_to_float(rows[s][i]), sum);
+    out[i] = float_to_bf16(sum);
+  }
+}
+
 }  // namespace
 
 const UnitEpilogue& unit_epilogue_avx2() {
@@ -888,7 +903,8 @@ const UnitEpilogue& unit_epilogue_avx2() {
       transpose_pairs_plain,
       scaled_bf16,
       scale_columns,
-      rms_norm_row};
+      rms_norm_row,
+      weighted_sum_row};
   return epilogue;
 }
 

@@ -963,6 +963,21 @@ void rms_norm_row(const uint16_t* x, const uint16_t* residual, int64_t n, const 
   }
 }
 
+// UnitEpilogue::weighted_sum_row, 16 values a vector, the last n % 16 one at a time.
+void weighted_sum_row(const uint16_t* const* rows, const float* weights, int64_t k, int64_t n, uint16_t* out) {
+  const int64_t whole = n / 16 * 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < k; ++s) sum = _mm512_fmadd_ps(_mm512_set1_ps(weights[s]), load_bf16x16(rows[s] + i), sum);
+    store_bf16x16(out + i, sum);
+  }
+  for (int64_t i = whole; i < n; ++i) {
+    float sum = 0.0f;
+    for (int64_t s = 0; s < k; ++s) sum = std::fma(weights[s], bf16_to_float(rows[s][i]), sum);
+    out[i] = float_to_bf16(sum);
+  }
+}
+
 }  // namespace
 
 void TILEFX_AVX512_ENTRY(linear_blocks)(const LinearProblem& p, int64_t block_begin, int64_t block_end,
@@ -980,7 +995,8 @@ const UnitEpilogue& TILEFX_AVX512_ENTRY(unit_epilogue)() {
       transpose_pairs,
       scaled_bf16,
       scale_columns,
-      rms_norm_row};
+      rms_norm_row,
+      weighted_sum_row};
   return epilogue;
 }
 

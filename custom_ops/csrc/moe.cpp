@@ -9,7 +9,8 @@
 //      in the form the down projection reads: bf16 on the AVX512-BF16 units (as HF's bf16
 //      experts compute it), fp32 on AVX2;
 //   3. down: per expert, act_e @ down_e^T -> out_e, rounded to bf16 (as HF's experts return it);
-//   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16.
+//   4. combine: y[t] = sum_k w[t, k] * out[pair (t, k)], fp32, rounded once to bf16 (the unit's
+//      weighted_sum_row).
 // Its buffers are the size of the routed rows (tokens x top_k), hundreds of MB a layer for a
 // long prompt, each a fresh mapping whose pages fault in on first touch: so each is written
 // once, in the narrowest form its reader takes.
@@ -196,19 +197,16 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     return p;
   });
 
-  // 4. weighted combine in fp32.
+  // 4. weighted combine in fp32, on the unit's vectors.
   const float* w = weights.data_ptr<float>();
-  at::BFloat16* y_data = y.data_ptr<at::BFloat16>();
+  const uint16_t* out_bits = bf16_bits(out_tensor);
+  uint16_t* y_bits = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const UnitEpilogue& epilogue = epilogue_of(unit);
   at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(hidden_size);
+    std::vector<const uint16_t*> rows(top_k);
     for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t s = 0; s < top_k; ++s) {
-        const float ws = w[t * top_k + s];
-        const at::BFloat16* src = out + row_of_pair[t * top_k + s] * hidden_size;
-        for (int64_t h = 0; h < hidden_size; ++h) acc[h] += ws * static_cast<float>(src[h]);
-      }
-      for (int64_t h = 0; h < hidden_size; ++h) y_data[t * hidden_size + h] = static_cast<at::BFloat16>(acc[h]);
+      for (int64_t s = 0; s < top_k; ++s) rows[s] = out_bits + row_of_pair[t * top_k + s] * hidden_size;
+      epilogue.weighted_sum_row(rows.data(), w + t * top_k, top_k, hidden_size, y_bits + t * hidden_size);
     }
   });
   return y;
