@@ -688,6 +688,7 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX2 micro-kernels as linear_walk.h calls them (over fp32 x, or int16 words for int8 decode).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
+  static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
   static constexpr bool kAvx2 = true;
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {

@@ -5,8 +5,8 @@
 // pairs (ActivationForm::bf16_pairs), the accumulation and epilogues are fp32.
 //
 // The structure is the AVX2 unit's (linear_avx2.cpp explains the choices; both walk
-// the blocks with linear_walk.h): decode (M <= 2; one_block up to 4 rows) streams each block once, M = 1 as one or
-// two streams per thread with a non-temporal prefetch (both tuned per machine, tuning.h);
+// the blocks with linear_walk.h): decode (up to kGemvRows rows) streams each block once, as one or two streams
+// per thread (on the AVX2 unit two for one row only) with a software prefetch (both tuned per machine, tuning.h);
 // prefill is a blocked GEMM over an L1-resident panel of one block and kKChunk K pairs, here
 // with micro-tiles of 8 rows x 32 columns (16 zmm accumulators).
 //
@@ -63,27 +63,33 @@ static inline __m512 silu_mul16(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_mul_ps(g, u), _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f))));
 }
 
-// One row of x against two blocks at once (two streams).
-template <Prefetch P>
-static void gemv_row_two_blocks(const uint32_t* x, const uint16_t* block_a, const uint16_t* block_b, int64_t pairs,
-                                int64_t ahead, float* c_a, float* c_b) {
-  __m512 a_lo = _mm512_setzero_ps(), a_hi = _mm512_setzero_ps();
-  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
+// 1 to kGemvRows rows of x against two blocks at once (two streams): c_a and c_b get each block's rows.
+template <int Rows, Prefetch P>
+static void gemv_rows_two_blocks(const uint32_t* x, int64_t ldp, const uint16_t* block_a, const uint16_t* block_b,
+                                 int64_t pairs, int64_t ahead, float* c_a, float* c_b) {
+  __m512 a[Rows][2], b[Rows][2];
+  for (int m = 0; m < Rows; ++m) a[m][0] = a[m][1] = b[m][0] = b[m][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* row_a = block_a + p * kPairStride;
     const uint16_t* row_b = block_b + p * kPairStride;
     prefetch_ahead<P>(row_a, ahead);
     prefetch_ahead<P>(row_b, ahead);
-    const __m512bh xp = broadcast_pair(x[p]);
-    a_lo = _mm512_dpbf16_ps(a_lo, load_pairs(row_a), xp);
-    a_hi = _mm512_dpbf16_ps(a_hi, load_pairs(row_a + 32), xp);
-    b_lo = _mm512_dpbf16_ps(b_lo, load_pairs(row_b), xp);
-    b_hi = _mm512_dpbf16_ps(b_hi, load_pairs(row_b + 32), xp);
+    const __m512bh a_lo = load_pairs(row_a), a_hi = load_pairs(row_a + 32);
+    const __m512bh b_lo = load_pairs(row_b), b_hi = load_pairs(row_b + 32);
+    for (int m = 0; m < Rows; ++m) {
+      const __m512bh xp = broadcast_pair(x[m * ldp + p]);
+      a[m][0] = _mm512_dpbf16_ps(a[m][0], a_lo, xp);
+      a[m][1] = _mm512_dpbf16_ps(a[m][1], a_hi, xp);
+      b[m][0] = _mm512_dpbf16_ps(b[m][0], b_lo, xp);
+      b[m][1] = _mm512_dpbf16_ps(b[m][1], b_hi, xp);
+    }
   }
-  _mm512_storeu_ps(c_a, a_lo);
-  _mm512_storeu_ps(c_a + 16, a_hi);
-  _mm512_storeu_ps(c_b, b_lo);
-  _mm512_storeu_ps(c_b + 16, b_hi);
+  for (int m = 0; m < Rows; ++m) {
+    _mm512_storeu_ps(c_a + m * kBlockN, a[m][0]);
+    _mm512_storeu_ps(c_a + m * kBlockN + 16, a[m][1]);
+    _mm512_storeu_ps(c_b + m * kBlockN, b[m][0]);
+    _mm512_storeu_ps(c_b + m * kBlockN + 16, b[m][1]);
+  }
 }
 
 // 1 to kGemvRows rows of x against one block, every K pair (decode, one stream): the weight
@@ -639,6 +645,7 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 // The AVX512-BF16 micro-kernels as linear_walk.h calls them (over bf16 pairs, or int16 words for int8 decode).
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
+  static constexpr int64_t kTwoBlockRows = kGemvRows;
   static constexpr bool kAvx2 = false;
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
@@ -667,7 +674,15 @@ struct Avx512Unit {
   }
   static void two_blocks(const LinearProblem& p, const uint16_t* a, const uint16_t* b, float* c_a, float* c_b) {
     with_prefetch(p, [&](auto as) {
-      gemv_row_two_blocks<decltype(as)::value>(p.x_pairs(), a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+      constexpr Prefetch P = decltype(as)::value;
+      const uint32_t* x = p.x_pairs();
+      const int64_t ldp = p.ldx / 2;
+      switch (p.M) {
+        case 1: return gemv_rows_two_blocks<1, P>(x, ldp, a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+        case 2: return gemv_rows_two_blocks<2, P>(x, ldp, a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+        case 3: return gemv_rows_two_blocks<3, P>(x, ldp, a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+        default: return gemv_rows_two_blocks<4, P>(x, ldp, a, b, p.K_pairs, p.prefetch_bytes, c_a, c_b);
+      }
     });
   }
   static void one_block(const LinearProblem& p, const uint16_t* block, float* c) {

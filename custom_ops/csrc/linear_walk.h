@@ -49,33 +49,37 @@ inline void with_prefetch(const LinearProblem& p, const Body& body) {
 template <class Unit, class Two>
 int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* gate, float* up,
                         const Two& two) {
-  const int64_t half = (block_end - block_begin) / 2;
+  const int64_t half = (block_end - block_begin) / 2, second = p.M * kBlockN;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t a = block_begin + i, b = block_begin + half + i;
-    two(2 * a, 2 * b, gate, gate + kBlockN);
-    two(2 * a + 1, 2 * b + 1, up, up + kBlockN);
+    two(2 * a, 2 * b, gate, gate + second);
+    two(2 * a + 1, 2 * b + 1, up, up + second);
     Unit::store_silu_mul(p, a * kBlockN, gate, up);
-    Unit::store_silu_mul(p, b * kBlockN, gate + kBlockN, up + kBlockN);
+    Unit::store_silu_mul(p, b * kBlockN, gate + second, up + second);
   }
   return block_begin + 2 * half;
 }
 
 // `Unit` supplies, over the activations in the form it reads (LinearProblem::x_form, activations.h):
-//   two_blocks(p, block_a, block_b, c_a, c_b)  M = 1 against two blocks at once (two streams)
+//   kTwoBlockRows                              the most rows two_blocks takes
+//   two_blocks(p, block_a, block_b, c_a, c_b)  M = 1 to kTwoBlockRows against two blocks at once (two streams)
 //   one_block(p, block, c)                     every row against one block (GEMV; GEMM above 2 rows, 4 on AVX512)
 //   store(p, col0, c)                          bias and the output conversion
 //   store_silu_mul(p, col0, gate, up)          the gate/up epilogue
-// Results are fp32 rows of kBlockN in `scratch` (2 * max(M, 2) * kBlockN floats).
+// Results are fp32 rows of kBlockN in `scratch` (linear_scratch_floats). A batch's decode (up to kTwoBlockRows
+// rows) reads two blocks at once as a single row does: on a Xeon 6 one stream of 2 rows read 29.5 GB/s where
+// two of one row read 31.1 (docs/PERFORMANCE.md, fifty-second session).
 template <class Unit>
 void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const int64_t block_elems = pairs_between_blocks(p) * kPairValues;
+  const bool two_streams = p.M <= Unit::kTwoBlockRows && p.streams == 2;
   if (p.silu_mul) {
     // Output block j reads gate block 2j and up block 2j + 1, adjacent in the packed
-    // weight. For M = 1, two streams each read their half of the range front to back
+    // weight. In two streams each reads its half of the range front to back
     // (gate j, up j, gate j + 1, ...; see silu_mul_halves).
     float* gate = scratch;
-    float* up = scratch + (p.M > 2 ? p.M : 2) * kBlockN;
-    if (p.M == 1 && p.streams == 2) {
+    float* up = scratch + (two_streams ? 2 * p.M : std::max<int64_t>(p.M, 2)) * kBlockN;
+    if (two_streams) {
       auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
         Unit::two_blocks(p, p.w + a * block_elems, p.w + b * block_elems, c_a, c_b);
       };
@@ -83,7 +87,7 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     }
     for (int64_t j = block_begin; j < block_end; ++j) {
       const uint16_t* w_gate = p.w + 2 * j * block_elems;
-      if (p.M == 1 && p.streams == 2) {
+      if (two_streams) {
         Unit::two_blocks(p, w_gate, w_gate + block_elems, gate, up);
       } else {
         Unit::one_block(p, w_gate, gate);
@@ -93,9 +97,9 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
     }
     return;
   }
-  if (p.M == 1 && p.streams == 2) {  // blocks from the two halves of the range, as two streams
+  if (two_streams) {  // blocks from the two halves of the range, as two streams
     const int64_t half = (block_end - block_begin) / 2;
-    float* other = scratch + kBlockN;
+    float* other = scratch + p.M * kBlockN;
     for (int64_t i = 0; i < half; ++i) {
       const int64_t a = block_begin + i, b = block_begin + half + i;
       Unit::two_blocks(p, p.w + a * block_elems, p.w + b * block_elems, scratch, other);
