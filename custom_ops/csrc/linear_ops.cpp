@@ -164,7 +164,7 @@ void linear_split_k(LinearUnit unit, const LinearProblem& p, int64_t blocks, int
     for (int64_t i = 0; i < count; ++i) epilogue.store(p, (first + i) * kBlockN, tile[i]);
   };
   parallel_chunks(pairs * slices, /*min_chunk=*/1, [&](int64_t begin, int64_t end) {
-    alignas(64) float scratch[2 * 2 * kBlockN];  // linear_scratch_floats of a decode (M <= 2)
+    alignas(64) float scratch[4 * 2 * kBlockN];  // linear_scratch_floats of a decode of 2 rows (M <= 2)
     for (int64_t t = begin; t < end; ++t) {
       const int64_t u = t / slices, s = t % slices;
       const int64_t k0 = s * slice_pairs, k1 = std::min(p.K_pairs, k0 + slice_pairs);

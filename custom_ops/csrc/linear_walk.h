@@ -67,8 +67,8 @@ int64_t silu_mul_halves(const LinearProblem& p, int64_t block_begin, int64_t blo
 //   store(p, col0, c)                          bias and the output conversion
 //   store_silu_mul(p, col0, gate, up)          the gate/up epilogue
 // Results are fp32 rows of kBlockN in `scratch` (linear_scratch_floats). A batch's decode (up to kTwoBlockRows
-// rows) reads two blocks at once as a single row does: on a Xeon 6 one stream of 2 rows read 29.5 GB/s where
-// two of one row read 31.1 (docs/PERFORMANCE.md, fifty-second session).
+// rows) reads two blocks at once as a single row does: on a Xeon 6 one stream of 2 rows read 21-24 GB/s where
+// two streams read 27-28 (docs/PERFORMANCE.md, fifty-second session).
 template <class Unit>
 void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const int64_t block_elems = pairs_between_blocks(p) * kPairValues;
@@ -117,18 +117,19 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 // Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
 //   kAvx2                                    whether it is the AVX2 unit (quantized_gemv_rows, kernels.h)
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
-//                                             (Blocks = 2: two streams, Rows = 1 only), scales applied; c[i] gets block i's
+//                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
 // Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
 // int16 words); above that each block is dequantized into scratch once and one_block runs over it, then
 // int8's column scales apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  const int64_t rows = p.M > 2 ? p.M : 2;
-  float* first = scratch;
-  float* second = scratch + rows * kBlockN;
-  uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
   constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
+  const bool two_streams = Unit::kTwoStreams && p.M <= 2 && p.streams == 2;
+  const int64_t rows = p.M > 2 ? p.M : 2;
+  float* first = scratch;  // (with two streams a gate/up walk's first holds two blocks' rows: silu_mul_halves)
+  float* second = scratch + (two_streams ? 2 * p.M : rows) * kBlockN;
+  uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
   auto one = [&](int64_t block, float* c) {
     if (p.M <= kDecodeRows) {
       float* out[1] = {c};
@@ -148,13 +149,13 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
         for (int64_t j = 0; j < kBlockN; ++j) c[m * kBlockN + j] *= s[j];
     }
   };
-  const bool two_streams = Unit::kTwoStreams && p.M == 1 && p.streams == 2;
   auto two = [&](int64_t a, int64_t b, float* c_a, float* c_b) {
     if constexpr (Unit::kTwoStreams) {
       if (two_streams) {
         float* out[2] = {c_a, c_b};
         const int64_t which[2] = {a, b};
-        return Unit::template q_blocks<F, 1, 2>(p, which, out);
+        return p.M == 1 ? Unit::template q_blocks<F, 1, 2>(p, which, out)
+                        : Unit::template q_blocks<F, 2, 2>(p, which, out);
       }
     }
     one(a, c_a);
