@@ -885,11 +885,7 @@ void weighted_sum_row(const uint16_t* const* rows, const float* weights, int64_t
     for (int64_t s = 0; s < k; ++s) sum = _mm256_fmadd_ps(_mm256_set1_ps(weights[s]), load_bf16x8(rows[s] + i), sum);
     store_bf16x8(out + i, sum);
   }
-  for (int64_t i = whole; i < n; ++i) {
-    float sum = 0.0f;
-    for (int64_t s = 0; s < k; ++s) sum = std::fma(weights[s], bf16_to_float(rows[s][i]), sum);
-    out[i] = float_to_bf16(sum);
-  }
+  weighted_sum_values(rows, weights, k, whole, n, out);
 }
 
 }  // namespace
