@@ -262,9 +262,14 @@ def _pass_bytes(tensors) -> int:
 
 
 def _time_pass(tensors, inputs) -> float:
+    """Seconds of one pass over ``tensors`` (``_decode_pass``'s): each against ``inputs[k]``, or where that is a
+    tuple, its entries in turn from one repetition of the layer's shapes to the next (every shape meets each)."""
     start = time.perf_counter()
-    for data, scales, n, k in tensors:
-        torch.ops.tilefx.linear(inputs[k], data, None, n, scales)
+    for i, (data, scales, n, k) in enumerate(tensors):
+        x = inputs[k]
+        if isinstance(x, tuple):
+            x = x[i // len(LAYER_SHAPES) % len(x)]
+        torch.ops.tilefx.linear(x, data, None, n, scales)
     return time.perf_counter() - start
 
 
@@ -295,14 +300,25 @@ def distances(walks, streams: int, hint: str) -> tuple:
     return tuple(w for w in walks if w[0] == streams and w[1] and w[2] == hint)
 
 
+# Rows of a batch's decode the walk search times besides one row, per format: the most the walk streams (bf16 4,
+# kGemvRows; quantized 2, quantized_gemv_rows' least). On the Xeon 6 two walks read the same at one row and 0.86x
+# apart at four (`t1` 4096 B against `t0` 2048 B ahead; docs/PERFORMANCE.md, fifty-second session), and a search
+# at one row kept the one that cost batch 4 its steps.
+BATCH_ROWS = {"bf16": 4}
+BATCH_ROWS_QUANTIZED = 2
+
+
 def tune(unit: str, format: str, path: str) -> Tuned:
     """Search the walks on ``unit`` (a decode unit of kernel path ``path``) for ``format`` weights in two stages
     (``scouts``, then ``distances``), each interleaved over ``ROUNDS`` rounds, then the fastest against the default
-    alone; set the fastest where it beats the default by ``MIN_GAIN``."""
+    alone; set the fastest where it beats the default by ``MIN_GAIN``. The pass reads its repetitions of the
+    layer's shapes at one row and at a batch's rows in turn (``BATCH_ROWS``), so a walk is kept for both."""
     started = time.perf_counter()
     default = current(unit, format)
     tensors = _decode_pass(format)
-    inputs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}
+    batch_rows = BATCH_ROWS.get(format, BATCH_ROWS_QUANTIZED)
+    inputs = {k: (torch.randn(1, k).to(torch.bfloat16), torch.randn(batch_rows, k).to(torch.bfloat16))
+              for _, k in LAYER_SHAPES}
     nbytes = _pass_bytes(tensors)
     walks = candidates(unit, format)
     with isa.forced(path), forced_decode_gemm(format, "unit", 0), torch.inference_mode():
@@ -316,7 +332,8 @@ def tune(unit: str, format: str, path: str) -> Tuned:
         final = _medians(tensors, inputs, unit, format, tuple(dict.fromkeys((default, best))), CONFIRM_ROUNDS)
         if final[default] <= final[best] * MIN_GAIN:
             best = default
-        split, split_gbps = _tune_split(tensors, inputs, unit, format, best, nbytes)
+        # (a split serves 1-2 rows: it is timed at one)
+        split, split_gbps = _tune_split(tensors, {k: x[0] for k, x in inputs.items()}, unit, format, best, nbytes)
     isa.native.set_walk_tuning(unit, format, *best)
     isa.native.set_decode_split(format, split)
     return Tuned(unit, format, *best, how="tuned", gbps=nbytes / final[best] / 1e9,

@@ -249,6 +249,47 @@ def test_tuning_times_chooses_caches_and_reloads(tmp_path, monkeypatch):
         isa.native.set_walk_tuning(unit, "int8", *before)
 
 
+def test_the_walk_search_reads_one_row_and_a_batch_in_turn(monkeypatch):
+    """A pass whose inputs are (one row, a batch) reads each repetition of the layer's shapes with them in turn, so
+    every shape meets both; the search times bf16 walks at one row and four, quantized ones at one and two, and the
+    split at one."""
+    rows = []
+    monkeypatch.setattr(torch.ops.tilefx, "linear", lambda x, *args: rows.append(x.shape[0]))
+    shapes = len(tuning.LAYER_SHAPES)
+    tuning._time_pass([(None, None, n, k) for n, k in tuning.LAYER_SHAPES * 3],
+                      {k: (torch.zeros(1, k), torch.zeros(4, k)) for _, k in tuning.LAYER_SHAPES})
+    assert rows == [1] * shapes + [4] * shapes + [1] * shapes
+    for format, batch in (("bf16", 4), ("int8", 2), ("fp8", 2), ("int4", 2)):
+        assert tuning.BATCH_ROWS.get(format, tuning.BATCH_ROWS_QUANTIZED) == batch
+
+
+def test_the_search_times_the_batch_rows(monkeypatch):
+    path = isa.current()
+    if not tuning.decode_units(path):
+        pytest.skip("the reference path has no native walk")
+    unit = tuning.decode_units(path)[-1]
+    seen = {}
+
+    def medians(tensors, inputs, unit_, format, walks_, rounds):
+        seen.setdefault("walks", {k: tuple(x.shape[0] for x in xs) for k, xs in inputs.items()})
+        return {w: 1.0 for w in walks_}
+
+    def split(tensors, inputs, *args):
+        seen["split"] = {k: x.shape[0] for k, x in inputs.items()}
+        return 0, {}
+
+    monkeypatch.setattr(tuning, "MIN_PASS_BYTES", 1 << 20)
+    monkeypatch.setattr(tuning, "MAX_PASS_BYTES", 1 << 20)
+    monkeypatch.setattr(tuning, "_medians", medians)
+    monkeypatch.setattr(tuning, "_tune_split", split)
+    before = tuning.current(unit, "bf16")
+    try:
+        tuning.tune(unit, "bf16", path)
+    finally:
+        isa.native.set_walk_tuning(unit, "bf16", *before)
+    assert set(seen["walks"].values()) == {(1, 4)} and set(seen["split"].values()) == {1}
+
+
 def test_the_search_scouts_hints_then_distances(tmp_path, monkeypatch):
     """With a fake clock where one walk off the default's hint and distance is fastest, the two-stage search finds
     it: the scouts (every streams x hint at SCOUT_BYTES, and no prefetch) lead it to the hint and streams, the
