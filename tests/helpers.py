@@ -253,6 +253,16 @@ def without_and_with(model, ids, *passes):
     return want, run_on_new_cache(model, ids, backend)[0], backend
 
 
+def decode_step(graph_pass, family: str = "tiny-llama"):
+    """One new token of the family's tiny model over a new cache, compiled afresh with ``graph_pass``: the model, the
+    pass's result and the graph after it."""
+    model = tiny_model(family)
+    torch._dynamo.reset()
+    backend = PassTestBackend(graph_pass)
+    run_on_new_cache(model, torch.tensor([[5]]), backend)
+    return model, backend.results[0], backend.after[0]
+
+
 @functools.cache
 def tiny_model(family: str):
     """The preset's model with seed 3, built once per test process (pass tests only read it)."""

@@ -20,9 +20,20 @@ class PassResult:
     # graph, or also read unpacked (e.g. an lm_head tied to the input embedding).
     packed_exclusively: set[int] = dataclasses.field(default_factory=set)
     packed_shared: set[int] = dataclasses.field(default_factory=set)
+    # (kind, why) -> where its line is in fallbacks and how many regions it counts (skip_counted)
+    _counted: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def skip(self, where: str, why: str) -> None:
         self.fallbacks.append(f"{where}: {why}")
+
+    def skip_counted(self, kind: str, why: str) -> None:
+        """One more region of ``kind`` left alone for ``why``; regions alike share one line, "N kind region(s): why"
+        (a decode graph's norms or RoPEs, two a layer, would otherwise list ~100 identical lines in explain())."""
+        index, count = self._counted.get((kind, why), (len(self.fallbacks), 0))
+        if count == 0:
+            self.fallbacks.append("")
+        self._counted[(kind, why)] = (index, count + 1)
+        self.fallbacks[index] = f"{count + 1} {kind} region(s): {why}"
 
 
 class TilefxPass:

@@ -117,12 +117,11 @@ class NormPass(TilefxPass):
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
         norms = [found for node in graph.nodes if (found := match(node)) is not None]
-        decode = 0
         for index, found in enumerate(norms):
             output = found.nodes[0]
             why = _refusal(example_value(found.x), example_value(found.weight), example_value(output))
             if why == _DECODE:
-                decode += 1
+                result.skip_counted("norm", why)
                 continue
             if why is not None:
                 result.skip(f"norm #{index}", why)
@@ -147,6 +146,4 @@ class NormPass(TilefxPass):
                 found.x.replace_all_uses_with(total)
                 erase_unused(graph, [found.x, total])  # the sum stays where the next residual add reads it
             result.rewritten += 1
-        if decode:
-            result.skip(f"{decode} norm region(s)", _DECODE)
         return result

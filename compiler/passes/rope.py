@@ -128,11 +128,10 @@ class RopePass(TilefxPass):
     def __call__(self, graph: torch.fx.Graph) -> PassResult:
         result = PassResult(self.name)
         regions = [region for node in graph.nodes if (region := match(node)) is not None]
-        decode = 0
         for index, region in enumerate(regions):
             why = _refusal(example_value(region.x), example_value(region.cos), example_value(region.sin))
             if why == _DECODE:
-                decode += 1
+                result.skip_counted("rope", why)
                 continue
             if why is not None:
                 result.skip(f"rope #{index}", why)
@@ -143,6 +142,4 @@ class RopePass(TilefxPass):
             add.replace_all_uses_with(fused)
             erase_unused(graph, region.nodes)  # a node something else still reads stays
             result.rewritten += 1
-        if decode:
-            result.skip(f"{decode} rope region(s)", _DECODE)
         return result

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model, without_and_with
+from helpers import PassTestBackend, count, decode_step, is_op, run_on_new_cache, tiny_model, without_and_with
 from tilefx.compiler.passes.norm import NormPass, match
 
 
@@ -45,12 +45,8 @@ def test_a_prompts_norms_become_the_ops_with_their_residual_adds(family, batch, 
 
 
 def test_a_decode_steps_norms_are_left_to_inductor():
-    model = tiny_model("tiny-llama")
-    torch._dynamo.reset()
-    backend = PassTestBackend(NormPass())
-    _forward(model, torch.tensor([[5]]), backend)
-    result = backend.results[0]
-    assert result.rewritten == 0 and count(backend.after[0], is_op("add_rms_norm")) == 0
+    model, result, after = decode_step(NormPass())
+    assert result.rewritten == 0 and count(after, is_op("add_rms_norm")) == 0
     # one line for the graph's regions (explain() would list two a layer otherwise)
     assert result.fallbacks == [f"{_norms(model)} norm region(s): one new token (decode): left to Inductor's "
                                 "kernels, fused with their neighbours"]

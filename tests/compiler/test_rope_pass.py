@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tilefx.custom_ops  # noqa: F401
-from helpers import PassTestBackend, count, is_op, run_on_new_cache, tiny_model, without_and_with
+from helpers import PassTestBackend, count, decode_step, is_op, run_on_new_cache, tiny_model, without_and_with
 from tilefx.compiler.passes.rope import RopePass, match
 
 
@@ -45,12 +45,8 @@ def test_a_prompts_rope_becomes_one_op_for_q_and_one_for_k(family, batch, seq):
 
 
 def test_a_decode_steps_rope_is_left_to_inductor():
-    model = tiny_model("tiny-llama")
-    torch._dynamo.reset()
-    backend = PassTestBackend(RopePass())
-    _forward(model, torch.tensor([[5]]), backend)
-    result = backend.results[0]
-    assert result.rewritten == 0 and count(backend.after[0], is_op("rope")) == 0
+    model, result, after = decode_step(RopePass())
+    assert result.rewritten == 0 and count(after, is_op("rope")) == 0
     # one line for the graph's regions (explain() would list two a layer otherwise)
     assert result.fallbacks == [f"{2 * model.config.num_hidden_layers} rope region(s): one new token (decode): "
                                 "left to Inductor's kernel, fused with its neighbours"]
