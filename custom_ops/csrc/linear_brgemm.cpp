@@ -65,6 +65,16 @@ constexpr int64_t kPanelRows = 256;
 // only, so only the tile kernel's path streams.
 constexpr int64_t kStreamRows = 64;
 
+// Rows from which a tile kernel's call prefetches what the next call multiplies (multiply_tiles' `next`). The
+// prefetches are spread over the call's products, and each holds one of the core's fill buffers for a DRAM
+// round trip, the buffers the tile loads from L2 need too. Over a call of few rows they come too densely: the
+// products wait, and the L2's own streamer, which fetches a block's bytes as the tile loads walk them without
+// taking those buffers, does better. On the Xeon 6, cold weights, prefetch off against on: Llama-1B's GEMMs
+// 0.83x the time at 32 rows, 0.94x at 64, 0.97x at 80, level at 96, 1.03x at 128, 1.07x at 1024;
+// fused_moe's routed experts 0.84-0.88x at 16-48 rows an expert, 0.93x at 64 (Qwen3-30B-A3B, 1024 tokens),
+// 1.02x at 96 (DeepSeek-V2-Lite, 1024 tokens) and 128 (docs/PERFORMANCE.md, fifty-third session).
+constexpr int64_t kPrefetchRows = 96;
+
 // Blocks a work unit multiplies: gate and up with SiLU-and-mul, else one.
 int64_t blocks_per_unit(const LinearProblem& p) { return p.silu_mul ? 2 : 1; }
 
@@ -182,7 +192,8 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
         if (quantized && panel == 0 && !tiles) {  // (the tile kernel's calls dequantize theirs one by one)
           for (int64_t i = 0; i < blocks; ++i) dequantize_chunk(first * per_unit + i, i, q, pairs);
         }
-        if (tiles) {  // the panel's rows at once, two blocks a call, each call fetching what comes next from memory
+        if (tiles) {  // the panel's rows at once, two blocks a call, each call of kPrefetchRows rows or more
+                      // fetching what comes next from memory
           for (int64_t i = 0; i < blocks; i += 2) {
             const int64_t width = std::min<int64_t>(2, blocks - i), block = first * per_unit + i;
             if (quantized && panel == 0) {
@@ -203,7 +214,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
             const void* next[2] = {nullptr, nullptr};
             const int64_t next_bytes = quantized ? next_pairs * pair_bytes(p.format)
                                                  : block_values(next_pairs) * int64_t{sizeof(uint16_t)};
-            for (int64_t j = 0; j < 2 && next_block + j < end * per_unit; ++j) {
+            for (int64_t j = 0; j < 2 && prows >= kPrefetchRows && next_block + j < end * per_unit; ++j) {
               if (!quantized) {
                 next[j] = p.w + (next_block + j) * block_elems + block_values(next_q);
               } else if (next_first_panel) {
