@@ -130,18 +130,36 @@ void row_tiles(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b, int64_t 
   if constexpr (kTwoRowTiles) TILEFX_STORE_RESULTS(kC10, kC11, c1);
 }
 
+// The bytes of a block's K step: 16 pair rows of kBlockN columns (kB0's and kB1's tiles interleaved line by line).
+constexpr int64_t kStepBytes = kTilePairs * kLdb;
+
+// Both blocks' bytes `ahead` (a multiple of kStepBytes) past the step at `bx`, into L1, unless past the chunk's
+// `steps`: the first row tile reads the blocks from memory (see multiply_tiles).
+inline void prefetch_steps_ahead(const uint16_t* b0, const uint16_t* b1, int64_t bx, int64_t ahead, int64_t step,
+                                 int64_t steps) {
+  if (step + ahead / kStepBytes >= steps) return;
+  const char* first = reinterpret_cast<const char*>(b0 + bx) + ahead;
+  const char* second = reinterpret_cast<const char*>(b1 + bx) + ahead;
+  for (int64_t line = 0; line < kStepBytes; line += kLine) {
+    _mm_prefetch(first + line, _MM_HINT_T0);
+    _mm_prefetch(second + line, _MM_HINT_T0);
+  }
+}
+
 // One row tile of x (as many rows as the configuration gives) times `steps` K steps of two blocks, C[1][4]:
 // each x tile serves four products, where row_tiles<true> loads one for two. x comes from L2 and the blocks'
 // chunk stays in L1 while the panel's row tiles pass, so this halves the traffic from L2 (Llama-1B's prefill
 // GEMMs at 128 rows 0.96x the time, docs/PERFORMANCE.md). The fourth product reuses kB0, as the other kernels
 // reuse their tiles: only the register count (8) bounds the blocking.
+// `ahead`: prefetch_steps_ahead's distance, or 0.
 void row_tile_pair(const uint16_t* x, int64_t ldx_bytes, const uint16_t* b0, const uint16_t* b1, int64_t steps,
-                   float* c0, float* c1, bool add, Prefetch& prefetch, int64_t step0) {
+                   float* c0, float* c1, bool add, Prefetch& prefetch, int64_t step0, int64_t ahead) {
   TILEFX_START_RESULTS(kC00, kC01, c0, add);
   TILEFX_START_RESULTS(kC10, kC11, c1, add);
   for (int64_t step = 0; step < steps; ++step) {
     prefetch.after(step0 + step);
     const int64_t ax = 2 * kTilePairs * step, bx = kTilePairs * kBlockRowValues * step;
+    if (ahead) prefetch_steps_ahead(b0, b1, bx, ahead, step, steps);
     _tile_loadd(kA0, x + ax, ldx_bytes);
     _tile_loadd(kB0, b0 + bx, kLdb);
     _tile_dpbf16ps(kC00, kA0, kB0);
@@ -164,9 +182,12 @@ bool amx_tiles_usable() {
 }
 
 void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks, const uint16_t* const* b,
-                    int64_t pairs, float* const* c, bool add, const void* const* next, int64_t next_bytes) {
+                    int64_t pairs, float* const* c, bool add, const void* const* next, int64_t next_bytes,
+                    int64_t ahead_bytes) {
   TORCH_CHECK(pairs % kTilePairs == 0, "tilefx AMX tiles: K pairs must be a multiple of ", kTilePairs, ", got ", pairs);
   TORCH_CHECK(blocks == 1 || blocks == 2, "tilefx AMX tiles: one or two blocks a call, got ", blocks);
+  TORCH_CHECK(ahead_bytes % kStepBytes == 0, "tilefx AMX tiles: prefetch ahead by whole K steps (", kStepBytes,
+              " bytes), got ", ahead_bytes);
   const bool pair = blocks == 2;
   const int64_t steps = pairs / kTilePairs, ldx_bytes = ldx * int64_t{sizeof(uint16_t)};
   const int64_t row_steps = pair ? (rows + kTileRows - 1) / kTileRows
@@ -182,8 +203,9 @@ void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks
       configured = tile_rows;
     }
     if (pair) {
+      // the first row tile reads the blocks' chunk from memory (the later ones from cache): ahead of its loads
       row_tile_pair(x + m * ldx, ldx_bytes, b[0], b[1], steps, c[0] + m * kBlockN, c[1] + m * kBlockN, add, prefetch,
-                    step0);
+                    step0, m == 0 ? ahead_bytes : 0);
       m += tile_rows;
     } else if (rows - m >= 2 * kTileRows) {
       row_tiles<true>(x + m * ldx, ldx_bytes, b[0], steps, c[0] + m * kBlockN, add, prefetch, step0);
