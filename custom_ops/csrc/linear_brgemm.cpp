@@ -199,8 +199,11 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
         if (quantized && panel == 0 && !tiles) {  // (the tile kernel's calls dequantize theirs one by one)
           for (int64_t i = 0; i < blocks; ++i) dequantize_chunk(first * per_unit + i, i, q, pairs);
         }
-        if (tiles) {  // the panel's rows at once, two blocks a call, each call of kPrefetchRows rows or more
-                      // fetching what comes next from memory
+        if (tiles) {  // the panel's rows at once, two blocks a call
+          // A panel of kPrefetchRows rows or more fetches what its next call multiplies from memory; a shorter one
+          // has its first row tile read its own bf16 blocks ahead (a quantized call's panel is in cache).
+          const bool fetch_next = prows >= kPrefetchRows;
+          const int64_t ahead = !quantized && !fetch_next ? kAheadBytes : 0;
           for (int64_t i = 0; i < blocks; i += 2) {
             const int64_t width = std::min<int64_t>(2, blocks - i), block = first * per_unit + i;
             if (quantized && panel == 0) {
@@ -221,7 +224,7 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
             const void* next[2] = {nullptr, nullptr};
             const int64_t next_bytes = quantized ? next_pairs * pair_bytes(p.format)
                                                  : block_values(next_pairs) * int64_t{sizeof(uint16_t)};
-            for (int64_t j = 0; j < 2 && prows >= kPrefetchRows && next_block + j < end * per_unit; ++j) {
+            for (int64_t j = 0; j < 2 && fetch_next && next_block + j < end * per_unit; ++j) {
               if (!quantized) {
                 next[j] = p.w + (next_block + j) * block_elems + block_values(next_q);
               } else if (next_first_panel) {
@@ -232,7 +235,6 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
                                          width == 2 ? reinterpret_cast<const uint16_t*>(b[i + 1] + block_values(q))
                                                     : nullptr};
             float* c[2] = {results + i * panel_rows * kBlockN, results + (i + 1) * panel_rows * kBlockN};
-            const int64_t ahead = !quantized && prows < kPrefetchRows ? kAheadBytes : 0;  // quantized: a panel in cache
             multiply_tiles(reinterpret_cast<const uint16_t*>(x + panel * p.ldx + 2 * q), p.ldx, prows, width, chunks,
                            pairs, c, q > 0, next, next_bytes, ahead);
           }

@@ -44,8 +44,9 @@ void linear_blocks_brgemm(LinearUnit unit, const LinearProblem& p, int64_t begin
 // `blocks` (1 or 2) packed bf16 blocks, block j from b[j] (its pair row at the chunk's start) into c[j]
 // ([rows][kBlockN] fp32, added to with `add`), fetching `next_bytes` from each of next[0] and next[1] (the
 // chunks the caller multiplies next, whatever their count; null: nothing) into L2 over its steps, and, with
-// `ahead_bytes`, its own blocks' bytes that far ahead of its first row tile's loads. It sets the calling thread's
-// tile configuration; release_tiles gives the tile state back.
+// `ahead_bytes` and two blocks, its own blocks' bytes that far ahead of its first row tile's loads (one block, a
+// group's odd last, reads none ahead). It sets the calling thread's tile configuration; release_tiles gives the
+// tile state back.
 bool amx_tiles_usable();
 void multiply_tiles(const uint16_t* x, int64_t ldx, int64_t rows, int64_t blocks, const uint16_t* const* b,
                     int64_t pairs, float* const* c, bool add, const void* const* next, int64_t next_bytes,

@@ -66,7 +66,8 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     K's chunks again. tilefx's AMX tiles take a panel of the tiling's rows at once: 70 rows are two 32-row steps
     and a 6-row tile, or at 16 rows five panels (the last 6 rows); K 320 (160 pairs) in chunks of 64 pairs (the last
     32) or one; a call of 96 rows or more (a 256-row panel) fetches the next one's bytes (the next block, the next
-    chunk, the next panel's first, the next group's first), fewer rows leave them to the hardware; K of 300 or 301 (not a multiple of 32) stays on brgemm. A quantized block is
+    chunk, the next panel's first, the next group's first), one of fewer rows (70, 44) reads its own bf16 blocks
+    ahead; K of 300 or 301 (not a multiple of 32) stays on brgemm. A quantized block is
     dequantized one chunk at a time as the first panel of rows reaches it (int4's and fp8's 64-pair scale groups
     cut by the chunks of 64, and the last ragged)."""
     if kernel_path == "reference":
