@@ -36,6 +36,13 @@ class Preset:
     # DeepSeek-V3 routers: HF initializes e_score_correction_bias to zeros, trained models
     # have nonzero biases that change which experts are chosen; tests draw them N(0, std).
     correction_bias_std: float = 0.0
+    # Multiplies each attention layer's queries after init. At HF's init a random model's attention is near
+    # uniform: every token takes in the prompt's mean, which grows to most of each token's hidden state (72-86% of
+    # its energy in Qwen3-30B-A3B's layers 1-3), so a MoE router sends a whole prompt to the same few experts (40 of
+    # 128 used, the busiest with 15x the mean's rows). A trained model's attention picks out a few keys and its
+    # router is trained to spread a prompt; with the queries 4x, a prompt's tokens spread over every expert (the
+    # busiest 2-3x the mean), so a prefill reads and multiplies what a trained model's does.
+    query_scale: float = 1.0
 
     def build_config(self, layers: int | None = None) -> PretrainedConfig:
         fields = dict(self.config)
@@ -250,13 +257,15 @@ PRESETS: dict[str, Preset] = {
                     hidden_size=256, intermediate_size=512, head_dim=64),
                logit_scale=16.0),
         Preset("qwen1.5-moe-a2.7b", "Qwen/Qwen1.5-MoE-A2.7B", "qwen2_moe",
-               _moe(2048, 5632, 24, 16, 16, 151936, **_QWEN1_5_MOE)),
-        Preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "qwen3_moe", _moe(2048, 6144, 48, 32, 4, 151936, **_QWEN3_MOE)),
-        Preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "mixtral", _moe(4096, 14336, 32, 32, 8, 32000, **_MIXTRAL)),
+               _moe(2048, 5632, 24, 16, 16, 151936, **_QWEN1_5_MOE), query_scale=4.0),
+        Preset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "qwen3_moe", _moe(2048, 6144, 48, 32, 4, 151936, **_QWEN3_MOE),
+               query_scale=4.0),
+        Preset("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "mixtral",
+               _moe(4096, 14336, 32, 32, 8, 32000, **_MIXTRAL), query_scale=4.0),
         Preset("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", "deepseek_v2",
-               _moe(2048, 10944, 27, 16, 16, 102400, **_DEEPSEEK_V2_LITE)),
+               _moe(2048, 10944, 27, 16, 16, 102400, **_DEEPSEEK_V2_LITE), query_scale=4.0),
         Preset("moonlight-16b-a3b", "moonshotai/Moonlight-16B-A3B", "deepseek_v3",
-               _moe(2048, 11264, 27, 16, 16, 163840, **_MOONLIGHT)),
+               _moe(2048, 11264, 27, 16, 16, 163840, **_MOONLIGHT), query_scale=4.0),
         Preset(
             "tiny-qwen2-moe",
             "-",
@@ -322,6 +331,19 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}") from None
 
 
+def _query_weights(model) -> list[torch.Tensor]:
+    """The weights that set each attention layer's query scale: the query's norm where it has one (Qwen3's
+    ``q_norm``, after its projection), else the projection that makes the query (MLA's ``q_b_proj`` after its
+    compression, else ``q_proj``), with its bias."""
+    found = []
+    for module in model.modules():
+        source = next((getattr(module, name) for name in ("q_norm", "q_b_proj", "q_proj")
+                       if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+        if source is not None:
+            found += [tensor for tensor in (source.weight, getattr(source, "bias", None)) if tensor is not None]
+    return found
+
+
 def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, seed: int = 0):
     """A randomly initialized model of preset ``name`` (same seed, same weights)."""
     preset = get_preset(name)
@@ -331,6 +353,12 @@ def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, s
     with torch.no_grad():
         if preset.logit_scale != 1.0:
             model.get_output_embeddings().weight.mul_(preset.logit_scale)
+        if preset.query_scale != 1.0:
+            weights = _query_weights(model)
+            if len(weights) < config.num_hidden_layers:
+                raise ValueError(f"{name}: found {len(weights)} query weights to scale, expected one per layer")
+            for weight in weights:
+                weight.mul_(preset.query_scale)
         # What loading a hub checkpoint (every weight shipped in bf16) gives: transformers 5.24 holds
         # DeepSeek's router weights in fp32 (_keep_in_fp32_modules_strict), as fp32 copies of bf16 values.
         if dtype != torch.float32:
