@@ -10,7 +10,8 @@
 #   build       the native kernels (MAX_JOBS = the CPUs)
 #   exceptions  does a C++ exception reach Python (torch's own, then a tilefx op's refusal)? Two earlier AMX
 #               machines killed the process instead; where it does, what the throw ran through (below)
-#   tpot1024    Llama-3.2-1B: stock torch.compile vs tilefx bf16/int8/fp8, 1024-token prompt, with --profile
+#   tpot1024    Llama-3.2-1B: stock torch.compile vs tilefx bf16/int8/fp8, 1024-token prompt, with --profile (the
+#               prefill's ops and a decode step's)
 #   moe         Qwen3-30B-A3B cut to 4 layers: HF eager vs tilefx bf16/int8, with --profile
 #   tpot128     the same as tpot1024 at a 128-token prompt
 #   batch       Llama-3.2-1B at batches 4 and 2 (64-token prompts): stock torch.compile vs tilefx bf16, per step

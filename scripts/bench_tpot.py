@@ -6,7 +6,7 @@
     python scripts/bench_tpot.py --path ./my-checkpoint
     python scripts/bench_tpot.py --modes tilefx --weights bf16,int8,fp8   # one tilefx row per weight format
     python scripts/bench_tpot.py --modes tilefx --weights int8,int4,int4/x8   # int4/x8: TILEFX_INT4_ACTIVATIONS=int8
-    python scripts/bench_tpot.py --modes torch.compile,tilefx --profile   # also: where a decode step's time goes
+    python scripts/bench_tpot.py --modes torch.compile,tilefx --profile   # also: where a prefill's and a step's time go
     python scripts/bench_tpot.py --modes tilefx --options '{"recycle_buffers": false}'   # compile_model options
     torchrun --nproc-per-node 2 scripts/bench_tpot.py --tp 2 --preset llama-3.2-1b   # tensor parallel (tilefx only)
 
@@ -32,11 +32,12 @@ inside the collectives (waiting for the other ranks included) over the time of t
 timed generate() calls.
 
 With ``--profile`` each mode also runs one more request under ``torch.profiler`` and prints
-where its decode steps' time goes (from the first new token to the last): each op's own time
-(its self time: a tilefx op's kernel, one row per shape of its inputs; a compiled graph's
-Inductor kernels and Python wrapper under "## Call CompiledFxGraph ##") per step, and what no
-op covers (generate()'s Python between the ops); for a linear or fused_moe, the rate its weights
-(with their scales; fused_moe's routed experts) were read at. The profiler adds a few microseconds to
+where its prefill's time goes (from the prompt to the first new token) and its decode steps' (from
+the first new token to the last, per step): each op's own time (its self time: a tilefx op's kernel,
+one row per shape of its inputs; a compiled graph's Inductor kernels and Python wrapper under
+"## Call CompiledFxGraph ##"), and what no op covers (generate()'s Python between the ops); for a
+linear or fused_moe, the rate its weights (with their scales; fused_moe's routed experts, an upper
+bound where tokens share them) were read at and its GFLOP/s. The profiler adds a few microseconds to
 every op, so the step it shows is a little slower than TPOT.
 """
 
@@ -195,16 +196,24 @@ def op_weight_bytes(name: str, shapes, dtypes) -> int:
     return 0
 
 
-def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -> dict:
-    """Where one decode step's time goes (``--profile``): one request under torch.profiler, and of the
-    ops that start between its first and its last new token, the self times per step, the largest
-    ``top`` by name (tilefx ops by name and input shapes) and the rest summed, and the time no op covers."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        greedy(model, input_ids, new_tokens, streamer=ProfiledTokens(), **kwargs)
-    events = prof.events()
-    marks = sorted(e.time_range.start for e in events if e.name == TOKEN_MARK)[1:]  # [0] is the prompt
-    begin, end = marks[0], marks[-1]
-    steps = len(marks) - 1
+def op_flops(name: str, shapes, dtypes) -> int:
+    """The floating-point operations (2 per multiply-add) one call of a tilefx linear or fused_moe does, from its
+    inputs' shapes and dtypes: every row of x times the whole weight; fused_moe's routed rows each times one
+    expert's w13 and w2. int4 holds two weights a byte; 0 where the dtypes are unknown."""
+    if not dtypes or len(shapes) < 2 or not shapes[0] or not shapes[1]:
+        return 0
+    weights = [math.prod(shape) * (2 if dtype == "unsigned char" else 1) for shape, dtype in zip(shapes, dtypes)]
+    if name in LINEAR_OPS:
+        return 2 * math.prod(shapes[0][:-1]) * weights[1]
+    if name == "tilefx::fused_moe" and len(shapes) >= 5:
+        return 2 * math.prod(shapes[4]) * (weights[1] + weights[2]) // shapes[1][0]
+    return 0
+
+
+def ops_between(events, begin: float, end: float, per: int, top: int) -> dict:
+    """The self times of the ops that start in [begin, end), per ``per`` (steps or one prompt): the largest
+    ``top`` by name (tilefx ops by name and input shapes), the rest summed, and the time no op covers; for a
+    linear or fused_moe the rate its weights were read at and its GFLOP/s."""
     totals = {}
     for event in events:
         if not begin <= event.time_range.start < end or event.name == TOKEN_MARK:
@@ -212,30 +221,51 @@ def profile_decode(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -
         key = event.name
         if key.startswith("tilefx::"):  # one row per shape: qkv, o_proj, down_proj, lm_head apart
             key += " " + " ".join(str(shape) for shape in event.input_shapes if shape)
-        calls, us, weight_bytes = totals.get(key, (0, 0.0, 0))
+        calls, us, weight_bytes, flops = totals.get(key, (0, 0.0, 0, 0))
         # (input_dtypes is recent: an older torch's events lack it, and the GB/s column stays empty)
-        weight_bytes += op_weight_bytes(event.name, event.input_shapes, getattr(event, "input_dtypes", None) or [])
-        totals[key] = (calls + 1, us + event.self_cpu_time_total, weight_bytes)
-    ops = sorted(({"op": key, "calls": calls / steps, "ms": us / steps / 1e3,
-                   "weight_gbps": weight_bytes / (us * 1e3) if weight_bytes and us else None}
-                  for key, (calls, us, weight_bytes) in totals.items()), key=lambda o: -o["ms"])
-    step_ms = (end - begin) / steps / 1e3
+        dtypes = getattr(event, "input_dtypes", None) or []
+        totals[key] = (calls + 1, us + event.self_cpu_time_total,
+                       weight_bytes + op_weight_bytes(event.name, event.input_shapes, dtypes),
+                       flops + op_flops(event.name, event.input_shapes, dtypes))
+    ops = sorted(({"op": key, "calls": calls / per, "ms": us / per / 1e3,
+                   "weight_gbps": weight_bytes / (us * 1e3) if weight_bytes and us else None,
+                   "gflops": flops / (us * 1e3) if flops and us else None}
+                  for key, (calls, us, weight_bytes, flops) in totals.items()), key=lambda o: -o["ms"])
+    ms = (end - begin) / per / 1e3
     shown, rest = ops[:top], ops[top:]
     shown.append({"op": f"{len(rest)} other ops", "calls": sum(o["calls"] for o in rest),
-                  "ms": sum(o["ms"] for o in rest), "weight_gbps": None})
+                  "ms": sum(o["ms"] for o in rest), "weight_gbps": None, "gflops": None})
     shown.append({"op": "outside any op (Python between the ops)", "calls": None,
-                  "ms": step_ms - sum(o["ms"] for o in ops), "weight_gbps": None})
-    return {"step_ms": step_ms, "ops": shown}
+                  "ms": ms - sum(o["ms"] for o in ops), "weight_gbps": None, "gflops": None})
+    return {"ms": ms, "ops": shown}
 
 
-def print_profile(mode: str, profile: dict) -> None:
-    print(f"\n{mode}: one decode step under the profiler, {profile['step_ms']:.2f} ms\n")
-    print("| op (self time) | calls per step | ms per step | share | weight GB/s |")
-    print("|---|---:|---:|---:|---:|")
-    for op in profile["ops"]:
-        calls = f"{op['calls']:.0f}" if op["calls"] is not None else "-"
-        gbps = f"{op['weight_gbps']:.1f}" if op["weight_gbps"] else "-"
-        print(f"| {op['op'][:100]} | {calls} | {op['ms']:.3f} | {op['ms'] / profile['step_ms'] * 100:.1f}% | {gbps} |")
+def profile_request(model, input_ids, new_tokens: int, top: int = 12, **kwargs) -> dict:
+    """Where one request's time goes (``--profile``): one request under torch.profiler; its prefill (from the
+    prompt to the first new token) and its decode steps (from the first new token to the last, per step), op by
+    op (``ops_between``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        greedy(model, input_ids, new_tokens, streamer=ProfiledTokens(), **kwargs)
+    events = prof.events()
+    marks = sorted(e.time_range.start for e in events if e.name == TOKEN_MARK)  # [0] the prompt, then each token
+    return {"prefill": ops_between(events, marks[0], marks[1], 1, top),
+            "decode": ops_between(events, marks[1], marks[-1], len(marks) - 2, top)}
+
+
+def print_profile(mode: str, profile: dict, prompt_len: int) -> None:
+    """The profile's two tables; a prefill's with each linear's GFLOP/s (a decode step's would repeat its GB/s)."""
+    for phase, what, per in (("prefill", f"the prefill of {prompt_len} tokens", "a prompt"),
+                             ("decode", "one decode step", "a step")):
+        window, prefill = profile[phase], phase == "prefill"
+        print(f"\n{mode}: {what} under the profiler, {window['ms']:.2f} ms\n")
+        print(f"| op (self time) | calls {per} | ms {per} | share | weight GB/s |" + (" GFLOP/s |" if prefill else ""))
+        print("|---|---:|---:|---:|---:|" + ("---:|" if prefill else ""))
+        for op in window["ops"]:
+            calls = f"{op['calls']:.0f}" if op["calls"] is not None else "-"
+            gbps = f"{op['weight_gbps']:.1f}" if op["weight_gbps"] else "-"
+            gflops = (f" {op['gflops']:.0f} |" if op["gflops"] else " - |") if prefill else ""
+            print(f"| {op['op'][:100]} | {calls} | {op['ms']:.3f} | {op['ms'] / window['ms'] * 100:.1f}% | {gbps} |"
+                  + gflops)
 
 
 def stock_compile(model, max_seq_len: int):
@@ -282,7 +312,7 @@ def main(argv=None) -> int:
                         help="compile_model options for every tilefx row (fields of CompileOptions), e.g. "
                              "'{\"recycle_buffers\": false}' to time a runtime option's effect")
     parser.add_argument("--profile", action="store_true",
-                        help="also print where each mode's decode step goes, op by op (torch.profiler)")
+                        help="also print where each mode's prefill and decode step go, op by op (torch.profiler)")
     args = parser.parse_args(argv)
     args.compile_options = compile_options(args, parser)
     if args.ttft_prompts < 1:
@@ -372,7 +402,7 @@ def main(argv=None) -> int:
         if args.profile:  # after the timed runs, so the profiler's cost is in none of them
             for mode in modes:
                 with x_form(mode):
-                    profiles[mode] = profile_decode(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
+                    profiles[mode] = profile_request(models[mode], input_ids, args.new_tokens, **gen_kwargs[mode])
 
     gbps = statistics.median(bandwidth)
     context = args.prompt_len + args.new_tokens // 2  # the KV cache read by the median decode step
@@ -438,7 +468,7 @@ def main(argv=None) -> int:
     for row in rows:
         if row["mode"] in profiles:
             row["profile"] = profiles[row["mode"]]
-            print_profile(row["mode"], row["profile"])
+            print_profile(row["mode"], row["profile"], args.prompt_len)
     for mode in (m for m in modes if m.startswith("tilefx")):
         with x_form(mode):
             print(f"\n[{mode}]\n" + tilefx.explain(models[mode]))

@@ -103,12 +103,16 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
     for (sample,) in (r["samples"] for r in rows.values()):
         prompts = sample["ttft_prompts_ms"]
         assert len(prompts) == 2 and all(t > 0 for t in prompts) and sample["ttft_ms"] == min(prompts), sample
-    # --profile: the decode steps' ops, tilefx's linears one row per shape with the rate their weight was read at
+    # --profile: the prefill's and the decode steps' ops, tilefx's linears one row per shape with the rate their
+    # weight was read at and their GFLOP/s
     for row in rows.values():
-        linears = [op for op in row["profile"]["ops"] if op["op"].startswith("tilefx::linear ")]
-        assert linears and all(op["calls"] >= 1 and op["weight_gbps"] > 0 for op in linears), row["profile"]
-        assert any(op["op"].startswith("tilefx::decode_attention") for op in row["profile"]["ops"])
-        assert row["profile"]["step_ms"] > 0
+        for phase, attention in (("prefill", "tilefx::extend_attention"), ("decode", "tilefx::decode_attention")):
+            window = row["profile"][phase]
+            linears = [op for op in window["ops"] if op["op"].startswith("tilefx::linear ")]
+            assert linears and all(op["calls"] >= 1 and op["weight_gbps"] > 0 and op["gflops"] > 0
+                                   for op in linears), window
+            assert any(op["op"].startswith(attention) for op in window["ops"]), window
+            assert window["ms"] > 0
 
 
 @pytest.mark.parametrize("options, refusal", [(["--options", "{recycle"], "is not JSON"),
@@ -147,6 +151,21 @@ def test_profile_counts_the_weights_each_op_reads():
     assert bytes_of("tilefx::fused_moe", moe, types) == 2 * per_expert
     assert bytes_of("tilefx::fused_moe", moe[:3] + [[16, 2], [16, 2]], types) == 8 * per_expert  # every expert once
     assert bytes_of("tilefx::decode_attention", moe, types) == 0
+
+
+def test_profile_counts_the_flops_of_each_op():
+    """bench_tpot --profile's GFLOP/s: a linear's rows times its whole weight (int4: two a byte); fused_moe's routed
+    rows each times one expert's w13 and w2."""
+    bench = runpy.run_path(str(ROOT / "scripts" / "bench_tpot.py"))
+    flops = bench["op_flops"]
+    weight = [4, 32, 32, 2]  # N 128 x K 64
+    assert flops("tilefx::linear", [[1, 5, 64], weight], ["c10::BFloat16"] * 2) == 2 * 5 * 128 * 64
+    assert flops("tilefx::linear", [[5, 64], [4, 32, 32, 1], [4, 2]],
+                 ["c10::BFloat16", "unsigned char", "float"]) == 2 * 5 * 128 * 64
+    moe = [[16, 64], [8, 4, 32, 32, 2], [8, 2, 32, 32, 2], [16, 2], [16, 2]]
+    types = ["c10::BFloat16"] * 3 + ["float", "long int"]
+    assert flops("tilefx::fused_moe", moe, types) == 2 * 16 * 2 * (4 + 2) * 32 * 32 * 2
+    assert flops("tilefx::extend_attention", moe, types) == 0 and flops("tilefx::linear", moe, []) == 0
 
 
 def test_amx_checks_runs_the_steps_asked_and_refuses_unknown_ones(tmp_path):
