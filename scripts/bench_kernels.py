@@ -22,7 +22,9 @@ weight's call is short, the share of a step that no bandwidth buys back. And one
 layer's routed experts per MoE preset: tilefx.fused_moe against HF's experts module
 (transformers' default grouped_mm path, what stock PyTorch runs) on the same random
 routing, for one token (GB/s of the selected experts' weights, a new routing each call)
-and for a prompt (GFLOP/s).
+and for prompts (GFLOP/s, and the GB/s of the layer's experts, which a prompt reads once:
+at a few rows an expert, as a short prompt gives them, a prompt's experts are bound by memory,
+at many by compute).
 """
 
 from __future__ import annotations
@@ -426,9 +428,9 @@ def disjoint_routings(experts: int, top_k: int, generator) -> list:
             for i in range(max(1, experts // top_k))]
 
 
-def bench_moe(preset: str, tokens: int, repeats: int, stream_mib: int) -> list[dict]:
+def bench_moe(preset: str, tokens: list[int], repeats: int, stream_mib: int) -> list[dict]:
     """One MoE layer's routed experts of ``preset``: fused_moe against HF's experts module, at one token (other
-    experts each call, so they come from memory as in decode) and at ``tokens`` (a prompt)."""
+    experts each call, so they come from memory as in decode) and at each of ``tokens`` (prompts)."""
     config = get_preset(preset).build_config(layers=1)
     dims = adapter_for(config).moe_dims(config)
     experts, hidden, inter, top_k = dims["num_experts"], dims["hidden"], dims["intermediate"], dims["top_k"]
@@ -438,7 +440,7 @@ def bench_moe(preset: str, tokens: int, repeats: int, stream_mib: int) -> list[d
     g = torch.Generator().manual_seed(0)
     probe = isa.stream_probe(stream_mib)
     rows = []
-    for n in (1, tokens):
+    for n in (1, *tokens):
         x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
         routings = disjoint_routings(experts, top_k, g) if n == 1 else [random_routing(n, experts, top_k, g)]
         weights, ids = routings[0]
@@ -463,7 +465,7 @@ def bench_moe(preset: str, tokens: int, repeats: int, stream_mib: int) -> list[d
         pairs = n * top_k
         flops = 2 * pairs * 3 * inter * hidden
         expert_bytes = 3 * inter * hidden * 2  # a selected expert's gate, up and down weights, bf16
-        read = min(pairs, experts) * expert_bytes if n == 1 else experts * expert_bytes
+        read = ids.unique().numel() * expert_bytes  # each chosen expert's weights, once a call
         rows.append({"preset": preset, "tokens": n, "experts": experts, "top_k": top_k, "hidden": hidden,
                      "intermediate": inter, "rel_err": err, "tilefx_ms": t_tilefx * 1e3, "hf_ms": t_hf * 1e3,
                      "stream_gbps": statistics.mean(stream),
@@ -472,6 +474,17 @@ def bench_moe(preset: str, tokens: int, repeats: int, stream_mib: int) -> list[d
         print(f"  {preset} experts, {n} token(s): tilefx {t_tilefx * 1e3:.2f} ms, HF grouped_mm {t_hf * 1e3:.2f} ms",
               flush=True)
     return rows
+
+
+def token_counts(text: str) -> list[int]:
+    """``--moe-tokens``: prompts' token counts, comma-separated, each at least 2 (one token is always timed)."""
+    try:
+        counts = [int(t) for t in text.split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token counts") from None
+    if not counts or min(counts) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token counts of at least 2")
+    return counts
 
 
 def quantized_formats(text: str) -> str:
@@ -490,7 +503,9 @@ def main(argv=None) -> int:
     parser.add_argument("--presets", default=",".join(DENSE_PRESETS))
     parser.add_argument("--moe-presets", default=",".join(MOE_PRESETS),
                         help="MoE presets whose routed experts are timed (comma-separated; empty: none)")
-    parser.add_argument("--moe-tokens", type=int, default=1024, help="the prompt's tokens for the MoE experts")
+    parser.add_argument("--moe-tokens", type=token_counts, default="128,1024",
+                        help="prompts' tokens for the MoE experts (comma-separated; default 128,1024: a short prompt "
+                             "gives each expert a few rows, a long one many)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prefill-rows", type=int, default=128)
     parser.add_argument("--contexts", default="128,512,2048")
@@ -578,12 +593,14 @@ def main(argv=None) -> int:
             if r["tokens"] == 1:
                 ours, theirs = f"{r['tilefx_gbps']:.1f} GB/s", f"{r['hf_gbps']:.1f} GB/s"
             else:
-                ours, theirs = f"{r['tilefx_gflops']:.0f} GFLOP/s", f"{r['hf_gflops']:.0f} GFLOP/s"
+                ours = f"{r['tilefx_gflops']:.0f} GFLOP/s, {r['tilefx_gbps']:.1f} GB/s"
+                theirs = f"{r['hf_gflops']:.0f} GFLOP/s, {r['hf_gbps']:.1f} GB/s"
             print(f"| {r['preset']} | {r['experts']} x {r['intermediate']}, {r['top_k']} | {r['tokens']} "
                   f"| {r['rel_err']:.1e} | {r['tilefx_ms']:.2f} | {r['hf_ms']:.2f} | {r['hf_ms'] / r['tilefx_ms']:.2f}x "
                   f"| {ours} | {theirs} | {r['stream_gbps']:.1f} |")
         print("\n(one token: the bytes of the selected experts' weights over the time; a prompt: its experts' "
-              "multiply-adds over the time; the streaming-read probe before and after tilefx's calls, averaged)")
+              "multiply-adds over the time, and the bytes of all the layer's experts, which it reads once; the "
+              "streaming-read probe before and after tilefx's calls, averaged)")
 
     glue = bench_inductor_glue(presets[0], steps=20)
     print(f"\n## left to Inductor: its generated kernels in a tilefx decode step ({presets[0]}, 2 layers)\n")

@@ -26,7 +26,7 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     out = tmp_path / "kernels.json"
     run_script("bench_kernels.py", ["--presets", "tiny-llama,tiny-qwen2", "--repeats", "2", "--contexts", "16,40",
                                     "--prefill-rows", "8", "--stream-mib", "64", "--moe-presets",
-                                    "tiny-qwen3-moe,tiny-deepseek-v2", "--moe-tokens", "24", "--json", str(out)])
+                                    "tiny-qwen3-moe,tiny-deepseek-v2", "--moe-tokens", "24,40", "--json", str(out)])
     result = json.loads(out.read_text())
     assert len(result["linear"]) >= 5 and all(r["rel_err"] < 1e-2 for r in result["linear"])
     quantized = result["quantized_linear"]  # the decode linears in int8 and fp8
@@ -40,10 +40,11 @@ def test_bench_kernels_reports_every_op(tmp_path, capsys):
     assert all(r["rel_err"] < 1e-2 for r in result["attention"])  # (decode on brgemm's too, where it is timed)
     decode = [r for r in result["attention"] if r["new_tokens"] == 1]
     assert all((r["brgemm_us"] or 0) > 0 for r in decode) == tuning.brgemm_has_kernel()
-    moe = result["moe"]  # each MoE preset's routed experts at one token and at a prompt, against HF's experts
+    moe = result["moe"]  # each MoE preset's routed experts at one token and at two prompts, against HF's experts
     assert [(r["preset"], r["tokens"]) for r in moe] == [(p, n) for p in ("tiny-qwen3-moe", "tiny-deepseek-v2")
-                                                         for n in (1, 24)]
+                                                         for n in (1, 24, 40)]
     assert all(r["rel_err"] < 1e-2 and r["tilefx_ms"] > 0 and r["hf_ms"] > 0 for r in moe)
+    assert all(r["tilefx_gbps"] > 0 and r["tilefx_gflops"] > 0 for r in moe)
     # at this thread count and at one: a line through five sizes' times (a tiny preset's GEMVs take 10-60 us, so
     # a bandwidth change mid-run can tilt the line either way: its slope is reported, not its sign asserted)
     fixed = result["gemv_fixed_cost"]
