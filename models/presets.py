@@ -331,17 +331,30 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(PRESETS)}") from None
 
 
-def _query_weights(model) -> list[torch.Tensor]:
-    """The weights that set each attention layer's query scale: the query's norm where it has one (Qwen3's
+def _query_sources(model) -> list[torch.nn.Module]:
+    """The module that sets each attention layer's query scale: the query's norm where it has one (Qwen3's
     ``q_norm``, after its projection), else the projection that makes the query (MLA's ``q_b_proj`` after its
-    compression, else ``q_proj``), with its bias."""
-    found = []
+    compression, else ``q_proj``)."""
+    sources = []
     for module in model.modules():
         source = next((getattr(module, name) for name in ("q_norm", "q_b_proj", "q_proj")
                        if isinstance(getattr(module, name, None), torch.nn.Module)), None)
         if source is not None:
-            found += [tensor for tensor in (source.weight, getattr(source, "bias", None)) if tensor is not None]
-    return found
+            sources.append(source)
+    return sources
+
+
+def _scale_queries(model, scale: float) -> None:
+    """Multiplies each attention layer's query by ``scale`` (``_query_sources``: the weight, and the bias where
+    there is one)."""
+    sources = _query_sources(model)
+    if len(sources) != model.config.num_hidden_layers:
+        raise ValueError(f"found {len(sources)} query modules to scale in {type(model).__name__}, expected one a "
+                         f"layer ({model.config.num_hidden_layers})")
+    for source in sources:
+        source.weight.mul_(scale)
+        if getattr(source, "bias", None) is not None:
+            source.bias.mul_(scale)
 
 
 def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, seed: int = 0):
@@ -354,11 +367,7 @@ def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, s
         if preset.logit_scale != 1.0:
             model.get_output_embeddings().weight.mul_(preset.logit_scale)
         if preset.query_scale != 1.0:
-            weights = _query_weights(model)
-            if len(weights) < config.num_hidden_layers:
-                raise ValueError(f"{name}: found {len(weights)} query weights to scale, expected one per layer")
-            for weight in weights:
-                weight.mul_(preset.query_scale)
+            _scale_queries(model, preset.query_scale)
         # What loading a hub checkpoint (every weight shipped in bf16) gives: transformers 5.24 holds
         # DeepSeek's router weights in fp32 (_keep_in_fp32_modules_strict), as fp32 copies of bf16 values.
         if dtype != torch.float32:

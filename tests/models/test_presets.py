@@ -2,28 +2,52 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tilefx.models.presets import PRESETS, _query_weights, build_model, get_preset
+from tilefx.models.presets import PRESETS, _query_sources, _scale_queries, build_model, get_preset
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_query_weights_are_one_module_a_layer(preset):
+def test_query_sources_are_one_module_a_layer(preset):
     """Each layer's query scale is set by one module: Qwen3's q_norm (after q_proj), MLA's q_b_proj where the query
-    is compressed, else q_proj and its bias."""
+    is compressed, else q_proj."""
     config = get_preset(preset).build_config(layers=2)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    weights = _query_weights(model)
-    owners = {name.rsplit(".", 2)[-2] for name, tensor in model.named_parameters()
-              if any(tensor is weight for weight in weights)}
     expected = "q_norm" if "qwen3" in config.model_type else "q_b_proj" if getattr(config, "q_lora_rank", None) \
         else "q_proj"
-    assert owners == {expected}
-    has_bias = getattr(getattr(model.model.layers[0].self_attn, expected), "bias", None) is not None
-    assert len(weights) == 2 * (2 if has_bias else 1)
+    attention = [layer.self_attn for layer in model.model.layers]
+    assert _query_sources(model) == [getattr(module, expected) for module in attention]
+
+
+def test_scale_queries_scales_each_query_and_nothing_else():
+    """_scale_queries multiplies each layer's whole query (Qwen2's q_proj: weight and bias) and no other weight."""
+    model = build_model("tiny-qwen2")
+    layers = model.model.layers
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.q_proj.bias.normal_()  # (HF's init leaves them 0)
+        queries = [layer.self_attn.q_proj(x) for layer in layers]
+        others = {name: p.clone() for name, p in model.named_parameters() if ".q_proj." not in name}
+        _scale_queries(model, 4.0)
+        for layer, query in zip(layers, queries):
+            torch.testing.assert_close(layer.self_attn.q_proj(x), 4 * query)
+    assert all(torch.equal(p, others[name]) for name, p in model.named_parameters() if name in others)
+
+
+def test_a_presets_query_scale_is_applied_at_build(monkeypatch):
+    """build_model gives a preset with query_scale the same weights as the preset without it, queries scaled."""
+    scaled_by_hand = build_model("tiny-qwen2")
+    with torch.no_grad():
+        _scale_queries(scaled_by_hand, 4.0)
+    monkeypatch.setitem(PRESETS, "tiny-qwen2", dataclasses.replace(PRESETS["tiny-qwen2"], query_scale=4.0))
+    built = build_model("tiny-qwen2")
+    assert all(torch.equal(a, b) for a, b in zip(scaled_by_hand.parameters(), built.parameters()))
 
 
 def test_moe_preset_spreads_a_prompt_over_its_experts():
