@@ -22,9 +22,9 @@ weight's call is short, the share of a step that no bandwidth buys back. And one
 layer's routed experts per MoE preset: tilefx.fused_moe against HF's experts module
 (transformers' default grouped_mm path, what stock PyTorch runs) on the same random
 routing, for one token (GB/s of the selected experts' weights, a new routing each call)
-and for prompts (GFLOP/s, and the GB/s of the layer's experts, which a prompt reads once:
-at a few rows an expert, as a short prompt gives them, a prompt's experts are bound by memory,
-at many by compute).
+and for prompts (GFLOP/s, and the GB/s of the experts its routing chose, each read once a
+call: at a few rows an expert, as a short prompt gives them, a prompt's experts are bound by
+memory, at many by compute).
 """
 
 from __future__ import annotations
@@ -599,7 +599,7 @@ def main(argv=None) -> int:
                   f"| {r['rel_err']:.1e} | {r['tilefx_ms']:.2f} | {r['hf_ms']:.2f} | {r['hf_ms'] / r['tilefx_ms']:.2f}x "
                   f"| {ours} | {theirs} | {r['stream_gbps']:.1f} |")
         print("\n(one token: the bytes of the selected experts' weights over the time; a prompt: its experts' "
-              "multiply-adds over the time, and the bytes of all the layer's experts, which it reads once; the "
+              "multiply-adds over the time, and the bytes of the experts its routing chose, each read once; the "
               "streaming-read probe before and after tilefx's calls, averaged)")
 
     glue = bench_inductor_glue(presets[0], steps=20)
