@@ -176,11 +176,12 @@ inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   return p.scales[block * p.k_groups + pair / kFp8GroupPairs];
 }
 
-// Scratch floats a linear_blocks_* call needs (on the AVX2 unit or another): two fp32 result tiles (a decode's
-// gate/up in two streams: four), and where the unit dequantizes (a quantized problem of more than
+// Scratch floats a linear_blocks_* call needs (on the AVX2 unit or another) for p or any problem like it of fewer
+// rows (fused_moe sizes its threads' scratch by its widest expert): two fp32 result tiles (a decode's gate/up in two
+// streams: four, so 4 rows need more than 5), and where the unit dequantizes (a quantized problem of more than
 // quantized_gemv_rows rows) one dequantized bf16 block.
 inline int64_t linear_scratch_floats(const LinearProblem& p, bool avx2_unit) {
-  const int64_t tiles = p.M <= kGemvRows ? 4 * p.M : 2 * p.M;
+  const int64_t tiles = std::max(4 * std::min(p.M, kGemvRows), 2 * p.M);
   const bool panel = p.format != WeightFormat::bf16 && p.M > quantized_gemv_rows(avx2_unit, p.format);
   return std::max<int64_t>(tiles, 4) * kBlockN + (panel ? p.K_pairs * kBlockN : 0);
 }
