@@ -20,6 +20,11 @@ int4 decode reads x as 15-bit words by default. ``TILEFX_INT4_ACTIVATIONS=int8``
 instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a trained model
 (docs/PERFORMANCE.md).
 
+An int8 GEMM (a prompt's linears and experts, more than 4 rows) on the AVX512-BF16 units' own GEMM reads x as
+int8 per 32 inputs by default (``vpdpbusd``, 1.33x the bf16 GEMM's rate on Zen 4, for +0.5% of perplexity on a
+trained model); ``TILEFX_INT8_ACTIVATIONS=bf16`` (or ``forced_int8_activations("bf16")``) keeps x bf16 over
+dequantized blocks, the weight-only numerics. Where tuning chooses oneDNN's brgemm for int8 (AMX), x is bf16.
+
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 units built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
 code runs, slowly, on CPUs without AVX512. It is never chosen by default.
@@ -149,6 +154,38 @@ def forced_int4_activations(form: str):
 
 if native is not None:
     native.set_int4_activations(_int4_from_environment())
+
+INT8_ACTIVATIONS = ("int8", "bf16")
+
+
+def _int8_from_environment() -> str:
+    form = os.environ.get("TILEFX_INT8_ACTIVATIONS", "int8").strip().lower() or "int8"
+    if form not in INT8_ACTIVATIONS:
+        raise RuntimeError(f"TILEFX_INT8_ACTIVATIONS={form}: int8 GEMMs read x as one of {', '.join(INT8_ACTIVATIONS)}")
+    return form
+
+
+def int8_activations() -> str:
+    """How an int8 GEMM (more than 4 rows) on the AVX512-BF16 units' own GEMM reads x: ``int8`` (per 32 inputs,
+    ``vpdpbusd``) or ``bf16`` (over dequantized blocks, the weight-only numerics)."""
+    return native.get_int8_activations() if native is not None else "bf16"
+
+
+@contextlib.contextmanager
+def forced_int8_activations(form: str):
+    """Run a block with int8 GEMMs reading x as ``form`` (``int8`` or ``bf16``)."""
+    if form not in INT8_ACTIVATIONS:
+        raise ValueError(f"int8 GEMMs read x as one of {', '.join(INT8_ACTIVATIONS)}, not {form!r}")
+    previous = int8_activations()
+    native.set_int8_activations(form)
+    try:
+        yield
+    finally:
+        native.set_int8_activations(previous)
+
+
+if native is not None:
+    native.set_int8_activations(_int8_from_environment())
 
 
 def current() -> str:

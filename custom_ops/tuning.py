@@ -758,6 +758,8 @@ class GemmChoice:
 
     def line(self) -> str:
         what = f"prefill GEMM {self.format}: {self.gemm}"
+        if self.format == "int8" and self.gemm == "unit":  # (timed only where the unit is an AVX512-BF16 one)
+            what += f" (x as {isa.int8_activations()})"
         if self.how == "untuned":
             return f"{what} (not tuned)"
         return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
@@ -842,6 +844,19 @@ def brgemm_runs() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def int8_gemm_reads_groups(path: str) -> bool:
+    """Whether an int8 linear or expert of more than 4 rows on ``path`` reads x as int8 per 32 inputs (where K padded
+    to even is a multiple of 4): the AVX512-BF16 units' own GEMM (csrc/activations.h) where the prefill GEMM chosen
+    for int8 is the unit's, not oneDNN's brgemm (which multiplies bf16 x by a dequantized block), and
+    ``isa.int8_activations()`` is ``int8``."""
+    if path == "reference" or isa.native is None or isa.int8_activations() != "int8":
+        return False
+    linear = isa.kernel_units(path)["linear"]
+    gemm = isa.native.get_prefill_gemm("int8")
+    on_brgemm = gemm == "brgemm" or (gemm == "default" and linear.startswith("brgemm"))
+    return not on_brgemm and linear.split(", else ")[-1].startswith("avx512")
 
 
 def forced_gemm(format: str, gemm: str):
@@ -1019,7 +1034,8 @@ def tune_decode_gemm(format: str, path: str) -> DecodeGemmChoice:
 
 def _tuned_prefill_gemm(format: str, path: str, saved: dict) -> tuple[GemmChoice, bool]:
     """The prefill GEMM of ``format`` from ``saved``, else timed and put there; (choice, whether timed)."""
-    key = _machine_key(path, "prefill_gemm", format)
+    # (int8's unit is timed reading x in the form its GEMM reads it: isa.int8_activations)
+    key = _machine_key(path, "prefill_gemm", format, *(["x=" + isa.int8_activations()] if format == "int8" else []))
     entry = saved.get(key)
     if entry is not None:
         isa.native.set_prefill_gemm(format, entry["gemm"])

@@ -20,13 +20,16 @@ def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
     return values.float() * scales.repeat_interleave(group, 0).repeat_interleave(group, 1)[:n, :k]
 
 
-def decode_rows(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
-    """x as a decode GEMV (up to 2 rows; int8 on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows) over
-    ``format`` weights multiplies it on a native path, in fp32: int8 and int4 read each row rounded to int16 times
+def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
+    """x as a native path's linear over ``format`` weights multiplies it, in fp32. A decode GEMV (up to 2 rows; int8
+    on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows): int8 and int4 read each row rounded to int16 times
     its scale max|x| / 32767 (round half to even), int4 with int8 activations (``int4_reads_int8``) each 32 inputs
-    rounded to int8 times their max|x| / 127; bf16 and fp8 read x as it is."""
+    rounded to int8 times their max|x| / 127. An int8 GEMM (more than 4 rows) on the AVX512-BF16 units' own GEMM
+    (``int8_gemm_reads_groups``) reads each 32 inputs rounded to int8 likewise. Otherwise x as it is."""
     rows = x.numel() // max(1, x.shape[-1])
     word_rows = 4 if format == "int8" and kernel_path == "avx2" else 2
+    if format == "int8" and rows > 4 and int8_gemm_reads_groups(kernel_path, x.shape[-1]):
+        return rounded_to_groups(x.float(), 32, 127)
     if format not in ("int8", "int4") or rows > word_rows or kernel_path == "reference":
         return x.float()
     if format == "int4" and int4_reads_int8(kernel_path):
@@ -34,19 +37,29 @@ def decode_rows(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
     return rounded_to_groups(x.float(), x.shape[-1], 32767)
 
 
-def int4_experts_decoded(x, gate_up_w, down_w, topk_weights, ids, kernel_path: str) -> torch.Tensor:
-    """fused_moe over int4 experts (fp32 dequantized weights ``[E, 2I, H]``, ``[E, H, I]``) as its decode GEMVs
-    compute it, a token at a time: x and the intermediate rounded as the unit reads them (the AVX512-BF16 units
-    round the intermediate to bf16 first)."""
+def int8_gemm_reads_groups(kernel_path: str, in_features: int) -> bool:
+    """Whether an int8 linear or expert of more than 4 rows on ``kernel_path`` reads x as int8 per 32 inputs
+    (``tuning.int8_gemm_reads_groups``, where K padded to even is a multiple of 4)."""
+    from tilefx.custom_ops import tuning
+
+    return (in_features + in_features % 2) % 4 == 0 and tuning.int8_gemm_reads_groups(kernel_path)
+
+
+def experts_as_read(x, gate_up_w, down_w, topk_weights, ids, format: str, kernel_path: str) -> torch.Tensor:
+    """fused_moe over quantized experts (fp32 dequantized weights ``[E, 2I, H]``, ``[E, H, I]``) as its units
+    compute it, expert by expert: each expert's rows of x and of the intermediate read as a linear of that many rows
+    reads them (``rows_as_read``; the AVX512-BF16 units round the intermediate to bf16 first), each pair's result
+    rounded to bf16, the weighted sum in fp32."""
     out = torch.zeros(x.shape[0], down_w.shape[1])
-    for t in range(x.shape[0]):
-        row = decode_rows(x[t : t + 1], "int4", kernel_path)
-        for j, expert in enumerate(ids[t].tolist()):
-            gate, up = (row @ gate_up_w[expert].float().T).chunk(2, dim=-1)
-            hidden = torch.nn.functional.silu(gate) * up
-            if int4_reads_int8(kernel_path):
-                hidden = hidden.to(torch.bfloat16)
-            out[t] += topk_weights[t, j] * (decode_rows(hidden, "int4", kernel_path) @ down_w[expert].float().T)[0]
+    pairs_bf16 = kernel_path not in ("avx2", "reference")
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        gate, up = (rows_as_read(x[token], format, kernel_path) @ gate_up_w[expert].float().T).chunk(2, dim=-1)
+        hidden = torch.nn.functional.silu(gate) * up
+        if pairs_bf16:
+            hidden = hidden.to(torch.bfloat16)
+        result = (rows_as_read(hidden, format, kernel_path) @ down_w[expert].float().T).to(torch.bfloat16)
+        out.index_add_(0, token, topk_weights[token, slot].float()[:, None] * result.float())
     return out
 
 

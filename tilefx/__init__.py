@@ -132,8 +132,18 @@ def _warm_up(model, batch: int) -> None:
     model.tilefx.cache.reset()
 
 
-_INT8_ACTIVATIONS_LINE = ("decode activations: the int8 linears of up to 2 rows read x rounded to int16 per row "
-                          "(one scale each, 15 bits); prefill dequantizes the weights and reads bf16")
+def _int8_activations_line() -> str:
+    """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as int8 per 32 inputs
+    or bf16 (tuning.int8_gemm_reads_groups; TILEFX_INT8_ACTIVATIONS)."""
+    from tilefx.custom_ops import isa, tuning
+
+    if not isa.kernel_units(isa.current()):
+        return "activations: the int8 linears read x as it is (the reference path)"
+    prefill = ("a prompt's GEMMs read x as int8 per 32 inputs (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over dequantized "
+               "blocks)" if tuning.int8_gemm_reads_groups(isa.current())
+               else "a prompt's GEMMs dequantize the weights and read bf16")
+    return ("activations: the int8 linears of up to 2 rows read x rounded to int16 per row (one scale each, 15 bits); "
+            + prefill)
 
 
 def _int4_activations_line() -> str:
@@ -178,7 +188,7 @@ def explain(model) -> str:
         f"sources released {report.packing.released_bytes / 2**20:.1f} MiB); packed while compiling and released "
         f"after warm-up {report.released_bytes / 2**20:.1f} MiB ({report.kept_unpacked} also kept unpacked)",
         report.packing.formats_line(),
-        *([_INT8_ACTIVATIONS_LINE] if "int8" in report.packing.formats else []),
+        *([_int8_activations_line()] if "int8" in report.packing.formats else []),
         *([_int4_activations_line()] if "int4" in report.packing.formats else []),
         *(f"decode walk {walk.line()}" for walk in report.walks),
         *(gemm.line() for gemm in report.gemms),

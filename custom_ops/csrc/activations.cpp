@@ -12,6 +12,7 @@ namespace tilefx {
 
 namespace {
 std::atomic<bool> int4_int8_x{false};  // set_int4_activations
+std::atomic<bool> int8_gemm_int8_x{true};  // set_int8_activations
 }  // namespace
 
 void set_int4_activations(const std::string& form) {
@@ -21,10 +22,21 @@ void set_int4_activations(const std::string& form) {
 
 std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
 
-ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows) {
+void set_int8_activations(const std::string& form) {
+  TORCH_CHECK(form == "int8" || form == "bf16", "tilefx: int8 GEMMs read x as int8 or bf16, not '", form, "'");
+  int8_gemm_int8_x = form == "int8";
+}
+
+std::string get_int8_activations() { return int8_gemm_int8_x ? "int8" : "bf16"; }
+
+ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx) {
   if (format == WeightFormat::int8 && rows <= word_rows(unit, format)) return ActivationForm::int16_words;
   if (format == WeightFormat::int4 && rows <= word_rows(unit, format)) {
     return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
+  }
+  if (format == WeightFormat::int8 && rows > kGemvRows && reads_pairs(unit) && ldx % 4 == 0 &&
+      int8_gemm_int8_x.load(std::memory_order_relaxed)) {
+    return ActivationForm::int8_groups;
   }
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
@@ -46,15 +58,16 @@ void quantize_words(LinearUnit unit, const void* rows, int64_t count, int64_t ld
 
 // Rows of the base form (fp32 for avx2, bf16 otherwise; ldx per row) as int8_groups.
 void quantize_groups(LinearUnit unit, const void* rows, int64_t count, int64_t ldx, int8_t* bytes, float* scales,
-                     float* sums) {
+                     float* sums, int32_t* totals) {
   switch (unit) {
     case LinearUnit::avx2:
-      return quantize_groups_avx2(static_cast<const float*>(rows), count, ldx, bytes, scales, sums);
+      return quantize_groups_avx2(static_cast<const float*>(rows), count, ldx, bytes, scales, sums, totals);
     case LinearUnit::avx512:
-      return quantize_groups_avx512(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums);
+      return quantize_groups_avx512(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums, totals);
     case LinearUnit::avx512_emulated:
 #ifdef TILEFX_AVX512_EMULATION
-      return quantize_groups_avx512_emulated(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums);
+      return quantize_groups_avx512_emulated(static_cast<const uint16_t*>(rows), count, ldx, bytes, scales, sums,
+                                             totals);
 #endif
       break;  // unreachable: set_path refuses the emulated path in builds without it
   }
@@ -98,7 +111,7 @@ void Activations::write_row(int64_t r, const uint16_t* src, int64_t n) {
 }
 
 Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n,
-                         int64_t src_stride, int64_t ldx, const std::vector<RowSpan>* word_spans)
+                         int64_t src_stride, int64_t ldx, const RowPlan* plan)
     : Activations(unit, format, count, ldx) {
   const bool already_pairs = reads_pairs(unit) && n == ldx && (src_stride == ldx || count == 1) &&
                              reinterpret_cast<uintptr_t>(src) % alignof(uint32_t) == 0;
@@ -110,47 +123,73 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const uint16_t* s
       for (int64_t r = begin; r < end; ++r) write_row(r, src + r * src_stride, n);
     });
   }
-  make_words(word_spans);
+  make_forms(plan);
 }
 
 Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
-                         const std::vector<RowSpan>* word_spans)
+                         const RowPlan* plan)
     : Activations(unit, format, count, ldx) {
   TORCH_CHECK(!reads_pairs(unit), "tilefx: fp32 activations are the AVX2 unit's form; ", unit_name(unit),
               " reads bf16 pairs");
   rows_ = rows;
-  make_words(word_spans);
+  make_forms(plan);
 }
 
-void Activations::make_words(const std::vector<RowSpan>* word_spans) {
+ActivationForm Activations::form(int64_t rows) const {
+  if (rows > kGemvRows && gemm_on_brgemm_) return activation_form(unit_, WeightFormat::bf16, rows, ldx_);
+  return activation_form(unit_, format_, rows, ldx_);
+}
+
+void Activations::make_forms(const RowPlan* plan) {
   if (rows_ == nullptr) rows_ = base_.data();
-  if (!reads_words(format_)) return;
-  std::vector<RowSpan> decode;
-  if (word_spans == nullptr) {
-    if (count_ <= word_rows(unit_, format_)) decode.push_back({0, count_});
-    word_spans = &decode;
+  RowPlan whole;  // with no plan: every row, in the form of `count_` rows
+  if (plan == nullptr) {
+    if (count_ <= word_rows(unit_, format_)) whole.words.push_back({0, count_});
+    if (count_ > kGemvRows) whole.gemm.push_back({0, count_});
+    plan = &whole;
   }
-  if (word_spans->empty()) return;
-  // Each buffer holds every row, but only the spans' rows are written (and read: the problems of at most
-  // word_rows rows), so the others' pages are never touched.
+  gemm_on_brgemm_ = plan->gemm_on_brgemm;
+  // The spans each form is made for: words (int16, or split) for decode rows, int8 groups for int4 decode rows
+  // where set_int4_activations asks and for int8 GEMM rows. Each buffer holds every row, but only the spans' rows
+  // are written (and read), so the others' pages are never touched.
+  const ActivationForm decode = form(1);
+  const bool decode_words = reads_words(format_) && decode != ActivationForm::int8_groups;
+  std::vector<RowSpan> byte_spans;
+  if (reads_words(format_) && decode == ActivationForm::int8_groups) byte_spans = plan->words;
+  if (form(kGemvRows + 1) == ActivationForm::int8_groups) {
+    byte_spans.insert(byte_spans.end(), plan->gemm.begin(), plan->gemm.end());
+  }
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
-  const int64_t groups = int4_groups(ldx_), spans = static_cast<int64_t>(word_spans->size());
-  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / word_rows(unit_, format_));
-  if (activation_form(unit_, format_, 1) == ActivationForm::int8_groups) {
+  const int64_t groups = int4_groups(ldx_);
+  if (!byte_spans.empty()) {
     bytes_.resize(count_ * ldx_);
     byte_scales_.resize(count_ * x_groups(ldx_));
     word_sums_.resize(count_ * groups);
-    at::parallel_for(0, spans, spans_per_task, [&](int64_t first, int64_t last) {
+    if (format_ == WeightFormat::int8) byte_totals_.resize(count_ * x_groups(ldx_));  // (int8 GEMMs read them)
+    // tasks of at most kRowsPerTask rows; all on the calling thread where they come to no more than that
+    std::vector<RowSpan> tasks;
+    int64_t total = 0;
+    for (const RowSpan& span : byte_spans) {
+      for (int64_t r = span.begin; r < span.begin + span.count; r += kRowsPerTask) {
+        tasks.push_back({r, std::min(kRowsPerTask, span.begin + span.count - r)});
+      }
+      total += span.count;
+    }
+    const int64_t count = static_cast<int64_t>(tasks.size()), grain = total <= kRowsPerTask ? count : 1;
+    at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) {
-        const auto [begin, count] = (*word_spans)[i];
+        const auto [begin, count] = tasks[i];
         quantize_groups(unit_, rows + begin * row_bytes, count, ldx_, bytes_.data() + begin * ldx_,
-                        byte_scales_.data() + begin * x_groups(ldx_), word_sums_.data() + begin * groups);
+                        byte_scales_.data() + begin * x_groups(ldx_), word_sums_.data() + begin * groups,
+                        byte_totals_.empty() ? nullptr : byte_totals_.data() + begin * x_groups(ldx_));
       }
     });
-    return;
   }
-  const int64_t ldw = ldx_ / 2;
+  const std::vector<RowSpan>& word_spans = plan->words;
+  if (!decode_words || word_spans.empty()) return;
+  const int64_t ldw = ldx_ / 2, spans = static_cast<int64_t>(word_spans.size());
+  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / word_rows(unit_, format_));
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
   const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
@@ -160,7 +199,7 @@ void Activations::make_words(const std::vector<RowSpan>* word_spans) {
   }
   at::parallel_for(0, spans, spans_per_task, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const auto [begin, count] = (*word_spans)[i];
+      const auto [begin, count] = word_spans[i];
       quantize_words(unit_, rows + begin * row_bytes, count, ldx_, words_.data() + begin * ldw,
                      word_scales_.data() + begin);
       if (!split) continue;
@@ -172,12 +211,13 @@ void Activations::make_words(const std::vector<RowSpan>* word_spans) {
 }
 
 void Activations::attach(LinearProblem& p, int64_t row) const {
-  p.x_form = activation_form(unit_, format_, p.M);
+  p.x_form = form(p.M);
   if (p.x_form == ActivationForm::int8_groups) {
     TORCH_CHECK(!bytes_.empty(), "tilefx: activations of ", p.M, " rows were not prepared as int8 groups");
     p.x = bytes_.data() + row * ldx_;
     p.x_scales = byte_scales_.data() + row * x_groups(ldx_);
     p.x_sums = word_sums_.data() + row * int4_groups(ldx_);
+    p.x_totals = byte_totals_.empty() ? nullptr : byte_totals_.data() + row * x_groups(ldx_);
     return;
   }
   if (p.x_form == ActivationForm::int16_words || p.x_form == ActivationForm::split_words) {
@@ -191,6 +231,7 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     p.x = words_.data() + row * (ldx_ / 2);
     p.x_scales = word_scales_.data() + row;
     p.x_sums = nullptr;
+    p.x_totals = nullptr;
     return;
   }
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));

@@ -23,15 +23,24 @@ inline int64_t word_rows(LinearUnit unit, WeightFormat format) {
 }
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
-// The form a unit reads x in for a problem of `rows` rows over `format` weights:
+// The form a unit reads x in for a problem of `rows` rows over `format` weights, x ldx values a row:
 // int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
-// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md); else the unit's base form
-// (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units).
-ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows);
+// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md); int8 per kXGroup inputs for an
+// int8 GEMM (more than kGemvRows rows) on the AVX512-BF16 units where ldx is a multiple of 4 (`vpdpbusd`, twice
+// the products an instruction of the bf16 GEMM over a dequantized block); else the unit's base
+// form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
+// callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 GEMMs on the base
+// form too.
+ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx);
 // How int4 decode reads x, for the whole process: "int16" (the default) or "int8" (custom_ops/isa.py sets it
 // from TILEFX_INT4_ACTIVATIONS).
 void set_int4_activations(const std::string& form);
 std::string get_int4_activations();
+// How an int8 GEMM on the AVX512-BF16 units reads x, for the whole process: "int8" (per kXGroup inputs, the
+// default) or "bf16" (over dequantized blocks: the weight-only numerics; custom_ops/isa.py sets it from
+// TILEFX_INT8_ACTIVATIONS).
+void set_int8_activations(const std::string& form);
+std::string get_int8_activations();
 
 // Whether `unit`'s base form is bf16 pairs (the AVX512-BF16 units) rather than fp32 rows (AVX2).
 inline bool reads_pairs(LinearUnit unit) { return unit != LinearUnit::avx2; }
@@ -49,32 +58,39 @@ struct RowSpan {
   int64_t begin, count;
 };
 
+// Which rows of a batch problems of few and of many rows read, where one batch serves problems of several sizes
+// (fused_moe: each expert's rows are one problem).
+struct RowPlan {
+  std::vector<RowSpan> words;   // rows of problems of at most word_rows rows (made words for int8 / int4 weights)
+  std::vector<RowSpan> gemm;    // rows of problems of more than kGemvRows rows (made int8 groups where those read them)
+  bool gemm_on_brgemm = false;  // the GEMMs run oneDNN's brgemm, which reads the base form
+};
+
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem
-// of up to word_rows rows will read words, as words too. A problem's `attach` points it
-// at its rows in the form activation_form gives for its p.M. Which rows are made words:
-// `word_spans` (fused_moe: the rows of each expert that gets at most word_rows of them), or
-// with none given, all of them where `count` itself is a decode.
+// of up to word_rows rows will read words, or a GEMM int8 groups, in that form too. A problem's `attach` points it
+// at its rows in the form activation_form gives for its p.M. Which rows are made which: `plan`'s (fused_moe), or
+// with none given, all of them in the form of `count` rows.
 class Activations {
  public:
   // From bf16 rows: row r at src + r * src_stride (n values each).
   Activations(LinearUnit unit, WeightFormat format, const uint16_t* src, int64_t count, int64_t n, int64_t src_stride,
-              int64_t ldx, const std::vector<RowSpan>* word_spans = nullptr);
+              int64_t ldx, const RowPlan* plan = nullptr);
   // From bf16 rows that `row(r)` returns (gathered or strided sources).
   template <class RowOf>
-  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t n, int64_t ldx,
-              const std::vector<RowSpan>* word_spans, const RowOf& row)
+  Activations(LinearUnit unit, WeightFormat format, int64_t count, int64_t n, int64_t ldx, const RowPlan* plan,
+              const RowOf& row)
       : Activations(unit, format, count, ldx) {
     base_.resize(count * row_elems());
     at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) write_row(r, row(r), n);
     });
-    make_words(word_spans);
+    make_forms(plan);
   }
   // From fp32 rows [count, ldx] (fused_moe's SiLU-and-mul result on the AVX2 unit, its base form: read as
   // they are).
   Activations(LinearUnit unit, WeightFormat format, const float* rows, int64_t count, int64_t ldx,
-              const std::vector<RowSpan>* word_spans);
+              const RowPlan* plan);
 
   // Points p (p.M and p.ldx set) at rows [row, row + p.M).
   void attach(LinearProblem& p, int64_t row) const;
@@ -84,11 +100,13 @@ class Activations {
       : unit_(unit), format_(format), count_(count), ldx_(ldx) {}
   int64_t row_elems() const;  // uint32 elements per base row
   void write_row(int64_t r, const uint16_t* src, int64_t n);
-  void make_words(const std::vector<RowSpan>* word_spans);
+  void make_forms(const RowPlan* plan);
+  ActivationForm form(int64_t rows) const;  // what a problem of `rows` rows reads
 
   LinearUnit unit_;
   WeightFormat format_;
   int64_t count_, ldx_;
+  bool gemm_on_brgemm_ = false;  // RowPlan::gemm_on_brgemm
   const void* rows_ = nullptr;   // the base form: base_, or the caller's bf16 rows where they already are pairs
   // Each buffer is written before it is read: the base form for every row, the words' forms for the rows
   // that read them (the others are never touched, so their pages cost nothing).
@@ -96,9 +114,10 @@ class Activations {
   UninitializedAlignedVector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
   UninitializedAlignedVector<float> word_scales_;
   UninitializedAlignedVector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
-  UninitializedAlignedVector<int8_t> bytes_;     // int4 over int8 x: int8_groups, ldx bytes per row
+  UninitializedAlignedVector<int8_t> bytes_;     // int8_groups (int4 decode, int8 GEMMs): ldx bytes per row
   UninitializedAlignedVector<float> byte_scales_;  // their scales, x_groups(ldx) per row
-  UninitializedAlignedVector<float> word_sums_;  // int4: per row and 128 inputs (LinearProblem::x_sums)
+  UninitializedAlignedVector<int32_t> byte_totals_;  // int8 weights: their sums, x_groups(ldx) per row (x_totals)
+  UninitializedAlignedVector<float> word_sums_;  // split_words, int8_groups: per row and 128 inputs (x_sums)
 };
 
 }  // namespace tilefx

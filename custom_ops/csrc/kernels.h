@@ -87,7 +87,8 @@ constexpr float kFp8Unscale = 256.0f;
 //                bytes, x ~= x_scales[m][j] * q over inputs [kXGroup j, kXGroup (j + 1)) (x_groups(ldx) a
 //                row), and x_sums[m][g] each 128 inputs' sum of x_scales * q (the zero points' share): int4
 //                decode on the AVX512 units, one `vpdpbusd` per 4 inputs of 16 columns where 15-bit words
-//                take two (what made that GEMV compute-bound).
+//                take two (what made that GEMV compute-bound); int8 GEMMs on the AVX512 units' own GEMM, which
+//                read each kXGroup's sum of bytes (x_totals) instead of x_sums (activations.h).
 enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, split_words = 3, int8_groups = 4 };
 // Inputs per scale of x in int8_groups, and the scales a row of ldx inputs has.
 constexpr int64_t kXGroup = 32;
@@ -98,10 +99,11 @@ inline int64_t int4_groups(int64_t ldx) { return (ldx + 2 * kInt4GroupPairs - 1)
 
 // Rows of x ([rows, ldx] of T, ldx a multiple of 4) as int8_groups, what every unit's quantize_groups shares:
 // each kXGroup's scale max|x| / 127 (`absmax(values, n)`), its bytes (`round(values, n, 1 / scale, out)`, round
-// half to even, returning their sum) and each weight group's sum of scale times bytes.
+// half to even, returning their sum) and each weight group's sum of scale times bytes; where `totals` is given, each
+// kXGroup's sum of its bytes ([rows][x_groups(ldx)], LinearProblem::x_totals).
 template <class T, class Absmax, class Round>
 inline void quantize_x_groups(const T* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums,
-                              const Absmax& absmax, const Round& round) {
+                              int32_t* totals, const Absmax& absmax, const Round& round) {
   const int64_t groups = x_groups(ldx), weight_groups = int4_groups(ldx);
   for (int64_t m = 0; m < rows; ++m) {
     const T* row = x + m * ldx;
@@ -114,6 +116,7 @@ inline void quantize_x_groups(const T* x, int64_t rows, int64_t ldx, int8_t* byt
       scales[m * groups + j] = scale;
       const int32_t total = round(row + k0, n, 1.0f / scale, bytes + m * ldx + k0);
       row_sums[k0 / (2 * kInt4GroupPairs)] += scale * static_cast<float>(total);
+      if (totals != nullptr) totals[m * groups + j] = total;
     }
   }
 }
@@ -139,6 +142,7 @@ struct LinearProblem {
   ActivationForm x_form = ActivationForm::fp32;
   const float* x_scales = nullptr;  // int16_words, split_words: one per row; int8_groups: [M][x_groups(ldx)]
   const float* x_sums = nullptr;    // split_words, int8_groups: [M][k_groups]
+  const int32_t* x_totals = nullptr;  // int8_groups for an int8 GEMM: each kXGroup's sum of bytes [M][x_groups(ldx)]
   // Quantized weights (format int8 / fp8): the packed values in `wq` instead of `w`, and their scales.
   WeightFormat format = WeightFormat::bf16;
   const uint8_t* wq = nullptr;
@@ -197,9 +201,10 @@ void quantize_words_avx512(const uint16_t* x, int64_t rows, int64_t ldx, uint32_
 void quantize_words_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 // Rows of bf16 x ([rows, ldx], ldx a multiple of 4) as int8_groups: bytes [rows, ldx], scales [rows][x_groups(ldx)]
 // (max|x| / 127 of each kXGroup inputs, round half to even), sums [rows][ceil(ldx / 128)].
-void quantize_groups_avx512(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums);
+void quantize_groups_avx512(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums,
+                            int32_t* totals);
 void quantize_groups_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales,
-                                     float* sums);
+                                     float* sums, int32_t* totals);
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
 // linear_scratch_floats(p, /*avx2_unit=*/true) floats.
@@ -258,7 +263,8 @@ void bf16_to_float_avx2(const uint16_t* src, float* dst, int64_t n);
 // max|x| / 32767 and round(x / scale) as int16 (15 bits against bf16's 8 of the largest values).
 void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* words, float* scales);
 // The same as quantize_groups_avx512, from fp32 rows.
-void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums);
+void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums,
+                          int32_t* totals);
 
 // Streaming read of `bytes` bytes (multiple of 128 * streams) starting at `data`, as
 // `streams` (1 or 2) concurrent sequential streams; returns a value that depends on

@@ -690,6 +690,8 @@ struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
   static constexpr bool kAvx2 = true;
+  static constexpr bool kInt8GroupGemm = false;  // its int8 prefill reads fp32 x over a dequantized block
+  static void int8_groups_block(const LinearProblem&, int64_t, float*) {}
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
@@ -959,7 +961,8 @@ void quantize_words_avx2(const float* x, int64_t rows, int64_t ldx, uint32_t* wo
   }
 }
 
-void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums) {
+void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales, float* sums,
+                          int32_t* totals) {
   const auto absmax = [](const float* values, int64_t n) {
     float top = 0.0f;
     for (int64_t k = 0; k < n; ++k) top = std::max(top, std::fabs(values[k]));
@@ -987,7 +990,7 @@ void quantize_groups_avx2(const float* x, int64_t rows, int64_t ldx, int8_t* byt
     for (int32_t v : lanes) total += v;
     return total;
   };
-  quantize_x_groups(x, rows, ldx, bytes, scales, sums, absmax, round);
+  quantize_x_groups(x, rows, ldx, bytes, scales, sums, totals, absmax, round);
 }
 
 float stream_read_avx2(const void* data, int64_t bytes, int streams) {

@@ -435,6 +435,90 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
   }
 }
 
+// int8 prefill over x as int8 per kXGroup inputs (ActivationForm::int8_groups, activations.h; more than
+// kGemvRows rows, K a multiple of 4): the weight's bytes multiply x's in `vpdpbusd` (AVX512-VNNI), 64 products
+// an instruction where `vdpbf16ps` over a dequantized panel makes 32, and the block is read as it is packed, no
+// panel. Two K pair rows unpacked by 16 bits give each 32-bit lane four inputs of one column (`lo` columns
+// 8L..8L+3 and `hi` 8L+4..8L+7 of each 128-bit lane L, kColumnOrder's order); `vpdpbusd` takes its first
+// operand unsigned, so the weight's bytes are flipped to w + 128 and each kXGroup's sums start at -128 times its
+// sum of bytes (x_totals): exact in int32, where taking 128 * sum(x) off the fp32 total at the end would lose the
+// bits of an output much smaller than it (an outlying input's group: ~1e5 times, test_quantized_ops). A kXGroup's
+// int32 sums (8 steps, each at most 4 * 255 * 127 a lane, plus the start) go to fp32 times its x scale; the column
+// scales multiply the total. One core ran this 1.7x the rate of the bf16 GEMM's `vdpbf16ps` on Zen 4 (a scratch
+// loop on hot weights; 1.33x in the linear ops, docs/PERFORMANCE.md).
+constexpr int kGroupTileRows = 6;  // rows per micro-tile: 12 int32 and 12 fp32 accumulators
+
+template <int Rows>
+static void int8_group_tile(const LinearProblem& p, const uint8_t* block, int64_t q0, int64_t q1, int64_t m0,
+                            float* c) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t groups = x_groups(p.ldx);
+  __m512 total[Rows][2];
+  for (int r = 0; r < Rows; ++r) {
+    total[r][0] = _mm512_loadu_ps(c + r * kBlockN);
+    total[r][1] = _mm512_loadu_ps(c + r * kBlockN + 16);
+  }
+  for (int64_t g0 = q0; g0 < q1; g0 += kXGroupPairs) {
+    const int64_t g1 = g0 + kXGroupPairs < q1 ? g0 + kXGroupPairs : q1;
+    __m512i dot[Rows][2];
+    for (int r = 0; r < Rows; ++r) {
+      dot[r][0] = dot[r][1] = _mm512_set1_epi32(-128 * p.x_totals[(m0 + r) * groups + g0 / kXGroupPairs]);
+    }
+    for (int64_t q = g0; q < g1; q += 2) {  // K_pairs is even (K a multiple of 4)
+      const __m512i even = _mm512_loadu_si512(block + q * kQPairBytes);
+      const __m512i odd = _mm512_loadu_si512(block + (q + 1) * kQPairBytes);
+      const __m512i lo = _mm512_xor_si512(_mm512_unpacklo_epi16(even, odd), flip);
+      const __m512i hi = _mm512_xor_si512(_mm512_unpackhi_epi16(even, odd), flip);
+#pragma GCC unroll 6
+      for (int r = 0; r < Rows; ++r) {
+        int32_t four;
+        std::memcpy(&four, p.x_bytes() + (m0 + r) * p.ldx + 2 * q, sizeof four);
+        const __m512i xb = _mm512_set1_epi32(four);
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, xb);
+        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hi, xb);
+      }
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const __m512 x_scale = _mm512_set1_ps(p.x_scales[(m0 + r) * groups + g0 / kXGroupPairs]);
+      total[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][0]), x_scale, total[r][0]);
+      total[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][1]), x_scale, total[r][1]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    _mm512_storeu_ps(c + r * kBlockN, total[r][0]);
+    _mm512_storeu_ps(c + r * kBlockN + 16, total[r][1]);
+  }
+}
+
+// Every row of p against int8 block `block` over int8_groups x, into c (rows of kBlockN, column order, scaled):
+// K in chunks of kKChunk pairs (8 KiB of the block, in L1 while the row tiles pass), as gemm_block.
+static void int8_group_gemm(const LinearProblem& p, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
+  for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
+  for (int64_t q0 = 0; q0 < p.K_pairs; q0 += kKChunk) {
+    const int64_t q1 = q0 + kKChunk < p.K_pairs ? q0 + kKChunk : p.K_pairs;
+    for (int64_t m = 0; m < p.M; m += kGroupTileRows) {
+      float* cm = c + m * kBlockN;
+      switch (p.M - m < kGroupTileRows ? p.M - m : kGroupTileRows) {
+        case 1: int8_group_tile<1>(p, w, q0, q1, m, cm); break;
+        case 2: int8_group_tile<2>(p, w, q0, q1, m, cm); break;
+        case 3: int8_group_tile<3>(p, w, q0, q1, m, cm); break;
+        case 4: int8_group_tile<4>(p, w, q0, q1, m, cm); break;
+        case 5: int8_group_tile<5>(p, w, q0, q1, m, cm); break;
+        default: int8_group_tile<6>(p, w, q0, q1, m, cm); break;
+      }
+    }
+  }
+  // column order, times the column scales
+  const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
+  const __m512 s0 = _mm512_loadu_ps(p.scales + block * kBlockN), s1 = _mm512_loadu_ps(p.scales + block * kBlockN + 16);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const __m512 lo = _mm512_loadu_ps(c + m * kBlockN), hi = _mm512_loadu_ps(c + m * kBlockN + 16);
+    _mm512_storeu_ps(c + m * kBlockN, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), s0));
+    _mm512_storeu_ps(c + m * kBlockN + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), s1));
+  }
+}
+
 // int4 decode over x as int8 per kXGroup inputs (ActivationForm::int8_groups, TILEFX_INT4_ACTIVATIONS=int8;
 // kernels.h has the nibble order): one 64-byte load holds four inputs of the block's 32 columns; a mask
 // gives columns 0-15 and one `gf2p8affineqb` (GFNI) columns 16-31, each lane four values of one column, and
@@ -664,6 +748,9 @@ struct Avx512Unit {
       }
     });
   }
+  // int8 prefill over int8_groups x (linear_walk.h walk_quantized)
+  static constexpr bool kInt8GroupGemm = true;
+  static void int8_groups_block(const LinearProblem& p, int64_t block, float* c) { int8_group_gemm(p, block, c); }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
     if constexpr (F == WeightFormat::int4) {
@@ -736,7 +823,7 @@ void TILEFX_AVX512_ENTRY(quantize_words)(const uint16_t* x, int64_t rows, int64_
 }
 
 void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64_t ldx, int8_t* bytes, float* scales,
-                                           float* sums) {
+                                           float* sums, int32_t* totals) {
   const auto round = [](const uint16_t* values, int64_t n, float inverse, int8_t* out) {
     const __m512 scale = _mm512_set1_ps(inverse);
     int32_t total = 0;
@@ -751,7 +838,7 @@ void TILEFX_AVX512_ENTRY(quantize_groups)(const uint16_t* x, int64_t rows, int64
     }
     return total;
   };
-  quantize_x_groups(x, rows, ldx, bytes, scales, sums, row_absmax, round);
+  quantize_x_groups(x, rows, ldx, bytes, scales, sums, totals, row_absmax, round);
 }
 
 namespace {

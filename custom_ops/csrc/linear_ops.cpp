@@ -242,7 +242,7 @@ at::Tensor linear_per_head_native(const at::Tensor& x, const at::Tensor& packed,
 
   // Activations [groups, H, S, ldx], K padded to even, in the unit's base form (bf16 weights).
   const uint16_t* x_bits = bf16_bits(x4);
-  const Activations xa(isa, WeightFormat::bf16, groups * heads * seq, in_features, ldx, /*word_spans=*/nullptr,
+  const Activations xa(isa, WeightFormat::bf16, groups * heads * seq, in_features, ldx, /*plan=*/nullptr,
                        [&](int64_t row) {
                          const int64_t s = row % seq, h = (row / seq) % heads, g = row / (seq * heads);
                          return x_bits + g * x4.stride(0) + h * x4.stride(1) + s * x4.stride(2);

@@ -119,9 +119,11 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
 //                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
+//   kInt8GroupGemm, int8_groups_block(p, block, c)  whether it has, and its int8 GEMM over int8_groups x (scaled)
 // Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
-// int16 words); above that each block is dequantized into scratch once and one_block runs over it, then
-// int8's column scales apply.
+// int16 words); above that int8 over int8_groups x multiplies the bytes as they are (int8_groups_block), and
+// otherwise each block is dequantized into scratch once and one_block runs over it, then int8's column scales
+// apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
@@ -140,6 +142,9 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
       }
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
+    }
+    if constexpr (F == WeightFormat::int8 && Unit::kInt8GroupGemm) {
+      if (p.x_form == ActivationForm::int8_groups) return Unit::int8_groups_block(p, block, c);
     }
     Unit::template dequantize<F>(p, block, panel);
     Unit::one_block(p, panel, c);

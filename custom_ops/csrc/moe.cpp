@@ -143,23 +143,25 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     row_of_pair[i] = fill[id[i]]++;
   }
   const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
-  // int8 / int4 experts: the rows of those that read x as words (word_rows of either projection's format: one list
-  // serves both)
+  // The rows of the experts that read x as words (int8 / int4 experts; word_rows of either projection's format:
+  // one list serves both) and of those that run a GEMM (int8 experts read int8 groups there, off brgemm).
   const int64_t most_word_rows =
       std::max(word_rows(unit, w13_experts.whole.format), word_rows(unit, w2_experts.whole.format));
   std::vector<ExpertRows> active;
-  std::vector<RowSpan> word_spans;
+  RowPlan plan;
+  plan.gemm_on_brgemm = reads_pairs(unit) && prefill_on_brgemm(units, w13_experts.whole.format, kGemvRows + 1);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count > 0) active.push_back({e, start[e], count});
-    if (count > 0 && count <= most_word_rows) word_spans.push_back({start[e], count});
+    if (count > 0 && count <= most_word_rows) plan.words.push_back({start[e], count});
+    if (count > kGemvRows) plan.gemm.push_back({start[e], count});
   }
 
   // 1. gather the routed rows of x in the form the experts' unit reads (int8 / int4 experts: as words too, for
   // the experts that get at most word_rows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, &word_spans,
+  const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, &plan,
                        [&](int64_t r) { return x_bits + (sorted[r] / top_k) * hidden_size; });
 
   // 2. gate/up with SiLU-and-mul -> act, in the form the down projection reads: bf16 pairs on the
@@ -183,8 +185,8 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   });
   const Activations act_rows =
       act_pairs ? Activations(unit, w2_experts.whole.format, bf16_bits(act_tensor), pairs, ld_act, ld_act, ld_act,
-                              &word_spans)
-                : Activations(unit, w2_experts.whole.format, act_tensor.data_ptr<float>(), pairs, ld_act, &word_spans);
+                              &plan)
+                : Activations(unit, w2_experts.whole.format, act_tensor.data_ptr<float>(), pairs, ld_act, &plan);
 
   // 3. down -> out, each (token, expert) pair's row rounded to bf16 as HF's experts return it.
   at::Tensor out_tensor = at::empty({pairs, hidden_size}, hidden.options());

@@ -10,7 +10,7 @@ import torch
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import tuning, weights
 
-from quantized import decode_rows, int4_experts_decoded
+from quantized import experts_as_read, rows_as_read
 
 
 def _marked(values: torch.Tensor, params: torch.Tensor) -> torch.nn.Parameter:
@@ -57,7 +57,7 @@ def test_int4_checkpoint_linear_on_every_path(kernel_path, int4_x, rows, out_fea
     assert packed.dtype == torch.uint8 and scales.dtype == torch.float16
     x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)) * 2).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    want = decode_rows(x, "int4", kernel_path) @ want_weight.T + bias.float()
+    want = rows_as_read(x, "int4", kernel_path) @ want_weight.T + bias.float()
     got = linear_ops.linear(x, packed, bias, out_features, scales)
     assert _relative_error(got, want) < 1e-2
     # the reference reads the packing back exactly
@@ -89,7 +89,7 @@ def test_int4_checkpoint_gate_up(kernel_path, int4_x, rows):
     up, up_w = _checkpoint_int4(96, 384, seed=2)
     packed = weights.pack_gate_up_weight(gate, up, "int4")
     x = torch.randn(rows, 384, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    xf = decode_rows(x, "int4", kernel_path)  # decode on a native unit: x as the unit rounds it
+    xf = rows_as_read(x, "int4", kernel_path)  # decode on a native unit: x as the unit rounds it
     want = torch.nn.functional.silu(xf @ gate_w.T) * (xf @ up_w.T)
     got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
     assert _relative_error(got, want) < 1e-2
@@ -99,7 +99,6 @@ def test_int4_checkpoint_gate_up(kernel_path, int4_x, rows):
 def test_int4_checkpoint_experts(kernel_path, int4_x, tokens):
     """A checkpoint's experts (each expert's gate and up rows stacked, as the loader fuses them), decode and
     prefill, on the unit and (prefill) forced onto oneDNN's brgemm."""
-    from tilefx.custom_ops.moe import experts_reference
 
     experts, hidden, inter = 5, 256, 96
     gate_up, gate_up_w = _checkpoint_int4(2 * inter, hidden, seed=7, lead=(experts,))
@@ -111,10 +110,8 @@ def test_int4_checkpoint_experts(kernel_path, int4_x, tokens):
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)]).to(torch.int32)
     topk_weights = torch.rand(tokens, 2, generator=g) + 0.1
-    if tokens <= 2:  # each expert a decode GEMV: x and the intermediate as that reads them
-        want = int4_experts_decoded(x, gate_up_w, down_w, topk_weights, ids, kernel_path)
-    else:
-        want = experts_reference(x, gate_up_w.to(torch.bfloat16), down_w.to(torch.bfloat16), topk_weights, ids)
+    # each expert a decode GEMV or a GEMM: x and the intermediate as that reads them
+    want = experts_as_read(x, gate_up_w, down_w, topk_weights, ids, "int4", kernel_path)
     got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
     assert _relative_error(got, want.float()) < 1e-2
     if kernel_path != "reference" and tokens > 4:
@@ -175,5 +172,5 @@ def test_int4_decode_reads_x_as_its_unit_rounds_it(kernel_path, int4_x, rows, in
     x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(9)) * 3).to(torch.bfloat16)
     x[:, 32:64] = 0
     got = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
-    want = decode_rows(x, "int4", kernel_path) @ want_weight.T
+    want = rows_as_read(x, "int4", kernel_path) @ want_weight.T
     assert _relative_error(got, want) < 1e-4

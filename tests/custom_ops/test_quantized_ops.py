@@ -10,7 +10,7 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import decode_rows, dequantized, int4_experts_decoded
+from quantized import dequantized, experts_as_read, int8_gemm_reads_groups, rows_as_read, rounded_to_groups
 
 FORMATS = ["int8", "fp8", "int4"]
 
@@ -56,7 +56,7 @@ def test_quantized_linear_matches_dequantized_matmul(kernel_path, format, rows, 
     b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
     packed = weights.pack_linear_weight(weight, format)
     scales = weights.packed_scales(packed)
-    want = x.float() @ dequantized(weight, format).T + (b.float() if bias else 0.0)
+    want = rows_as_read(x, format, kernel_path) @ dequantized(weight, format).T + (b.float() if bias else 0.0)
     got = linear_ops.linear(x, packed, b, out_features, scales)
     assert got.shape == (*rows, out_features) and got.dtype == torch.bfloat16
     assert _relative_error(got, want) < 1e-2
@@ -82,7 +82,7 @@ def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_featur
     b = torch.randn(out_features, generator=g).to(torch.bfloat16)
     packed = weights.pack_linear_weight(weight, "int8")
     scales = weights.packed_scales(packed)
-    xq = decode_rows(x, "int8", kernel_path)
+    xq = rows_as_read(x, "int8", kernel_path)
     want = xq @ dequantized(weight, "int8").T + b.float()
     got = linear_ops.linear(x, packed, b, out_features, scales)
     fp32 = linear_ops.linear_float(x, packed, b, out_features, scales)
@@ -111,13 +111,81 @@ def test_int8_decode_holds_the_largest_products(kernel_path, rows):
     assert _relative_error(got, want) < 1e-2
 
 
+# rows, K: the smallest GEMM, K padded to 8 (a partial group of x), a last group of 4 inputs, K past one chunk of 128
+# pairs, a prompt over several row tiles and 8 chunks
+INT8_GEMM_SHAPES = [((5,), 7), ((7,), 100), ((2, 9), 300), ((13,), 2048)]
+
+
+@pytest.mark.parametrize("rows,in_features", INT8_GEMM_SHAPES)
+def test_int8_gemm_reads_x_as_int8_groups(kernel_path, rows, in_features):
+    """An int8 GEMM on the AVX512-BF16 units' own GEMM multiplies x rounded to int8 per 32 inputs (`vpdpbusd`):
+    within fp32 rounding of the float64 product of those rows and the dequantized weight, and measurably off the
+    product of x as it is; linear, linear_float and gate/up. On oneDNN's brgemm the same call reads x as it is."""
+    from tilefx.custom_ops import tuning
+
+    if kernel_path == "reference" or not kernel_path.startswith("avx512"):
+        pytest.skip("only the AVX512-BF16 units' GEMM reads x as int8 groups")
+    g = torch.Generator().manual_seed(in_features)
+    x = (torch.randn(*rows, in_features, generator=g) * 3).to(torch.bfloat16)
+    # an outlying input, as trained models' hidden states have: its group's other inputs round to 0, and the
+    # products of the +128 the unit adds to each weight byte are ~1e5 times the outputs (none of its own: its
+    # weights are 0), so those must come off exactly (K of one group: left out, every output would be 0)
+    weight, up = _weight(96, in_features, seed=in_features), _weight(96, in_features, seed=in_features + 1)
+    if in_features > 32:
+        x[..., 3] = 3000.0
+        weight[:, 3] = up[:, 3] = 0
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    packed, gate_up = weights.pack_linear_weight(weight, "int8"), weights.pack_gate_up_weight(weight, up, "int8")
+    w, u = dequantized(weight, "int8").double(), dequantized(up, "int8").double()
+    grouped, plain = rounded_to_groups(x.float(), 32, 127).double(), x.double()  # rounded in fp32, as the units do
+
+    def error(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    with tuning.forced_gemm("int8", "unit"):
+        assert int8_gemm_reads_groups(kernel_path, in_features)
+        fp32 = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
+        got = linear_ops.linear(x, packed, b, 96, weights.packed_scales(packed))
+        gated = linear_ops.linear_silu_mul(x, gate_up, 96, weights.packed_scales(gate_up))
+    want = grouped @ w.T + b.double()
+    assert error(fp32, want) < 1e-5 < error(fp32, plain @ w.T + b.double()) / 10
+    assert error(got, want) < 1e-2
+    assert error(gated, torch.nn.functional.silu(grouped @ w.T) * (grouped @ u.T)) < 1e-2
+    if tuning.brgemm_runs():
+        with tuning.forced_gemm("int8", "brgemm"):
+            assert not int8_gemm_reads_groups(kernel_path, in_features)
+            on_brgemm = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
+        assert error(on_brgemm, plain @ w.T + b.double()) < 1e-5
+    # TILEFX_INT8_ACTIVATIONS=bf16: the unit's GEMM over dequantized blocks, x as it is
+    with tuning.forced_gemm("int8", "unit"), isa.forced_int8_activations("bf16"):
+        assert not int8_gemm_reads_groups(kernel_path, in_features)
+        weight_only = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
+    assert error(weight_only, plain @ w.T + b.double()) < 1e-5
+
+
+def test_int8_activations_are_checked_and_default_to_int8(monkeypatch):
+    if isa.native is None:
+        pytest.skip("native library not built")
+    assert isa.int8_activations() == "int8"
+    with pytest.raises(RuntimeError, match="int8 GEMMs read x as int8 or bf16"):
+        isa.native.set_int8_activations("int4")
+    with pytest.raises(ValueError, match="int8 GEMMs read x as one of"):
+        with isa.forced_int8_activations("fp32"):
+            pass
+    monkeypatch.setenv("TILEFX_INT8_ACTIVATIONS", "BF16")
+    assert isa._int8_from_environment() == "bf16"
+    monkeypatch.setenv("TILEFX_INT8_ACTIVATIONS", "int16")
+    with pytest.raises(RuntimeError, match="TILEFX_INT8_ACTIVATIONS=int16"):
+        isa._int8_from_environment()
+
+
 @pytest.mark.parametrize("format", FORMATS)
 @pytest.mark.parametrize("rows", [(1,), (2,), (3, 5)], ids=["decode", "batch2", "prefill"])
 def test_quantized_linear_silu_mul(kernel_path, format, rows):
     gate, up = _weight(96, 200, seed=3), _weight(96, 200, seed=4)
     x = torch.randn(*rows, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     packed = weights.pack_gate_up_weight(gate, up, format)
-    xf = decode_rows(x, format, kernel_path)
+    xf = rows_as_read(x, format, kernel_path)
     want = torch.nn.functional.silu(xf @ dequantized(gate, format).T) * (xf @ dequantized(up, format).T)
     got = linear_ops.linear_silu_mul(x, packed, 96, weights.packed_scales(packed))
     assert _relative_error(got, want) < 1e-2
@@ -401,7 +469,6 @@ def test_quantized_fused_moe_matches_dequantized_experts(kernel_path, format, to
     """Decode (1-2 tokens: GEMVs over 1-byte experts), prefill (GEMMs over dequantized panels); odd H, H not
     a multiple of 128, I spanning two 128-row scale blocks."""
     _skip_unless_fits(format, hidden_size)
-    from tilefx.custom_ops.moe import experts_reference
 
     experts = 6
     gate_up, down = _experts(experts, hidden_size, inter, seed=tokens + hidden_size)
@@ -418,10 +485,9 @@ def test_quantized_fused_moe_matches_dequantized_experts(kernel_path, format, to
     x = torch.randn(tokens, hidden_size, generator=g).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=g)[:3] for _ in range(tokens)]).to(torch.int32)
     topk_weights = torch.rand(tokens, 3, generator=g) + 0.1
-    if format == "int4" and tokens <= 2:  # int4 decode rounds x further than bf16 (decode_rows)
-        want = int4_experts_decoded(x, want_gate_up, want_down, topk_weights, ids, kernel_path)
-    else:
-        want = experts_reference(x, want_gate_up.to(torch.bfloat16), want_down.to(torch.bfloat16), topk_weights, ids)
+    # each expert's rows as its GEMV or GEMM reads them (int8, int4 decode: words; the AVX512 units' int8 GEMM:
+    # int8 groups)
+    want = experts_as_read(x, want_gate_up, want_down, topk_weights, ids, format, kernel_path)
     got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
     assert _relative_error(got, want.float()) < 1e-2
 
