@@ -124,67 +124,73 @@ _current = ""
 _set(_from_environment())
 
 
-INT4_ACTIVATIONS = ("int16", "int8")
+# How the native units read x where a weight format gives them a choice, per process: (environment variable, the
+# forms (the default first), what reads it). custom_ops/csrc/activations.h has what each means.
+_ACTIVATION_CHOICES = {
+    "int4": ("TILEFX_INT4_ACTIVATIONS", ("int16", "int8"), "int4 decode reads x"),
+    "int8": ("TILEFX_INT8_ACTIVATIONS", ("int8", "bf16"), "int8 GEMMs read x"),
+}
+INT4_ACTIVATIONS = _ACTIVATION_CHOICES["int4"][1]
+INT8_ACTIVATIONS = _ACTIVATION_CHOICES["int8"][1]
+
+
+def _from_environment_for(format: str) -> str:
+    variable, forms, what = _ACTIVATION_CHOICES[format]
+    form = os.environ.get(variable, forms[0]).strip().lower() or forms[0]
+    if form not in forms:
+        raise RuntimeError(f"{variable}={form}: {what} as one of {', '.join(forms)}")
+    return form
 
 
 def _int4_from_environment() -> str:
-    form = os.environ.get("TILEFX_INT4_ACTIVATIONS", "int16").strip().lower() or "int16"
-    if form not in INT4_ACTIVATIONS:
-        raise RuntimeError(f"TILEFX_INT4_ACTIVATIONS={form}: int4 decode reads x as one of {', '.join(INT4_ACTIVATIONS)}")
-    return form
+    return _from_environment_for("int4")
+
+
+def _int8_from_environment() -> str:
+    return _from_environment_for("int8")
+
+
+def _native_form(format: str) -> str:
+    return getattr(native, f"get_{format}_activations")()
+
+
+@contextlib.contextmanager
+def _forced_form(format: str, form: str):
+    _, forms, what = _ACTIVATION_CHOICES[format]
+    if form not in forms:
+        raise ValueError(f"{what} as one of {', '.join(forms)}, not {form!r}")
+    setter = getattr(native, f"set_{format}_activations")
+    previous = _native_form(format)
+    setter(form)
+    try:
+        yield
+    finally:
+        setter(previous)
 
 
 def int4_activations() -> str:
     """How int4 decode reads x on the native paths: ``int16`` (15-bit words per row) or ``int8`` (per 32 inputs)."""
-    return native.get_int4_activations() if native is not None else "int16"
+    return _native_form("int4") if native is not None else "int16"
 
 
-@contextlib.contextmanager
 def forced_int4_activations(form: str):
     """Run a block with int4 decode reading x as ``form`` (``int16`` or ``int8``)."""
-    if form not in INT4_ACTIVATIONS:
-        raise ValueError(f"int4 decode reads x as one of {', '.join(INT4_ACTIVATIONS)}, not {form!r}")
-    previous = int4_activations()
-    native.set_int4_activations(form)
-    try:
-        yield
-    finally:
-        native.set_int4_activations(previous)
-
-
-if native is not None:
-    native.set_int4_activations(_int4_from_environment())
-
-INT8_ACTIVATIONS = ("int8", "bf16")
-
-
-def _int8_from_environment() -> str:
-    form = os.environ.get("TILEFX_INT8_ACTIVATIONS", "int8").strip().lower() or "int8"
-    if form not in INT8_ACTIVATIONS:
-        raise RuntimeError(f"TILEFX_INT8_ACTIVATIONS={form}: int8 GEMMs read x as one of {', '.join(INT8_ACTIVATIONS)}")
-    return form
+    return _forced_form("int4", form)
 
 
 def int8_activations() -> str:
     """How an int8 GEMM (more than 4 rows) on the AVX512-BF16 units' own GEMM reads x: ``int8`` (per 32 inputs,
     ``vpdpbusd``) or ``bf16`` (over dequantized blocks, the weight-only numerics)."""
-    return native.get_int8_activations() if native is not None else "bf16"
+    return _native_form("int8") if native is not None else "bf16"
 
 
-@contextlib.contextmanager
 def forced_int8_activations(form: str):
     """Run a block with int8 GEMMs reading x as ``form`` (``int8`` or ``bf16``)."""
-    if form not in INT8_ACTIVATIONS:
-        raise ValueError(f"int8 GEMMs read x as one of {', '.join(INT8_ACTIVATIONS)}, not {form!r}")
-    previous = int8_activations()
-    native.set_int8_activations(form)
-    try:
-        yield
-    finally:
-        native.set_int8_activations(previous)
+    return _forced_form("int8", form)
 
 
 if native is not None:
+    native.set_int4_activations(_int4_from_environment())
     native.set_int8_activations(_int8_from_environment())
 
 
