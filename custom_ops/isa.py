@@ -21,7 +21,7 @@ instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a tr
 (docs/PERFORMANCE.md).
 
 An int8 GEMM (a prompt's linears and experts, more than 4 rows) on the AVX512-BF16 units' own GEMM reads x as
-int8 per 32 inputs by default (``vpdpbusd``, 1.33x the bf16 GEMM's rate on Zen 4, for +0.5% of perplexity on a
+int8 per 32 inputs by default (``vpdpbusd``, 1.4x the bf16 GEMM's rate on Zen 4, for +0.6% of perplexity on a
 trained model); ``TILEFX_INT8_ACTIVATIONS=bf16`` (or ``forced_int8_activations("bf16")``) keeps x bf16 over
 dequantized blocks, the weight-only numerics. Where tuning chooses oneDNN's brgemm for int8 (AMX), x is bf16.
 

@@ -445,8 +445,20 @@ static void int8_word_gemv(const LinearProblem& p, const int64_t* blocks, float*
 // bits of an output much smaller than it (an outlying input's group: ~1e5 times, test_quantized_ops). A kXGroup's
 // int32 sums (8 steps, each at most 4 * 255 * 127 a lane, plus the start) go to fp32 times its x scale; the column
 // scales multiply the total. One core ran this 1.7x the rate of the bf16 GEMM's `vdpbf16ps` on Zen 4 (a scratch
-// loop on hot weights; 1.33x in the linear ops, docs/PERFORMANCE.md).
+// loop on hot weights; 1.4x in the linear ops, docs/PERFORMANCE.md).
 constexpr int kGroupTileRows = 6;  // rows per micro-tile: 12 int32 and 12 fp32 accumulators
+
+// acc + the products of a's unsigned and b's signed bytes, four a lane (`vpdpbusd`). Written as the instruction is,
+// destructive on acc: through the intrinsic GCC kept each accumulator in another register and copied it there and
+// back around every instruction (24 copies to 12 `vpdpbusd` a step), and spilled the fp32 totals.
+static inline __m512i dot_bytes(__m512i acc, __m512i a, __m512i b) {
+#ifdef TILEFX_AVX512_EMULATED
+  return _mm512_dpbusd_epi32(acc, a, b);
+#else
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+#endif
+}
 
 template <int Rows>
 static void int8_group_tile(const LinearProblem& p, const uint8_t* block, int64_t q0, int64_t q1, int64_t m0,
@@ -474,8 +486,8 @@ static void int8_group_tile(const LinearProblem& p, const uint8_t* block, int64_
         int32_t four;
         std::memcpy(&four, p.x_bytes() + (m0 + r) * p.ldx + 2 * q, sizeof four);
         const __m512i xb = _mm512_set1_epi32(four);
-        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, xb);
-        dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hi, xb);
+        dot[r][0] = dot_bytes(dot[r][0], lo, xb);
+        dot[r][1] = dot_bytes(dot[r][1], hi, xb);
       }
     }
     for (int r = 0; r < Rows; ++r) {
