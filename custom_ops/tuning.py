@@ -853,10 +853,8 @@ def int8_gemm_reads_groups(path: str) -> bool:
     ``isa.int8_activations()`` is ``int8``."""
     if path == "reference" or isa.native is None or isa.int8_activations() != "int8":
         return False
-    linear = isa.kernel_units(path)["linear"]
-    gemm = isa.native.get_prefill_gemm("int8")
-    on_brgemm = gemm == "brgemm" or (gemm == "default" and linear.startswith("brgemm"))
-    return not on_brgemm and linear.split(", else ")[-1].startswith("avx512")
+    unit = isa.kernel_units(path)["linear"].split(", else ")[-1]
+    return not prefill_runs_brgemm(isa.native.get_prefill_gemm("int8"), path) and unit.startswith("avx512")
 
 
 def forced_gemm(format: str, gemm: str):

@@ -136,8 +136,7 @@ Activations::Activations(LinearUnit unit, WeightFormat format, const float* rows
 }
 
 ActivationForm Activations::form(int64_t rows) const {
-  if (rows > kGemvRows && gemm_on_brgemm_) return activation_form(unit_, WeightFormat::bf16, rows, ldx_);
-  return activation_form(unit_, format_, rows, ldx_);
+  return activation_form(unit_, rows > kGemvRows ? gemm_x_format(format_, gemm_on_brgemm_) : format_, rows, ldx_);
 }
 
 void Activations::make_forms(const RowPlan* plan) {
