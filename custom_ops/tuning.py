@@ -755,11 +755,12 @@ class GemmChoice:
     unit_gflops: float = 0.0
     brgemm_gflops: float = 0.0
     seconds: float = 0.0
+    x: str = ""  # int8: how the unit's GEMM reads x (INT8_GEMM_X), as it was timed
 
     def line(self) -> str:
         what = f"prefill GEMM {self.format}: {self.gemm}"
-        if self.format == "int8" and self.gemm == "unit":  # (timed only where the unit is an AVX512-BF16 one)
-            what += f" (x as {isa.int8_activations()})"
+        if self.x and self.gemm == "unit":
+            what += f" (x as {INT8_GEMM_X[self.x]})"
         if self.how == "untuned":
             return f"{what} (not tuned)"
         return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
@@ -846,15 +847,28 @@ def brgemm_runs() -> bool:
     return True
 
 
-def int8_gemm_reads_groups(path: str) -> bool:
-    """Whether an int8 linear or expert of more than 4 rows on ``path`` reads x as int8 per 32 inputs (where K padded
-    to even is a multiple of 4): the AVX512-BF16 units' own GEMM (csrc/activations.h) where the prefill GEMM chosen
-    for int8 is the unit's, not oneDNN's brgemm (which multiplies bf16 x by a dequantized block), and
-    ``isa.int8_activations()`` is ``int8``."""
+# How an int8 GEMM reads x (int8_gemm_x), in words.
+INT8_GEMM_X = {"int8": "int8 per 32 inputs", "int16": "int16 per row", "bf16": "bf16 over dequantized blocks"}
+
+
+def unit_int8_gemm_x(path: str) -> str:
+    """How the unit's own int8 GEMM on ``path`` reads x (csrc/activations.h): ``int8`` per 32 inputs on the
+    AVX512-BF16 units (``vpdpbusd``; where K padded to even is a multiple of 4, else as ``bf16``), ``int16`` per row
+    on AVX2 (``vpmaddwd``), or ``bf16`` over dequantized blocks where ``isa.int8_activations()`` asks for it (and
+    on the reference path)."""
     if path == "reference" or isa.native is None or isa.int8_activations() != "int8":
-        return False
+        return "bf16"
     unit = isa.kernel_units(path)["linear"].split(", else ")[-1]
-    return not prefill_runs_brgemm(isa.native.get_prefill_gemm("int8"), path) and unit.startswith("avx512")
+    return "int8" if unit.startswith("avx512") else "int16"
+
+
+def int8_gemm_x(path: str) -> str:
+    """How an int8 linear or expert of more than 4 rows on ``path`` reads x: as the unit's GEMM does
+    (``unit_int8_gemm_x``) where the prefill GEMM chosen for int8 is the unit's, else ``bf16`` (oneDNN's brgemm
+    multiplies bf16 x by a dequantized block)."""
+    if isa.native is not None and prefill_runs_brgemm(isa.native.get_prefill_gemm("int8"), path):
+        return "bf16"
+    return unit_int8_gemm_x(path)
 
 
 def forced_gemm(format: str, gemm: str):
@@ -898,7 +912,8 @@ def tune_gemm(format: str, path: str) -> GemmChoice:
     unit, brgemm = seconds["unit"], seconds["brgemm"]
     gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
     isa.native.set_prefill_gemm(format, gemm)
-    return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started)
+    return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started,
+                      unit_int8_gemm_x(path) if format == "int8" else "")
 
 
 def _tiling_name(tiling: tuple) -> str:
@@ -1037,7 +1052,8 @@ def _tuned_prefill_gemm(format: str, path: str, saved: dict) -> tuple[GemmChoice
     entry = saved.get(key)
     if entry is not None:
         isa.native.set_prefill_gemm(format, entry["gemm"])
-        return GemmChoice(format, entry["gemm"], "cached", entry["unit_gflops"], entry["brgemm_gflops"]), False
+        return GemmChoice(format, entry["gemm"], "cached", entry["unit_gflops"], entry["brgemm_gflops"],
+                          x=unit_int8_gemm_x(path) if format == "int8" else ""), False
     choice = tune_gemm(format, path)
     saved[key] = {"gemm": choice.gemm, "unit_gflops": choice.unit_gflops, "brgemm_gflops": choice.brgemm_gflops}
     return choice, True

@@ -24,12 +24,15 @@ def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor
     """x as a native path's linear over ``format`` weights multiplies it, in fp32. A decode GEMV (up to 2 rows; int8
     on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows): int8 and int4 read each row rounded to int16 times
     its scale max|x| / 32767 (round half to even), int4 with int8 activations (``int4_reads_int8``) each 32 inputs
-    rounded to int8 times their max|x| / 127. An int8 GEMM (more than 4 rows) on the AVX512-BF16 units' own GEMM
-    (``int8_gemm_reads_groups``) reads each 32 inputs rounded to int8 likewise. Otherwise x as it is."""
+    rounded to int8 times their max|x| / 127. An int8 GEMM (more than 4 rows) reads x as ``int8_gemm_x`` says: each
+    32 inputs rounded to int8 likewise, or each row to int16. Otherwise x as it is."""
     rows = x.numel() // max(1, x.shape[-1])
     word_rows = 4 if format == "int8" and kernel_path == "avx2" else 2
-    if format == "int8" and rows > 4 and int8_gemm_reads_groups(kernel_path, x.shape[-1]):
+    gemm_x = int8_gemm_x(kernel_path, x.shape[-1]) if format == "int8" and rows > 4 else None
+    if gemm_x == "int8":
         return rounded_to_groups(x.float(), 32, 127)
+    if gemm_x == "int16":
+        return rounded_to_groups(x.float(), x.shape[-1], 32767)
     if format not in ("int8", "int4") or rows > word_rows or kernel_path == "reference":
         return x.float()
     if format == "int4" and int4_reads_int8(kernel_path):
@@ -37,12 +40,13 @@ def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor
     return rounded_to_groups(x.float(), x.shape[-1], 32767)
 
 
-def int8_gemm_reads_groups(kernel_path: str, in_features: int) -> bool:
-    """Whether an int8 linear or expert of more than 4 rows on ``kernel_path`` reads x as int8 per 32 inputs
-    (``tuning.int8_gemm_reads_groups``, where K padded to even is a multiple of 4)."""
+def int8_gemm_x(kernel_path: str, in_features: int) -> str:
+    """How an int8 linear or expert of more than 4 rows on ``kernel_path`` reads x (``tuning.int8_gemm_x``): "int8"
+    per 32 inputs (where K padded to even is a multiple of 4, else as "bf16"), "int16" per row, or "bf16" as it is."""
     from tilefx.custom_ops import tuning
 
-    return (in_features + in_features % 2) % 4 == 0 and tuning.int8_gemm_reads_groups(kernel_path)
+    form = tuning.int8_gemm_x(kernel_path)
+    return "bf16" if form == "int8" and (in_features + in_features % 2) % 4 else form
 
 
 def experts_as_read(x, gate_up_w, down_w, topk_weights, ids, format: str, kernel_path: str) -> torch.Tensor:

@@ -133,15 +133,15 @@ def _warm_up(model, batch: int) -> None:
 
 
 def _int8_activations_line() -> str:
-    """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as int8 per 32 inputs
-    or bf16 (tuning.int8_gemm_reads_groups; TILEFX_INT8_ACTIVATIONS)."""
+    """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as int8 per 32 inputs,
+    int16 per row or bf16 (tuning.int8_gemm_x; TILEFX_INT8_ACTIVATIONS)."""
     from tilefx.custom_ops import isa, tuning
 
     if not isa.kernel_units(isa.current()):
         return "activations: the int8 linears read x as it is (the reference path)"
-    prefill = ("a prompt's GEMMs read x as int8 per 32 inputs (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over dequantized "
-               "blocks)" if tuning.int8_gemm_reads_groups(isa.current())
-               else "a prompt's GEMMs dequantize the weights and read bf16")
+    x = tuning.int8_gemm_x(isa.current())
+    prefill = (f"a prompt's GEMMs read x as {tuning.INT8_GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over "
+               "dequantized blocks)" if x != "bf16" else "a prompt's GEMMs dequantize the weights and read bf16")
     return ("activations: the int8 linears of up to 2 rows read x rounded to int16 per row (one scale each, 15 bits); "
             + prefill)
 

@@ -34,9 +34,9 @@ ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t row
   if (format == WeightFormat::int4 && rows <= word_rows(unit, format)) {
     return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
   }
-  if (format == WeightFormat::int8 && rows > kGemvRows && reads_pairs(unit) && ldx % 4 == 0 &&
-      int8_gemm_int8_x.load(std::memory_order_relaxed)) {
-    return ActivationForm::int8_groups;
+  if (format == WeightFormat::int8 && rows > kGemvRows && int8_gemm_int8_x.load(std::memory_order_relaxed)) {
+    if (!reads_pairs(unit)) return ActivationForm::int16_words;
+    if (ldx % 4 == 0) return ActivationForm::int8_groups;
   }
   return reads_pairs(unit) ? ActivationForm::bf16_pairs : ActivationForm::fp32;
 }
@@ -93,6 +93,24 @@ void split_row(const uint32_t* words, int64_t ldx, uint8_t* out, float* sums) {
 
 constexpr int64_t kRowsPerTask = 64;
 
+// body(begin, count) over the rows of `spans` in tasks of at most kRowsPerTask rows (a span's rows stay in order),
+// across the threads; all on the calling thread where they come to no more than kRowsPerTask rows.
+template <class Body>
+void in_tasks(const std::vector<RowSpan>& spans, const Body& body) {
+  std::vector<RowSpan> tasks;
+  int64_t total = 0;
+  for (const RowSpan& span : spans) {
+    for (int64_t r = span.begin; r < span.begin + span.count; r += kRowsPerTask) {
+      tasks.push_back({r, std::min(kRowsPerTask, span.begin + span.count - r)});
+    }
+    total += span.count;
+  }
+  const int64_t count = static_cast<int64_t>(tasks.size()), grain = total <= kRowsPerTask ? count : 1;
+  at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) body(tasks[i].begin, tasks[i].count);
+  });
+}
+
 }  // namespace
 
 int64_t Activations::row_elems() const { return reads_pairs(unit_) ? ldx_ / 2 : ldx_; }
@@ -148,16 +166,15 @@ void Activations::make_forms(const RowPlan* plan) {
     plan = &whole;
   }
   gemm_on_brgemm_ = plan->gemm_on_brgemm;
-  // The spans each form is made for: words (int16, or split) for decode rows, int8 groups for int4 decode rows
-  // where set_int4_activations asks and for int8 GEMM rows. Each buffer holds every row, but only the spans' rows
-  // are written (and read), so the others' pages are never touched.
-  const ActivationForm decode = form(1);
-  const bool decode_words = reads_words(format_) && decode != ActivationForm::int8_groups;
-  std::vector<RowSpan> byte_spans;
-  if (reads_words(format_) && decode == ActivationForm::int8_groups) byte_spans = plan->words;
-  if (form(kGemvRows + 1) == ActivationForm::int8_groups) {
-    byte_spans.insert(byte_spans.end(), plan->gemm.begin(), plan->gemm.end());
-  }
+  // The spans each form is made for: words (int16, or split) for decode rows and for int8 GEMM rows on the AVX2
+  // unit, int8 groups for int4 decode rows where set_int4_activations asks and for int8 GEMM rows on the
+  // AVX512-BF16 units. Each buffer holds every row, but only the spans' rows are written (and read), so the
+  // others' pages are never touched.
+  const ActivationForm decode = form(1), gemm = form(kGemvRows + 1);
+  std::vector<RowSpan> byte_spans, word_spans;
+  if (reads_words(format_)) (decode == ActivationForm::int8_groups ? byte_spans : word_spans) = plan->words;
+  if (gemm == ActivationForm::int8_groups) byte_spans.insert(byte_spans.end(), plan->gemm.begin(), plan->gemm.end());
+  if (gemm == ActivationForm::int16_words) word_spans.insert(word_spans.end(), plan->gemm.begin(), plan->gemm.end());
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
   const char* rows = static_cast<const char*>(rows_);
   const int64_t groups = int4_groups(ldx_);
@@ -166,29 +183,14 @@ void Activations::make_forms(const RowPlan* plan) {
     byte_scales_.resize(count_ * x_groups(ldx_));
     word_sums_.resize(count_ * groups);
     if (format_ == WeightFormat::int8) byte_totals_.resize(count_ * x_groups(ldx_));  // (int8 GEMMs read them)
-    // tasks of at most kRowsPerTask rows; all on the calling thread where they come to no more than that
-    std::vector<RowSpan> tasks;
-    int64_t total = 0;
-    for (const RowSpan& span : byte_spans) {
-      for (int64_t r = span.begin; r < span.begin + span.count; r += kRowsPerTask) {
-        tasks.push_back({r, std::min(kRowsPerTask, span.begin + span.count - r)});
-      }
-      total += span.count;
-    }
-    const int64_t count = static_cast<int64_t>(tasks.size()), grain = total <= kRowsPerTask ? count : 1;
-    at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
-      for (int64_t i = first; i < last; ++i) {
-        const auto [begin, count] = tasks[i];
-        quantize_groups(unit_, rows + begin * row_bytes, count, ldx_, bytes_.data() + begin * ldx_,
-                        byte_scales_.data() + begin * x_groups(ldx_), word_sums_.data() + begin * groups,
-                        byte_totals_.empty() ? nullptr : byte_totals_.data() + begin * x_groups(ldx_));
-      }
+    in_tasks(byte_spans, [&](int64_t begin, int64_t count) {
+      quantize_groups(unit_, rows + begin * row_bytes, count, ldx_, bytes_.data() + begin * ldx_,
+                      byte_scales_.data() + begin * x_groups(ldx_), word_sums_.data() + begin * groups,
+                      byte_totals_.empty() ? nullptr : byte_totals_.data() + begin * x_groups(ldx_));
     });
   }
-  const std::vector<RowSpan>& word_spans = plan->words;
-  if (!decode_words || word_spans.empty()) return;
-  const int64_t ldw = ldx_ / 2, spans = static_cast<int64_t>(word_spans.size());
-  const int64_t spans_per_task = std::max<int64_t>(1, kRowsPerTask / word_rows(unit_, format_));
+  if (word_spans.empty()) return;
+  const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
   const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
@@ -196,15 +198,12 @@ void Activations::make_forms(const RowPlan* plan) {
     split_.resize(count_ * 2 * ldx_);
     word_sums_.resize(count_ * groups);
   }
-  at::parallel_for(0, spans, spans_per_task, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const auto [begin, count] = word_spans[i];
-      quantize_words(unit_, rows + begin * row_bytes, count, ldx_, words_.data() + begin * ldw,
-                     word_scales_.data() + begin);
-      if (!split) continue;
-      for (int64_t r = begin; r < begin + count; ++r) {
-        split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
-      }
+  in_tasks(word_spans, [&](int64_t begin, int64_t count) {
+    quantize_words(unit_, rows + begin * row_bytes, count, ldx_, words_.data() + begin * ldw,
+                   word_scales_.data() + begin);
+    if (!split) return;
+    for (int64_t r = begin; r < begin + count; ++r) {
+      split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
     }
   });
 }

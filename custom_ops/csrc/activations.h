@@ -25,9 +25,10 @@ inline bool reads_words(WeightFormat format) { return format == WeightFormat::in
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights, x ldx values a row:
 // int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
-// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md); int8 per kXGroup inputs for an
-// int8 GEMM (more than kGemvRows rows) on the AVX512-BF16 units where ldx is a multiple of 4 (`vpdpbusd`, twice
-// the products an instruction of the bf16 GEMM over a dequantized block); else the unit's base
+// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 GEMM (more than
+// kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
+// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on the
+// AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's base
 // form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
 // callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 GEMMs on the base
 // form too.
@@ -36,9 +37,9 @@ ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t row
 // from TILEFX_INT4_ACTIVATIONS).
 void set_int4_activations(const std::string& form);
 std::string get_int4_activations();
-// How an int8 GEMM on the AVX512-BF16 units reads x, for the whole process: "int8" (per kXGroup inputs, the
-// default) or "bf16" (over dequantized blocks: the weight-only numerics; custom_ops/isa.py sets it from
-// TILEFX_INT8_ACTIVATIONS).
+// How an int8 GEMM on the units reads x, for the whole process: "int8" (integer products, the default: int8 per
+// kXGroup inputs on the AVX512-BF16 units, int16 words on AVX2) or "bf16" (over dequantized blocks: the weight-only
+// numerics; custom_ops/isa.py sets it from TILEFX_INT8_ACTIVATIONS).
 void set_int8_activations(const std::string& form);
 std::string get_int8_activations();
 
@@ -62,15 +63,15 @@ struct RowSpan {
 // (fused_moe: each expert's rows are one problem).
 struct RowPlan {
   std::vector<RowSpan> words;   // rows of problems of at most word_rows rows (made words for int8 / int4 weights)
-  std::vector<RowSpan> gemm;    // rows of problems of more than kGemvRows rows (made int8 groups where those read them)
+  std::vector<RowSpan> gemm;    // rows of problems of more than kGemvRows rows (made int8's GEMM form where it has one)
   bool gemm_on_brgemm = false;  // the GEMMs run oneDNN's brgemm, which reads the base form
 };
 
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem
-// of up to word_rows rows will read words, or a GEMM int8 groups, in that form too. A problem's `attach` points it
-// at its rows in the form activation_form gives for its p.M. Which rows are made which: `plan`'s (fused_moe), or
-// with none given, all of them in the form of `count` rows.
+// of up to word_rows rows will read words, or an int8 GEMM its integer form, in that form too. A problem's
+// `attach` points it at its rows in the form activation_form gives for its p.M. Which rows are made which:
+// `plan`'s (fused_moe), or with none given, all of them in the form of `count` rows.
 class Activations {
  public:
   // From bf16 rows: row r at src + r * src_stride (n values each).

@@ -36,6 +36,7 @@ constexpr int kTileRows = 6;             // rows of x per GEMM micro-tile (12 ac
 constexpr int kTileVecs = 2;             // 8-column vectors per GEMM micro-tile
 constexpr int64_t kTilePairFloats = 2 * kTileRows;  // floats of a packed tile per K pair
 constexpr int64_t kPackRows = 96;        // rows of x packed at a time (linear_blocks_avx2)
+constexpr int kWordTileRows = 6;         // rows of x per micro-tile of int8's GEMM over words (int8_word_gemm)
 // Up to kGemvRows rows one_block streams a block as a GEMV: batched decode is memory-bound, which the GEMM
 // (blocked for L1 reuse across many rows, no software prefetch) is not built for. 3-4 rows (fp8: 2-4) read a
 // block kDecodeChunkBytes per stream at a time (over_chunks): rows 0-1 from memory, then rows 2-3 from L1.
@@ -180,6 +181,20 @@ static void pack_x_tiles(const float* x, int64_t rows, int64_t ldx, int64_t pair
       }
       const float* from = x + m * ldx;
       for (int64_t q = 0; q < pairs; ++q) std::memcpy(to + q * kTilePairFloats, from + 2 * q, 2 * sizeof(float));
+    }
+  }
+}
+
+// x words as int8_word_gemm reads them: tiles of kWordTileRows rows, a tile's rows side by side per K pair (tile t,
+// pair q: the words of rows 6t .. 6t + 5 at pair q), rows past `rows` zero: each step's six broadcasts address one
+// pointer, where six rows ldx apart cost an address computation each (1.06x the rate, docs/PERFORMANCE.md).
+static void pack_word_tiles(const uint32_t* words, int64_t rows, int64_t ldw, int64_t pairs, uint32_t* out) {
+  for (int64_t t = 0; t * kWordTileRows < rows; ++t) {
+    uint32_t* tile = out + t * pairs * kWordTileRows;
+    for (int r = 0; r < kWordTileRows; ++r) {
+      const int64_t m = t * kWordTileRows + r;
+      const uint32_t* from = words + m * ldw;
+      for (int64_t q = 0; q < pairs; ++q) tile[q * kWordTileRows + r] = m < rows ? from[q] : 0;
     }
   }
 }
@@ -444,6 +459,75 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
   }
 }
 
+// int8 prefill over x as int16 words (ActivationForm::int16_words, one scale a row; more than kGemvRows rows), the
+// decode GEMV's `vpmaddwd` over sign-extended weight bytes blocked as gemm_block is: a micro-tile of kWordTileRows
+// rows and two column vectors (12 int32 sums, the two weight vectors and the broadcast x in the 16 registers), K in
+// kWordPairs chunks (8 KiB of the block, in L1 while the row tiles pass; the most pairs int32 sums hold). A
+// `vpmaddwd` and its `vpaddd` make 16 products where the fp32 GEMM over a dequantized panel makes 8 an FMA, after
+// widening the weights; x at 15 bits a row is what int8 decode reads already. x comes packed in tiles
+// (pack_word_tiles): 3 KiB of a tile per chunk.
+
+// acc + w's int16 pairs times the pair of x words at `x` broadcast, each lane's two products summed (`vpmaddwd`,
+// `vpaddd`). Written as the instructions, the broadcast from memory into the one scratch register the product
+// takes: through intrinsics GCC kept the six rows' broadcasts live as well (17 registers), spilled four of the
+// twelve sums to the stack and copied the rest around every step (the GEMM ran at 1.1x the fp32 one).
+static inline __m256i add_word_products(__m256i acc, __m256i w, const uint32_t* x) {
+  __m256i product;
+  asm("vpbroadcastd %2, %1\n\t"
+      "vpmaddwd %1, %3, %1\n\t"
+      "vpaddd %1, %0, %0"
+      : "+x"(acc), "=&x"(product)
+      : "m"(*x), "x"(w));
+  return acc;
+}
+
+template <int Rows>
+static void int8_word_tile(const uint32_t* tile, const uint8_t* block, int64_t q0, int64_t q1, int vec0, float* c) {
+  __m256i acc[Rows][2];
+  for (auto& row : acc) row[0] = row[1] = _mm256_setzero_si256();
+  for (int64_t q = q0; q < q1; ++q) {
+    const uint8_t* row = block + q * kQPairBytes + 16 * vec0;
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+    const uint32_t* x = tile + q * kWordTileRows;
+#pragma GCC unroll 6
+    for (int r = 0; r < Rows; ++r) {
+      acc[r][0] = add_word_products(acc[r][0], w0, x + r);
+      acc[r][1] = add_word_products(acc[r][1], w1, x + r);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int j = 0; j < 2; ++j) {
+      float* out = c + r * kBlockN + 8 * (vec0 + j);
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_cvtepi32_ps(acc[r][j])));
+    }
+  }
+}
+
+// Every row of p against int8 block `block` over int16 words x packed in tiles (pack_word_tiles), into c (rows of
+// kBlockN, scaled).
+static void int8_word_gemm(const LinearProblem& p, int64_t block, float* c) {
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
+  for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
+  for (int64_t q0 = 0; q0 < p.K_pairs; q0 += kWordPairs) {
+    const int64_t q1 = q0 + kWordPairs < p.K_pairs ? q0 + kWordPairs : p.K_pairs;
+    over_row_tiles<kWordTileRows>(p.M, [&](int64_t m, auto rows) {
+      const uint32_t* tile = p.x_words() + m / kWordTileRows * p.K_pairs * kWordTileRows;
+      for (int vec0 = 0; vec0 < kVecs; vec0 += 2) {
+        int8_word_tile<decltype(rows)::value>(tile, w, q0, q1, vec0, c + m * kBlockN);
+      }
+    });
+  }
+  const float* column_scales = p.scales + block * kBlockN;
+  for (int64_t m = 0; m < p.M; ++m) {
+    const __m256 x_scale = _mm256_set1_ps(p.x_scales[m]);
+    for (int j = 0; j < kVecs; ++j) {
+      const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(column_scales + 8 * j), x_scale);
+      _mm256_storeu_ps(c + m * kBlockN + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(c + m * kBlockN + 8 * j), scale));
+    }
+  }
+}
+
 // c[r] += rows r0 .. r0 + R - 1 of x (fp32) against fp8 pairs [p0, p1) of block `block` (S streams: and the same
 // pairs `second` further), R <= 2, the pairs within one scale group per stream: each stream's group scale (and
 // 2^60 of load_fp8_pairs' 2^-120) is folded into the x it multiplies, the values widened once for both rows, each
@@ -690,8 +774,9 @@ struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
   static constexpr bool kAvx2 = true;
-  static constexpr bool kInt8GroupGemm = false;  // its int8 prefill reads fp32 x over a dequantized block
-  static void int8_groups_block(const LinearProblem&, int64_t, float*) {}
+  // int8 prefill over int16 words x (linear_walk.h walk_quantized)
+  static constexpr ActivationForm kInt8GemmForm = ActivationForm::int16_words;
+  static void int8_gemm_block(const LinearProblem& p, int64_t block, float* c) { int8_word_gemm(p, block, c); }
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
@@ -793,17 +878,27 @@ struct TileBuffer {
 
 // A GEMM (M > kGemvRows) runs kPackRows rows of x at a time (a last chunk of up to kGemvRows more rows joins
 // the one before: so few would be a decode, which reads x unpacked, and for 1-2 rows of int8 or int4, as words),
-// each chunk packed in tiles by this thread first; its output rows are the chunk's.
+// each chunk packed in tiles by this thread first (fp32 x, or int8's int16 words: pack_word_tiles); its output rows
+// are the chunk's.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   if (p.M <= kGemvRows) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
   static thread_local TileBuffer tiles;
+  const bool words = p.x_form == ActivationForm::int16_words;  // int8's GEMM over words (int8_word_gemm)
   for (int64_t m0 = 0; m0 < p.M;) {
     const int64_t left = p.M - m0;
     const int64_t rows = left <= kPackRows + kGemvRows ? left : kPackRows;
-    float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
-    pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
     LinearProblem chunk = p;
-    chunk.x = packed;
+    if (words) {
+      uint32_t* packed = reinterpret_cast<uint32_t*>(
+          tiles.get((rows + kWordTileRows - 1) / kWordTileRows * p.K_pairs * kWordTileRows));
+      pack_word_tiles(p.x_words() + m0 * (p.ldx / 2), rows, p.ldx / 2, p.K_pairs, packed);
+      chunk.x = packed;
+      chunk.x_scales = p.x_scales + m0;
+    } else {
+      float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
+      pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);
+      chunk.x = packed;
+    }
     chunk.M = rows;
     if (p.y) chunk.y = p.y + m0 * p.ldy;
     if (p.yf) chunk.yf = p.yf + m0 * p.ldy;

@@ -147,20 +147,9 @@ static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) 
   for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
   for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
     const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
-    for (int64_t m = 0; m < p.M; m += kTileRows) {
-      const uint32_t* x = p.x_pairs() + m * ldp;
-      float* cm = c + m * kBlockN;
-      switch (p.M - m < kTileRows ? p.M - m : kTileRows) {
-        case 1: gemm_tile<1>(x, ldp, block, p0, p1, cm); break;
-        case 2: gemm_tile<2>(x, ldp, block, p0, p1, cm); break;
-        case 3: gemm_tile<3>(x, ldp, block, p0, p1, cm); break;
-        case 4: gemm_tile<4>(x, ldp, block, p0, p1, cm); break;
-        case 5: gemm_tile<5>(x, ldp, block, p0, p1, cm); break;
-        case 6: gemm_tile<6>(x, ldp, block, p0, p1, cm); break;
-        case 7: gemm_tile<7>(x, ldp, block, p0, p1, cm); break;
-        default: gemm_tile<8>(x, ldp, block, p0, p1, cm); break;
-      }
-    }
+    over_row_tiles<kTileRows>(p.M, [&](int64_t m, auto rows) {
+      gemm_tile<decltype(rows)::value>(p.x_pairs() + m * ldp, ldp, block, p0, p1, c + m * kBlockN);
+    });
   }
 }
 
@@ -509,17 +498,9 @@ static void int8_group_gemm(const LinearProblem& p, int64_t block, float* c) {
   for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
   for (int64_t q0 = 0; q0 < p.K_pairs; q0 += kKChunk) {
     const int64_t q1 = q0 + kKChunk < p.K_pairs ? q0 + kKChunk : p.K_pairs;
-    for (int64_t m = 0; m < p.M; m += kGroupTileRows) {
-      float* cm = c + m * kBlockN;
-      switch (p.M - m < kGroupTileRows ? p.M - m : kGroupTileRows) {
-        case 1: int8_group_tile<1>(p, w, q0, q1, m, cm); break;
-        case 2: int8_group_tile<2>(p, w, q0, q1, m, cm); break;
-        case 3: int8_group_tile<3>(p, w, q0, q1, m, cm); break;
-        case 4: int8_group_tile<4>(p, w, q0, q1, m, cm); break;
-        case 5: int8_group_tile<5>(p, w, q0, q1, m, cm); break;
-        default: int8_group_tile<6>(p, w, q0, q1, m, cm); break;
-      }
-    }
+    over_row_tiles<kGroupTileRows>(p.M, [&](int64_t m, auto rows) {
+      int8_group_tile<decltype(rows)::value>(p, w, q0, q1, m, c + m * kBlockN);
+    });
   }
   // column order, times the column scales
   const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
@@ -761,8 +742,8 @@ struct Avx512Unit {
     });
   }
   // int8 prefill over int8_groups x (linear_walk.h walk_quantized)
-  static constexpr bool kInt8GroupGemm = true;
-  static void int8_groups_block(const LinearProblem& p, int64_t block, float* c) { int8_group_gemm(p, block, c); }
+  static constexpr ActivationForm kInt8GemmForm = ActivationForm::int8_groups;
+  static void int8_gemm_block(const LinearProblem& p, int64_t block, float* c) { int8_group_gemm(p, block, c); }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
     if constexpr (F == WeightFormat::int4) {

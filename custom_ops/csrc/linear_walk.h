@@ -3,6 +3,8 @@
 // walk_blocks with its micro-kernels, so every line here is compiled for that unit's
 // ISA; it is a template in an anonymous namespace, so no symbol leaves the unit.
 #pragma once
+#include <utility>
+
 #include "kernels.h"
 
 namespace tilefx {
@@ -25,6 +27,20 @@ template <Prefetch P>
 struct PrefetchAs {
   static constexpr Prefetch value = P;
 };
+
+// body(m, std::integral_constant<int, R>{}) for each micro-tile of a GEMM over rows [0, rows): tiles of TileRows
+// rows from m = 0, the last one R = what is left, so each tile's row count is a template argument of its kernel.
+template <int TileRows, class Body, int... R>
+inline void over_row_tiles(int64_t rows, const Body& body, std::integer_sequence<int, R...>) {
+  for (int64_t m = 0; m < rows; m += TileRows) {
+    const int64_t left = rows - m < TileRows ? rows - m : TileRows;
+    ((left == R + 1 ? (body(m, std::integral_constant<int, R + 1>{}), true) : false) || ...);
+  }
+}
+template <int TileRows, class Body>
+inline void over_row_tiles(int64_t rows, const Body& body) {
+  over_row_tiles<TileRows>(rows, body, std::make_integer_sequence<int, TileRows>{});
+}
 
 // body(PrefetchAs<P>{}) with P the problem's prefetch: a kernel reads it as decltype(tag)::value.
 template <class Body>
@@ -119,11 +135,11 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
 //                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
-//   kInt8GroupGemm, int8_groups_block(p, block, c)  whether it has, and its int8 GEMM over int8_groups x (scaled)
+//   kInt8GemmForm, int8_gemm_block(p, block, c)  the x form its int8 GEMM reads, and that GEMM (scaled)
 // Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
-// int16 words); above that int8 over int8_groups x multiplies the bytes as they are (int8_groups_block), and
-// otherwise each block is dequantized into scratch once and one_block runs over it, then int8's column scales
-// apply.
+// int16 words); above that int8 over x in kInt8GemmForm (activations.h activation_form) multiplies the bytes as
+// they are (int8_gemm_block), and otherwise each block is dequantized into scratch once and one_block runs over
+// it, then int8's column scales apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
@@ -143,8 +159,8 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }
-    if constexpr (F == WeightFormat::int8 && Unit::kInt8GroupGemm) {
-      if (p.x_form == ActivationForm::int8_groups) return Unit::int8_groups_block(p, block, c);
+    if constexpr (F == WeightFormat::int8) {
+      if (p.x_form == Unit::kInt8GemmForm) return Unit::int8_gemm_block(p, block, c);
     }
     Unit::template dequantize<F>(p, block, panel);
     Unit::one_block(p, panel, c);

@@ -144,7 +144,7 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
   }
   const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
   // The rows of the experts that read x as words (int8 / int4 experts; word_rows of either projection's format:
-  // one list serves both) and of those that run a GEMM (int8 experts read int8 groups there, off brgemm).
+  // one list serves both) and of those that run a GEMM (int8 experts read their integer form there, off brgemm).
   const int64_t most_word_rows =
       std::max(word_rows(unit, w13_experts.whole.format), word_rows(unit, w2_experts.whole.format));
   std::vector<ExpertRows> active;

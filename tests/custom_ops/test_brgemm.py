@@ -14,7 +14,7 @@ from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import dequantized, int8_gemm_reads_groups
+from quantized import dequantized, int8_gemm_x
 
 pytestmark = pytest.mark.skipif(isa.native is None, reason="native library not built")
 
@@ -86,9 +86,10 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     assert _relative_error(gated, want_gated) < 1e-2
     with tuning.forced_gemm(format, "unit"):  # the same products on the unit's GEMM
         unit = run()[1]
-        grouped = format == "int8" and int8_gemm_reads_groups(kernel_path, in_features)
-    # (but the AVX512-BF16 units' int8 GEMM reads x as int8 per 32 inputs: test_quantized_ops checks its products)
-    assert _relative_error(got_float, unit.float()) < (1e-2 if grouped else 1e-3)
+        rounded = format == "int8" and int8_gemm_x(kernel_path, in_features) != "bf16"
+    # (but the units' int8 GEMM rounds x, to int8 per 32 inputs or int16 per row: test_quantized_ops checks its
+    # products)
+    assert _relative_error(got_float, unit.float()) < (1e-2 if rounded else 1e-3)
 
 
 def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
@@ -454,6 +455,8 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         first = tuning.ensure_gemm_tuned(["bf16", "int8"], path=path, cache=tmp_path)
         decode = [c for c in first if isinstance(c, tuning.DecodeGemmChoice)]
         assert [(c.format, c.how) for c in decode] == [("bf16", "tuned")]
+        int8 = [c for c in first if type(c) is tuning.GemmChoice and c.format == "int8"]
+        assert [c.x for c in int8] == [tuning.unit_int8_gemm_x(path)]
         assert sorted(decode[0].gbps) == [1, 2, 4] and all(u > 0 and b > 0 for u, b in decode[0].gbps.values())
         assert decode[0].from_rows == tuning.choose_decode_gemm(decode[0].gbps)
         assert tuple(isa.native.get_decode_gemm("bf16"))[1] == decode[0].from_rows
@@ -469,6 +472,14 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         with tuning.forced_decode_gemm("bf16", "brgemm"):
             tuning.tune(tuning.decode_units(path)[0], "bf16", path)
         assert {tuple(c) for c in calls} == {("unit", 0)}
+
+
+def test_int8_gemm_choice_says_how_its_unit_reads_x():
+    unit = tuning.GemmChoice("int8", "unit", "cached", 500.0, 400.0, x="int16")
+    assert unit.line() == "prefill GEMM int8: unit (x as int16 per row) (cached: unit 500 GFLOP/s, oneDNN brgemm 400)"
+    brgemm = tuning.GemmChoice("int8", "brgemm", "tuned", 400.0, 500.0, 1.0, x="int8")
+    assert "x as" not in brgemm.line()
+    assert "x as" not in tuning.GemmChoice("bf16", "unit", "untuned").line()
 
 
 @pytest.mark.parametrize("format", ["bf16", "int8", "fp8"])

@@ -10,7 +10,7 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import dequantized, experts_as_read, int8_gemm_reads_groups, rows_as_read, rounded_to_groups
+from quantized import dequantized, experts_as_read, int8_gemm_x, rows_as_read, rounded_to_groups
 
 FORMATS = ["int8", "fp8", "int4"]
 
@@ -95,11 +95,11 @@ def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_featur
         assert _relative_error(gated, want_gated) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_int8_decode_holds_the_largest_products(kernel_path, rows):
-    """Every weight at +-127 and every x at the row's maximum, over K = 8192: the AVX2 unit's int16 sums
-    (2 * 127 * 32767 per K pair; on two streams both halves of K into the same sums; 3-4 rows in chunks) must reach
-    fp32 before int32 overflows."""
+    """Every weight at +-127 and every x at the row's maximum, over K = 8192: the int16 words' int32 sums (2 * 127 *
+    32767 per K pair; on two streams both halves of K into the same sums; 3-4 rows in chunks; 7 rows: the AVX2
+    unit's GEMM) must reach fp32 before int32 overflows."""
     in_features = 8192
     weight = torch.full((64, in_features), 0.5).to(torch.bfloat16)
     weight[1::2] = -0.5
@@ -112,23 +112,25 @@ def test_int8_decode_holds_the_largest_products(kernel_path, rows):
 
 
 # rows, K: the smallest GEMM, K padded to 8 (a partial group of x), a last group of 4 inputs, K past one chunk of 128
-# pairs, a prompt over several row tiles and 8 chunks
-INT8_GEMM_SHAPES = [((5,), 7), ((7,), 100), ((2, 9), 300), ((13,), 2048)]
+# pairs, a prompt over several row tiles and 8 chunks, K not a multiple of 4 over two of the AVX2 GEMM's row chunks
+INT8_GEMM_SHAPES = [((5,), 7), ((7,), 100), ((2, 9), 300), ((13,), 2048), ((110,), 130)]
 
 
 @pytest.mark.parametrize("rows,in_features", INT8_GEMM_SHAPES)
-def test_int8_gemm_reads_x_as_int8_groups(kernel_path, rows, in_features):
-    """An int8 GEMM on the AVX512-BF16 units' own GEMM multiplies x rounded to int8 per 32 inputs (`vpdpbusd`):
-    within fp32 rounding of the float64 product of those rows and the dequantized weight, and measurably off the
-    product of x as it is; linear, linear_float and gate/up. On oneDNN's brgemm the same call reads x as it is."""
+def test_int8_gemm_multiplies_rounded_x(kernel_path, rows, in_features):
+    """An int8 GEMM on the units' own GEMM multiplies integers: x rounded to int8 per 32 inputs on the AVX512-BF16
+    units (`vpdpbusd`; K a multiple of 4), to int16 per row on AVX2 (`vpmaddwd`). Within fp32 rounding of the float64
+    product of those rows and the dequantized weight, ten times nearer it than the product of x as it is; linear,
+    linear_float and gate/up. On oneDNN's brgemm, and with TILEFX_INT8_ACTIVATIONS=bf16, the same call reads x as it
+    is."""
     from tilefx.custom_ops import tuning
 
-    if kernel_path == "reference" or not kernel_path.startswith("avx512"):
-        pytest.skip("only the AVX512-BF16 units' GEMM reads x as int8 groups")
+    if kernel_path == "reference":
+        pytest.skip("the reference path multiplies x as it is")
     g = torch.Generator().manual_seed(in_features)
     x = (torch.randn(*rows, in_features, generator=g) * 3).to(torch.bfloat16)
     # an outlying input, as trained models' hidden states have: its group's other inputs round to 0, and the
-    # products of the +128 the unit adds to each weight byte are ~1e5 times the outputs (none of its own: its
+    # products of the +128 the AVX512 unit adds to each weight byte are ~1e5 times the outputs (none of its own: its
     # weights are 0), so those must come off exactly (K of one group: left out, every output would be 0)
     weight, up = _weight(96, in_features, seed=in_features), _weight(96, in_features, seed=in_features + 1)
     if in_features > 32:
@@ -137,28 +139,33 @@ def test_int8_gemm_reads_x_as_int8_groups(kernel_path, rows, in_features):
     b = torch.randn(96, generator=g).to(torch.bfloat16)
     packed, gate_up = weights.pack_linear_weight(weight, "int8"), weights.pack_gate_up_weight(weight, up, "int8")
     w, u = dequantized(weight, "int8").double(), dequantized(up, "int8").double()
-    grouped, plain = rounded_to_groups(x.float(), 32, 127).double(), x.double()  # rounded in fp32, as the units do
+    with tuning.forced_gemm("int8", "unit"):
+        form = int8_gemm_x(kernel_path, in_features)
+        assert form == ("int16" if kernel_path == "avx2" else "int8" if (in_features + in_features % 2) % 4 == 0
+                        else "bf16")
+        fp32 = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
+        got = linear_ops.linear(x, packed, b, 96, weights.packed_scales(packed))
+        gated = linear_ops.linear_silu_mul(x, gate_up, 96, weights.packed_scales(gate_up))
+    rounded, plain = rows_as_read(x, "int8", kernel_path).double(), x.double()  # rounded in fp32, as the units do
+    assert form == "bf16" or not torch.equal(rounded, plain)
 
     def error(got, want):
         return ((got.double() - want).norm() / want.norm()).item()
 
-    with tuning.forced_gemm("int8", "unit"):
-        assert int8_gemm_reads_groups(kernel_path, in_features)
-        fp32 = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
-        got = linear_ops.linear(x, packed, b, 96, weights.packed_scales(packed))
-        gated = linear_ops.linear_silu_mul(x, gate_up, 96, weights.packed_scales(gate_up))
-    want = grouped @ w.T + b.double()
-    assert error(fp32, want) < 1e-5 < error(fp32, plain @ w.T + b.double()) / 10
+    want = rounded @ w.T + b.double()
+    assert error(fp32, want) < 1e-5
+    if form != "bf16":
+        assert error(fp32, want) * 10 < error(fp32, plain @ w.T + b.double())
     assert error(got, want) < 1e-2
-    assert error(gated, torch.nn.functional.silu(grouped @ w.T) * (grouped @ u.T)) < 1e-2
+    assert error(gated, torch.nn.functional.silu(rounded @ w.T) * (rounded @ u.T)) < 1e-2
     if tuning.brgemm_runs():
         with tuning.forced_gemm("int8", "brgemm"):
-            assert not int8_gemm_reads_groups(kernel_path, in_features)
+            assert int8_gemm_x(kernel_path, in_features) == "bf16"
             on_brgemm = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
         assert error(on_brgemm, plain @ w.T + b.double()) < 1e-5
     # TILEFX_INT8_ACTIVATIONS=bf16: the unit's GEMM over dequantized blocks, x as it is
     with tuning.forced_gemm("int8", "unit"), isa.forced_int8_activations("bf16"):
-        assert not int8_gemm_reads_groups(kernel_path, in_features)
+        assert int8_gemm_x(kernel_path, in_features) == "bf16"
         weight_only = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
     assert error(weight_only, plain @ w.T + b.double()) < 1e-5
 
