@@ -92,6 +92,24 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     assert _relative_error(got_float, unit.float()) < (1e-2 if rounded else 1e-3)
 
 
+@pytest.mark.parametrize("format", ["bf16", "int8"])
+def test_brgemm_prefill_past_two_slabs_matches_the_reference(kernel_path, format):
+    """A prompt of more than 2 x 1024 rows on brgemm runs in slabs of 1024 rows (linear_ops.cpp kBrgemmSlabRows),
+    every block over one slab before the next: 2055 rows are two slabs and a last one of 7, each writing its own
+    rows (checked slab by slab)."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path runs PyTorch's matmul; brgemm is a native path's choice")
+    rows = 2 * 1024 + 7
+    run, want, want_gated = _linear_ops(format, rows, 64, 2 * 32 + 7, 64)
+    with tuning.forced_gemm(format, "brgemm"):
+        got, got_float, gated = run()
+    for first in range(0, rows, 1024):
+        part = slice(first, first + 1024)
+        assert _relative_error(got[part], want[part]) < 1e-2
+        assert _relative_error(got_float[part], want[part]) < 1e-2
+        assert _relative_error(gated[part], want_gated[part]) < 1e-2
+
+
 def test_prefill_gemm_choice_is_checked_and_defaults_to_the_path():
     with pytest.raises(RuntimeError, match="unknown prefill GEMM"):
         isa.native.set_prefill_gemm("bf16", "mkl")
