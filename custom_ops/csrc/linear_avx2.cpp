@@ -10,7 +10,8 @@
 // How many streams and how far ahead pay differs between CPUs, so both are tuned
 // per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 4)
 // is a blocked GEMM over x packed in 6-row tiles (pack_x_tiles): the weight panel of one
-// block and kKChunk pairs of K (16 KiB) stays in L1 while every tile of x passes over it.
+// block and kKChunk pairs of K (16 KiB) stays in L1 while every tile of x passes over it;
+// int8's multiplies the weight bytes by x as int16 words in the same blocking (int8_word_gemm).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -769,7 +770,7 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
   }
 }
 
-// The AVX2 micro-kernels as linear_walk.h calls them (over fp32 x, or int16 words for int8 decode).
+// The AVX2 micro-kernels as linear_walk.h calls them (over fp32 x, or int16 words for int8 decode and GEMMs).
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
