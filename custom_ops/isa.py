@@ -22,7 +22,8 @@ instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a tr
 
 An int8 GEMM (a prompt's linears and experts, more than 4 rows) on the units' own GEMM multiplies integers by
 default: on the AVX512-BF16 units x as int8 per 32 inputs (``vpdpbusd``, 1.4x the bf16 GEMM's rate on Zen 4, for
-+0.6% of perplexity on a trained model), on AVX2 as int16 per row (``vpmaddwd``, what int8 decode reads);
++0.25% of perplexity over weight-only int8 on a trained model), on AVX2 as int16 per row (``vpmaddwd``, what int8
+decode reads: +0.09%);
 ``TILEFX_INT8_ACTIVATIONS=bf16`` (or ``forced_int8_activations("bf16")``) keeps x bf16 over dequantized blocks,
 the weight-only numerics. Where tuning chooses oneDNN's brgemm for int8 (AMX), x is bf16.
 

@@ -851,6 +851,12 @@ def brgemm_runs() -> bool:
 INT8_GEMM_X = {"int8": "int8 per 32 inputs", "int16": "int16 per row", "bf16": "bf16 over dequantized blocks"}
 
 
+def linear_unit(path: str) -> str:
+    """The unit whose own kernels run the linear ops on ``path`` ("avx512_bf16", "avx2", ...; on ``amx`` the one
+    below brgemm's rows), or "" on the reference path."""
+    return isa.kernel_units(path).get("linear", "").split(", else ")[-1]
+
+
 def unit_int8_gemm_x(path: str) -> str:
     """How the unit's own int8 GEMM on ``path`` reads x (csrc/activations.h): ``int8`` per 32 inputs on the
     AVX512-BF16 units (``vpdpbusd``; where K padded to even is a multiple of 4, else as ``bf16``), ``int16`` per row
@@ -858,8 +864,7 @@ def unit_int8_gemm_x(path: str) -> str:
     on the reference path)."""
     if path == "reference" or isa.native is None or isa.int8_activations() != "int8":
         return "bf16"
-    unit = isa.kernel_units(path)["linear"].split(", else ")[-1]
-    return "int8" if unit.startswith("avx512") else "int16"
+    return "int8" if linear_unit(path).startswith("avx512") else "int16"
 
 
 def int8_gemm_x(path: str) -> str:

@@ -142,8 +142,9 @@ def _int8_activations_line() -> str:
     x = tuning.int8_gemm_x(isa.current())
     prefill = (f"a prompt's GEMMs read x as {tuning.INT8_GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over "
                "dequantized blocks)" if x != "bf16" else "a prompt's GEMMs dequantize the weights and read bf16")
-    return ("activations: the int8 linears of up to 2 rows read x rounded to int16 per row (one scale each, 15 bits); "
-            + prefill)
+    decode_rows = 4 if tuning.linear_unit(isa.current()) == "avx2" else 2  # (csrc/kernels.h quantized_gemv_rows)
+    return (f"activations: the int8 linears of up to {decode_rows} rows read x rounded to int16 per row (one scale "
+            "each, 15 bits); " + prefill)
 
 
 def _int4_activations_line() -> str:

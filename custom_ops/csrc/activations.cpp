@@ -97,16 +97,19 @@ constexpr int64_t kRowsPerTask = 64;
 // across the threads; all on the calling thread where they come to no more than kRowsPerTask rows.
 template <class Body>
 void in_tasks(const std::vector<RowSpan>& spans, const Body& body) {
-  std::vector<RowSpan> tasks;
   int64_t total = 0;
+  for (const RowSpan& span : spans) total += span.count;
+  if (total <= kRowsPerTask) {  // (a decode's rows: no task list on its hot path)
+    for (const RowSpan& span : spans) body(span.begin, span.count);
+    return;
+  }
+  std::vector<RowSpan> tasks;
   for (const RowSpan& span : spans) {
     for (int64_t r = span.begin; r < span.begin + span.count; r += kRowsPerTask) {
       tasks.push_back({r, std::min(kRowsPerTask, span.begin + span.count - r)});
     }
-    total += span.count;
   }
-  const int64_t count = static_cast<int64_t>(tasks.size()), grain = total <= kRowsPerTask ? count : 1;
-  at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) body(tasks[i].begin, tasks[i].count);
   });
 }

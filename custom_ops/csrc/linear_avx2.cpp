@@ -510,15 +510,12 @@ static void int8_word_tile(const uint32_t* tile, const uint8_t* block, int64_t q
 static void int8_word_gemm(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
-  for (int64_t q0 = 0; q0 < p.K_pairs; q0 += kWordPairs) {
-    const int64_t q1 = q0 + kWordPairs < p.K_pairs ? q0 + kWordPairs : p.K_pairs;
-    over_row_tiles<kWordTileRows>(p.M, [&](int64_t m, auto rows) {
-      const uint32_t* tile = p.x_words() + m / kWordTileRows * p.K_pairs * kWordTileRows;
-      for (int vec0 = 0; vec0 < kVecs; vec0 += 2) {
-        int8_word_tile<decltype(rows)::value>(tile, w, q0, q1, vec0, c + m * kBlockN);
-      }
-    });
-  }
+  over_gemm_tiles<kWordTileRows>(p, kWordPairs, [&](int64_t q0, int64_t q1, int64_t m, auto rows) {
+    const uint32_t* tile = p.x_words() + m / kWordTileRows * p.K_pairs * kWordTileRows;
+    for (int vec0 = 0; vec0 < kVecs; vec0 += 2) {
+      int8_word_tile<decltype(rows)::value>(tile, w, q0, q1, vec0, c + m * kBlockN);
+    }
+  });
   const float* column_scales = p.scales + block * kBlockN;
   for (int64_t m = 0; m < p.M; ++m) {
     const __m256 x_scale = _mm256_set1_ps(p.x_scales[m]);

@@ -145,12 +145,9 @@ static void gemm_tile(const uint32_t* x, int64_t ldp, const uint16_t* block, int
 static void gemm_block(const LinearProblem& p, const uint16_t* block, float* c) {
   const int64_t ldp = p.ldx / 2;
   for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
-  for (int64_t p0 = 0; p0 < p.K_pairs; p0 += kKChunk) {
-    const int64_t p1 = p0 + kKChunk < p.K_pairs ? p0 + kKChunk : p.K_pairs;
-    over_row_tiles<kTileRows>(p.M, [&](int64_t m, auto rows) {
-      gemm_tile<decltype(rows)::value>(p.x_pairs() + m * ldp, ldp, block, p0, p1, c + m * kBlockN);
-    });
-  }
+  over_gemm_tiles<kTileRows>(p, kKChunk, [&](int64_t p0, int64_t p1, int64_t m, auto rows) {
+    gemm_tile<decltype(rows)::value>(p.x_pairs() + m * ldp, ldp, block, p0, p1, c + m * kBlockN);
+  });
 }
 
 // Whether a row's kBlockN bf16 outputs from `y` go out as non-temporal stores (LinearProblem::stream_y): a whole
@@ -496,12 +493,9 @@ static void int8_group_tile(const LinearProblem& p, const uint8_t* block, int64_
 static void int8_group_gemm(const LinearProblem& p, int64_t block, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kQPairBytes;
   for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
-  for (int64_t q0 = 0; q0 < p.K_pairs; q0 += kKChunk) {
-    const int64_t q1 = q0 + kKChunk < p.K_pairs ? q0 + kKChunk : p.K_pairs;
-    over_row_tiles<kGroupTileRows>(p.M, [&](int64_t m, auto rows) {
-      int8_group_tile<decltype(rows)::value>(p, w, q0, q1, m, c + m * kBlockN);
-    });
-  }
+  over_gemm_tiles<kGroupTileRows>(p, kKChunk, [&](int64_t q0, int64_t q1, int64_t m, auto rows) {
+    int8_group_tile<decltype(rows)::value>(p, w, q0, q1, m, c + m * kBlockN);
+  });
   // column order, times the column scales
   const __m512i first = _mm512_loadu_si512(kColumnOrder[0]), second = _mm512_loadu_si512(kColumnOrder[1]);
   const __m512 s0 = _mm512_loadu_ps(p.scales + block * kBlockN), s1 = _mm512_loadu_ps(p.scales + block * kBlockN + 16);

@@ -42,6 +42,17 @@ inline void over_row_tiles(int64_t rows, const Body& body) {
   over_row_tiles<TileRows>(rows, body, std::make_integer_sequence<int, TileRows>{});
 }
 
+// body(q0, q1, m, std::integral_constant<int, R>{}) for a GEMM's micro-tiles: p's K pairs in chunks [q0, q1) of
+// `chunk`, outermost, so a chunk of the block stays in L1 while every row tile passes over it; within a chunk p's
+// rows in tiles of TileRows (over_row_tiles).
+template <int TileRows, class Body>
+inline void over_gemm_tiles(const LinearProblem& p, int64_t chunk, const Body& body) {
+  for (int64_t q0 = 0; q0 < p.K_pairs; q0 += chunk) {
+    const int64_t q1 = q0 + chunk < p.K_pairs ? q0 + chunk : p.K_pairs;
+    over_row_tiles<TileRows>(p.M, [&](int64_t m, auto rows) { body(q0, q1, m, rows); });
+  }
+}
+
 // body(PrefetchAs<P>{}) with P the problem's prefetch: a kernel reads it as decltype(tag)::value.
 template <class Body>
 inline void with_prefetch(const LinearProblem& p, const Body& body) {

@@ -492,6 +492,21 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         assert {tuple(c) for c in calls} == {("unit", 0)}
 
 
+@pytest.mark.parametrize("path,rows,x", [("avx2", 4, "int16 per row"), ("avx512_bf16", 2, "int8 per 32 inputs")])
+def test_int8_activations_line_says_what_each_path_reads(path, rows, x):
+    """explain()'s int8 line: decode's word rows (csrc/kernels.h quantized_gemv_rows) and the unit GEMM's form."""
+    from tilefx import _int8_activations_line
+
+    if path not in isa.supported():
+        pytest.skip(f"this CPU does not run {path}")
+    with isa.forced(path), tuning.forced_gemm("int8", "unit"):
+        line = _int8_activations_line()
+        with isa.forced_int8_activations("bf16"):
+            weight_only = _int8_activations_line()
+    assert f"of up to {rows} rows" in line and f"GEMMs read x as {x} " in line
+    assert f"of up to {rows} rows" in weight_only and "dequantize the weights and read bf16" in weight_only
+
+
 def test_int8_gemm_choice_says_how_its_unit_reads_x():
     unit = tuning.GemmChoice("int8", "unit", "cached", 500.0, 400.0, x="int16")
     assert unit.line() == "prefill GEMM int8: unit (x as int16 per row) (cached: unit 500 GFLOP/s, oneDNN brgemm 400)"
