@@ -20,12 +20,12 @@ int4 decode reads x as 15-bit words by default. ``TILEFX_INT4_ACTIVATIONS=int8``
 instead of computing (AVX512-BF16), at a measured 0.2-0.3% of perplexity on a trained model
 (docs/PERFORMANCE.md).
 
-An int8 GEMM (a prompt's linears and experts, more than 4 rows) on the units' own GEMM multiplies integers by
-default: on the AVX512-BF16 units x as int8 per 32 inputs (``vpdpbusd``, 1.4x the bf16 GEMM's rate on Zen 4, for
-+0.25% of perplexity over weight-only int8 on a trained model), on AVX2 as int16 per row (``vpmaddwd``, what int8
-decode reads: +0.09%);
-``TILEFX_INT8_ACTIVATIONS=bf16`` (or ``forced_int8_activations("bf16")``) keeps x bf16 over dequantized blocks,
-the weight-only numerics. Where tuning chooses oneDNN's brgemm for int8 (AMX), x is bf16.
+An int8 or int4 GEMM (a prompt's linears and experts, more than 4 rows) on the units' own GEMM multiplies integers
+by default: on the AVX512-BF16 units x as int8 per 32 inputs (``vpdpbusd``: int8 1.4x the bf16 GEMM's rate on Zen
+4, for +0.25% of perplexity over weight-only int8 on a trained model), on AVX2 as int16 per row (``vpmaddwd``, what
+int8 decode reads: +0.09%).
+``TILEFX_INT8_ACTIVATIONS=bf16`` (or ``forced_int8_activations("bf16")``) keeps x bf16 over dequantized blocks in
+both formats' GEMMs, the weight-only numerics. Where tuning chooses oneDNN's brgemm for a format (AMX), x is bf16.
 
 ``avx512_bf16_emulated`` is a path for tests only: the AVX512-BF16 units built on
 SIMDe's portable intrinsics (where simde-py was installed at build time), so its
@@ -130,7 +130,7 @@ _set(_from_environment())
 # forms (the default first), what reads it). custom_ops/csrc/activations.h has what each means.
 _ACTIVATION_CHOICES = {
     "int4": ("TILEFX_INT4_ACTIVATIONS", ("int16", "int8"), "int4 decode reads x"),
-    "int8": ("TILEFX_INT8_ACTIVATIONS", ("int8", "bf16"), "int8 GEMMs read x"),
+    "int8": ("TILEFX_INT8_ACTIVATIONS", ("int8", "bf16"), "int8 and int4 GEMMs read x"),
 }
 INT4_ACTIVATIONS = _ACTIVATION_CHOICES["int4"][1]
 INT8_ACTIVATIONS = _ACTIVATION_CHOICES["int8"][1]
@@ -181,14 +181,14 @@ def forced_int4_activations(form: str):
 
 
 def int8_activations() -> str:
-    """How an int8 GEMM (more than 4 rows) on the units' own GEMM reads x: ``int8`` (integer products: int8 per 32
-    inputs on the AVX512-BF16 units, ``vpdpbusd``; int16 per row on AVX2, ``vpmaddwd``) or ``bf16`` (over dequantized
-    blocks, the weight-only numerics)."""
+    """How an int8 or int4 GEMM (more than 4 rows) on the units' own GEMM reads x: ``int8`` (integer products: int8
+    per 32 inputs on the AVX512-BF16 units, ``vpdpbusd``; for int8 weights int16 per row on AVX2, ``vpmaddwd``) or
+    ``bf16`` (over dequantized blocks, the weight-only numerics)."""
     return _native_form("int8") if native is not None else "bf16"
 
 
 def forced_int8_activations(form: str):
-    """Run a block with int8 GEMMs reading x as ``form`` (``int8`` or ``bf16``)."""
+    """Run a block with int8 and int4 GEMMs reading x as ``form`` (``int8`` or ``bf16``)."""
     return _forced_form("int8", form)
 
 

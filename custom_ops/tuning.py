@@ -755,12 +755,12 @@ class GemmChoice:
     unit_gflops: float = 0.0
     brgemm_gflops: float = 0.0
     seconds: float = 0.0
-    x: str = ""  # int8: how the unit's GEMM reads x (INT8_GEMM_X), as it was timed
+    x: str = ""  # int8, int4: how the unit's GEMM reads x (GEMM_X), as it was timed
 
     def line(self) -> str:
         what = f"prefill GEMM {self.format}: {self.gemm}"
         if self.x and self.gemm == "unit":
-            what += f" (x as {INT8_GEMM_X[self.x]})"
+            what += f" (x as {GEMM_X[self.x]})"
         if self.how == "untuned":
             return f"{what} (not tuned)"
         return (f"{what} ({self.how}: unit {self.unit_gflops:.0f} GFLOP/s, oneDNN brgemm {self.brgemm_gflops:.0f}"
@@ -847,8 +847,9 @@ def brgemm_runs() -> bool:
     return True
 
 
-# How an int8 GEMM reads x (int8_gemm_x), in words.
-INT8_GEMM_X = {"int8": "int8 per 32 inputs", "int16": "int16 per row", "bf16": "bf16 over dequantized blocks"}
+# How a GEMM over integer weights reads x (gemm_x), in words.
+GEMM_X = {"int8": "int8 per 32 inputs", "int16": "int16 per row", "bf16": "bf16 over dequantized blocks"}
+INTEGER_FORMATS = ("int8", "int4")  # the weight formats whose GEMMs can multiply integers
 
 
 def linear_unit(path: str) -> str:
@@ -857,23 +858,23 @@ def linear_unit(path: str) -> str:
     return isa.kernel_units(path).get("linear", "").split(", else ")[-1]
 
 
-def unit_int8_gemm_x(path: str) -> str:
-    """How the unit's own int8 GEMM on ``path`` reads x (csrc/activations.h): ``int8`` per 32 inputs on the
-    AVX512-BF16 units (``vpdpbusd``; where K padded to even is a multiple of 4, else as ``bf16``), ``int16`` per row
-    on AVX2 (``vpmaddwd``), or ``bf16`` over dequantized blocks where ``isa.int8_activations()`` asks for it (and
-    on the reference path)."""
-    if path == "reference" or isa.native is None or isa.int8_activations() != "int8":
+def unit_gemm_x(format: str, path: str) -> str:
+    """How the unit's own GEMM over ``format`` weights on ``path`` reads x (csrc/activations.h activation_form), for
+    int8 and int4 weights: ``int8`` per 32 inputs on the AVX512-BF16 units (``vpdpbusd``; int8 where K padded to even
+    is a multiple of 4, else as ``bf16``), ``int16`` per row on AVX2 (``vpmaddwd``); else ``bf16`` over dequantized
+    blocks: fp8, the reference path, and where ``isa.int8_activations()`` asks for it."""
+    if format not in INTEGER_FORMATS or path == "reference" or isa.native is None or isa.int8_activations() != "int8":
         return "bf16"
     return "int8" if linear_unit(path).startswith("avx512") else "int16"
 
 
-def int8_gemm_x(path: str) -> str:
-    """How an int8 linear or expert of more than 4 rows on ``path`` reads x: as the unit's GEMM does
-    (``unit_int8_gemm_x``) where the prefill GEMM chosen for int8 is the unit's, else ``bf16`` (oneDNN's brgemm
+def gemm_x(format: str, path: str) -> str:
+    """How a linear or expert of more than 4 rows over ``format`` weights on ``path`` reads x: as the unit's GEMM
+    does (``unit_gemm_x``) where the prefill GEMM chosen for the format is the unit's, else ``bf16`` (oneDNN's brgemm
     multiplies bf16 x by a dequantized block)."""
-    if isa.native is not None and prefill_runs_brgemm(isa.native.get_prefill_gemm("int8"), path):
+    if isa.native is not None and prefill_runs_brgemm(isa.native.get_prefill_gemm(format), path):
         return "bf16"
-    return unit_int8_gemm_x(path)
+    return unit_gemm_x(format, path)
 
 
 def forced_gemm(format: str, gemm: str):
@@ -918,7 +919,7 @@ def tune_gemm(format: str, path: str) -> GemmChoice:
     gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
     isa.native.set_prefill_gemm(format, gemm)
     return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started,
-                      unit_int8_gemm_x(path) if format == "int8" else "")
+                      unit_gemm_x(format, path) if format in INTEGER_FORMATS else "")
 
 
 def _tiling_name(tiling: tuple) -> str:
@@ -1052,13 +1053,14 @@ def tune_decode_gemm(format: str, path: str) -> DecodeGemmChoice:
 
 def _tuned_prefill_gemm(format: str, path: str, saved: dict) -> tuple[GemmChoice, bool]:
     """The prefill GEMM of ``format`` from ``saved``, else timed and put there; (choice, whether timed)."""
-    # (int8's unit is timed reading x in the form its GEMM reads it: isa.int8_activations)
-    key = _machine_key(path, "prefill_gemm", format, *(["x=" + isa.int8_activations()] if format == "int8" else []))
+    # (int8's and int4's unit is timed reading x in the form its GEMM reads it: isa.int8_activations)
+    key = _machine_key(path, "prefill_gemm", format,
+                       *(["x=" + isa.int8_activations()] if format in INTEGER_FORMATS else []))
     entry = saved.get(key)
     if entry is not None:
         isa.native.set_prefill_gemm(format, entry["gemm"])
         return GemmChoice(format, entry["gemm"], "cached", entry["unit_gflops"], entry["brgemm_gflops"],
-                          x=unit_int8_gemm_x(path) if format == "int8" else ""), False
+                          x=unit_gemm_x(format, path) if format in INTEGER_FORMATS else ""), False
     choice = tune_gemm(format, path)
     saved[key] = {"gemm": choice.gemm, "unit_gflops": choice.unit_gflops, "brgemm_gflops": choice.brgemm_gflops}
     return choice, True

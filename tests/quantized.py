@@ -24,14 +24,14 @@ def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor
     """x as a native path's linear over ``format`` weights multiplies it, in fp32. A decode GEMV (up to 2 rows; int8
     on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows): int8 and int4 read each row rounded to int16 times
     its scale max|x| / 32767 (round half to even), int4 with int8 activations (``int4_reads_int8``) each 32 inputs
-    rounded to int8 times their max|x| / 127. An int8 GEMM (more than 4 rows) reads x as ``int8_gemm_x`` says: each
-    32 inputs rounded to int8 likewise, or each row to int16. Otherwise x as it is."""
+    rounded to int8 times their max|x| / 127. An int8 or int4 GEMM (more than 4 rows) reads x as ``gemm_x`` says:
+    each 32 inputs rounded to int8 likewise, or each row to int16. Otherwise x as it is."""
     rows = x.numel() // max(1, x.shape[-1])
     word_rows = 4 if format == "int8" and kernel_path == "avx2" else 2
-    gemm_x = int8_gemm_x(kernel_path, x.shape[-1]) if format == "int8" and rows > 4 else None
-    if gemm_x == "int8":
+    gemm_x_form = gemm_x(format, kernel_path, x.shape[-1]) if format in ("int8", "int4") and rows > 4 else None
+    if gemm_x_form == "int8":
         return rounded_to_groups(x.float(), 32, 127)
-    if gemm_x == "int16":
+    if gemm_x_form == "int16":
         return rounded_to_groups(x.float(), x.shape[-1], 32767)
     if format not in ("int8", "int4") or rows > word_rows or kernel_path == "reference":
         return x.float()
@@ -40,12 +40,13 @@ def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor
     return rounded_to_groups(x.float(), x.shape[-1], 32767)
 
 
-def int8_gemm_x(kernel_path: str, in_features: int) -> str:
-    """How an int8 linear or expert of more than 4 rows on ``kernel_path`` reads x (``tuning.int8_gemm_x``): "int8"
-    per 32 inputs (where K padded to even is a multiple of 4, else as "bf16"), "int16" per row, or "bf16" as it is."""
+def gemm_x(format: str, kernel_path: str, in_features: int) -> str:
+    """How a linear or expert of more than 4 rows over ``format`` weights on ``kernel_path`` reads x
+    (``tuning.gemm_x``): "int8" per 32 inputs (where K padded to even is a multiple of 4, else as "bf16"), "int16"
+    per row, or "bf16" as it is."""
     from tilefx.custom_ops import tuning
 
-    form = tuning.int8_gemm_x(kernel_path)
+    form = tuning.gemm_x(format, kernel_path)
     return "bf16" if form == "int8" and (in_features + in_features % 2) % 4 else form
 
 
@@ -68,8 +69,9 @@ def experts_as_read(x, gate_up_w, down_w, topk_weights, ids, format: str, kernel
 
 
 class _RoundedInt4Inputs(torch.overrides.TorchFunctionMode):
-    """``F.linear`` over one of ``storages``' weights (the int4 ones) reads its input rounded as int4 decode does
-    (every row), in fp32: ``form`` "int8" (per 32 inputs), "int16" (per row), or None (the current path's)."""
+    """``F.linear`` over one of ``storages``' weights (the int4 ones) reads its input rounded, in fp32: ``form``
+    "int8" (per 32 inputs) or "int16" (per row) on every row, or with None as the current path does (``rows_as_read``:
+    decode's form up to 2 rows, the GEMM's above 4)."""
 
     def __init__(self, storages: set[int], form: str | None):
         super().__init__()
@@ -82,20 +84,20 @@ class _RoundedInt4Inputs(torch.overrides.TorchFunctionMode):
 
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            form = self.form or ("int8" if int4_reads_int8(isa.current()) else
-                                 None if isa.current() == "reference" else "int16")
-            rounded = (x.float() if form is None else
-                       rounded_to_groups(x.float(), 32, 127) if form == "int8" else
-                       rounded_to_groups(x.float(), x.shape[-1], 32767))
+            if self.form is None:
+                rounded = rows_as_read(x, "int4", isa.current())
+            else:
+                rounded = (rounded_to_groups(x.float(), 32, 127) if self.form == "int8" else
+                           rounded_to_groups(x.float(), x.shape[-1], 32767))
             out = torch.nn.functional.linear(rounded, weight.float(), None if bias is None else bias.float())
             return out.to(x.dtype)
         return func(*args, **kwargs)
 
 
 def rounds_int4_inputs(model: torch.nn.Module, form: str | None = None) -> torch.nn.Module:
-    """``model`` (eager, its int4 weights already dequantized) made to read each int4 weight's input rounded as
-    int4 decode reads it, on every row: as the current kernel path does (``form`` None), or as ``form`` ("int8":
-    per 32 inputs; "int16": per row) says. The oracle of a model whose decode GEMVs round x. The weights are those
+    """``model`` (eager, its int4 weights already dequantized) made to read each int4 weight's input rounded: as the
+    current kernel path's decode GEMVs and GEMMs do (``form`` None), or on every row as ``form`` ("int8": per 32
+    inputs; "int16": per row) says. The oracle of a model whose int4 kernels round x. The weights are those
     ``weights="int4"`` packs as int4 (a 4-bit checkpoint's too)."""
     from tilefx.compiler import CompileOptions
     from tilefx.models.adapters import adapter_for

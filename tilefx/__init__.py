@@ -132,33 +132,40 @@ def _warm_up(model, batch: int) -> None:
     model.tilefx.cache.reset()
 
 
+def _prompt_x(format: str) -> str:
+    """How a prompt's GEMMs over ``format`` (int8, int4) weights read x on the current path (tuning.gemm_x;
+    TILEFX_INT8_ACTIVATIONS)."""
+    from tilefx.custom_ops import isa, tuning
+
+    x = tuning.gemm_x(format, isa.current())
+    if x != "bf16":
+        return f"a prompt's GEMMs read x as {tuning.GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over dequantized blocks)"
+    return "a prompt's GEMMs dequantize the weights and read bf16"
+
+
 def _int8_activations_line() -> str:
-    """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as int8 per 32 inputs,
-    int16 per row or bf16 (tuning.int8_gemm_x; TILEFX_INT8_ACTIVATIONS)."""
+    """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as ``_prompt_x``."""
     from tilefx.custom_ops import isa, tuning
 
     if not isa.kernel_units(isa.current()):
         return "activations: the int8 linears read x as it is (the reference path)"
-    x = tuning.int8_gemm_x(isa.current())
-    prefill = (f"a prompt's GEMMs read x as {tuning.INT8_GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over "
-               "dequantized blocks)" if x != "bf16" else "a prompt's GEMMs dequantize the weights and read bf16")
     decode_rows = 4 if tuning.linear_unit(isa.current()) == "avx2" else 2  # (csrc/kernels.h quantized_gemv_rows)
     return (f"activations: the int8 linears of up to {decode_rows} rows read x rounded to int16 per row (one scale "
-            "each, 15 bits); " + prefill)
+            "each, 15 bits); " + _prompt_x("int8"))
 
 
 def _int4_activations_line() -> str:
-    """How int4 decode reads x on the current path (isa.int4_activations; TILEFX_INT4_ACTIVATIONS)."""
+    """How the int4 linears read x on the current path: decode as isa.int4_activations (TILEFX_INT4_ACTIVATIONS)
+    says; a prompt's GEMMs as ``_prompt_x``."""
     from tilefx.custom_ops import isa
 
-    units = isa.kernel_units(isa.current())
-    if units and isa.int4_activations() == "int8":
+    if not isa.kernel_units(isa.current()):
+        return "activations: the int4 linears and experts read x as it is (the reference path)"
+    if isa.int4_activations() == "int8":
         how = "int8 per 32 inputs (TILEFX_INT4_ACTIVATIONS=int8)"
-    elif units:
-        how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs)"
     else:
-        how = "as it is (the reference path)"
-    return f"decode activations: the int4 linears and experts of up to 2 rows read x as {how}"
+        how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs)"
+    return f"activations: the int4 linears and experts of up to 2 rows read x as {how}; " + _prompt_x("int4")
 
 
 def _working_memory_line(opts) -> str:

@@ -12,7 +12,7 @@ namespace tilefx {
 
 namespace {
 std::atomic<bool> int4_int8_x{false};  // set_int4_activations
-std::atomic<bool> int8_gemm_int8_x{true};  // set_int8_activations
+std::atomic<bool> integer_gemm_x{true};  // set_int8_activations
 }  // namespace
 
 void set_int4_activations(const std::string& form) {
@@ -23,18 +23,18 @@ void set_int4_activations(const std::string& form) {
 std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
 
 void set_int8_activations(const std::string& form) {
-  TORCH_CHECK(form == "int8" || form == "bf16", "tilefx: int8 GEMMs read x as int8 or bf16, not '", form, "'");
-  int8_gemm_int8_x = form == "int8";
+  TORCH_CHECK(form == "int8" || form == "bf16", "tilefx: int8 and int4 GEMMs read x as int8 or bf16, not '", form, "'");
+  integer_gemm_x = form == "int8";
 }
 
-std::string get_int8_activations() { return int8_gemm_int8_x ? "int8" : "bf16"; }
+std::string get_int8_activations() { return integer_gemm_x ? "int8" : "bf16"; }
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx) {
   if (format == WeightFormat::int8 && rows <= word_rows(unit, format)) return ActivationForm::int16_words;
   if (format == WeightFormat::int4 && rows <= word_rows(unit, format)) {
     return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
   }
-  if (format == WeightFormat::int8 && rows > kGemvRows && int8_gemm_int8_x.load(std::memory_order_relaxed)) {
+  if (rows > kGemvRows && reads_words(format) && integer_gemm_x.load(std::memory_order_relaxed)) {
     if (!reads_pairs(unit)) return ActivationForm::int16_words;
     if (ldx % 4 == 0) return ActivationForm::int8_groups;
   }
@@ -73,17 +73,21 @@ void quantize_groups(LinearUnit unit, const void* rows, int64_t count, int64_t l
   }
 }
 
-// Words [ldx] of one row as split_words (kernels.h): per 4 inputs the low bytes, then the high bytes; and each
-// 128 inputs' sum of words.
-void split_row(const uint32_t* words, int64_t ldx, uint8_t* out, float* sums) {
+// Words [ldx] of one row as split_words (kernels.h): per 4 inputs the low bytes, then the high bytes.
+void split_row(const uint32_t* words, int64_t ldx, uint8_t* out) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
-  const int16_t* values = reinterpret_cast<const int16_t*>(words);
   for (int64_t k = 0; k < ldx; k += 4) {
     for (int j = 0; j < 4; ++j) {
       out[2 * k + j] = bytes[2 * (k + j)];
       out[2 * k + 4 + j] = bytes[2 * (k + j) + 1];
     }
   }
+}
+
+// Each 128 inputs' sum of the words [ldx] of one row (int4's x_sums over words: split_words, and int16_words for
+// an int4 GEMM).
+void word_sums(const uint32_t* words, int64_t ldx, float* sums) {
+  const int16_t* values = reinterpret_cast<const int16_t*>(words);
   for (int64_t g = 0, k = 0; k < ldx; ++g) {
     int32_t sum = 0;
     for (const int64_t end = std::min(k + 2 * kInt4GroupPairs, ldx); k < end; ++k) sum += values[k];
@@ -170,12 +174,13 @@ void Activations::make_forms(const RowPlan* plan) {
   }
   gemm_on_brgemm_ = plan->gemm_on_brgemm;
   // The spans each form is made for: words (int16, or split) for decode rows and for int8 GEMM rows on the AVX2
-  // unit, int8 groups for int4 decode rows where set_int4_activations asks and for int8 GEMM rows on the
+  // unit, int8 groups for int4 decode rows where set_int4_activations asks and for int8 and int4 GEMM rows on the
   // AVX512-BF16 units. Each buffer holds every row, but only the spans' rows are written (and read), so the
   // others' pages are never touched.
   const ActivationForm decode = form(1), gemm = form(kGemvRows + 1);
-  std::vector<RowSpan> byte_spans, word_spans;
+  std::vector<RowSpan> byte_spans, word_spans, split_spans;
   if (reads_words(format_)) (decode == ActivationForm::int8_groups ? byte_spans : word_spans) = plan->words;
+  if (decode == ActivationForm::split_words) split_spans = plan->words;  // (int4 decode: the words' bytes apart)
   if (gemm == ActivationForm::int8_groups) byte_spans.insert(byte_spans.end(), plan->gemm.begin(), plan->gemm.end());
   if (gemm == ActivationForm::int16_words) word_spans.insert(word_spans.end(), plan->gemm.begin(), plan->gemm.end());
   const int64_t row_bytes = ldx_ * (reads_pairs(unit_) ? sizeof(uint16_t) : sizeof(float));
@@ -196,18 +201,18 @@ void Activations::make_forms(const RowPlan* plan) {
   const int64_t ldw = ldx_ / 2;
   words_.resize(count_ * ldw);
   word_scales_.resize(count_);
-  const bool split = format_ == WeightFormat::int4;  // int4 reads the words' bytes apart (split_words)
-  if (split) {
-    split_.resize(count_ * 2 * ldx_);
-    word_sums_.resize(count_ * groups);
-  }
+  const bool sums = format_ == WeightFormat::int4;  // int4 takes its zero points off with each group's sum of words
+  if (sums) word_sums_.resize(count_ * groups);
+  if (!split_spans.empty()) split_.resize(count_ * 2 * ldx_);
   in_tasks(word_spans, [&](int64_t begin, int64_t count) {
     quantize_words(unit_, rows + begin * row_bytes, count, ldx_, words_.data() + begin * ldw,
                    word_scales_.data() + begin);
-    if (!split) return;
-    for (int64_t r = begin; r < begin + count; ++r) {
-      split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_, word_sums_.data() + r * groups);
+    for (int64_t r = begin; sums && r < begin + count; ++r) {
+      word_sums(words_.data() + r * ldw, ldx_, word_sums_.data() + r * groups);
     }
+  });
+  in_tasks(split_spans, [&](int64_t begin, int64_t count) {
+    for (int64_t r = begin; r < begin + count; ++r) split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_);
   });
 }
 
@@ -231,7 +236,7 @@ void Activations::attach(LinearProblem& p, int64_t row) const {
     }
     p.x = words_.data() + row * (ldx_ / 2);
     p.x_scales = word_scales_.data() + row;
-    p.x_sums = nullptr;
+    p.x_sums = word_sums_.empty() ? nullptr : word_sums_.data() + row * int4_groups(ldx_);  // (int4's GEMM)
     p.x_totals = nullptr;
     return;
   }

@@ -25,21 +25,21 @@ inline bool reads_words(WeightFormat format) { return format == WeightFormat::in
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights, x ldx values a row:
 // int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
-// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 GEMM (more than
-// kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
-// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on the
-// AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's base
-// form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
-// callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 GEMMs on the base
-// form too.
+// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 or int4 GEMM (more
+// than kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
+// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), int8's
+// on the AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's
+// base form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
+// callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 and int4 GEMMs on
+// the base form too.
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx);
 // How int4 decode reads x, for the whole process: "int16" (the default) or "int8" (custom_ops/isa.py sets it
 // from TILEFX_INT4_ACTIVATIONS).
 void set_int4_activations(const std::string& form);
 std::string get_int4_activations();
-// How an int8 GEMM on the units reads x, for the whole process: "int8" (integer products, the default: int8 per
-// kXGroup inputs on the AVX512-BF16 units, int16 words on AVX2) or "bf16" (over dequantized blocks: the weight-only
-// numerics; custom_ops/isa.py sets it from TILEFX_INT8_ACTIVATIONS).
+// How an int8 or int4 GEMM on the units reads x, for the whole process: "int8" (integer products, the default: int8
+// per kXGroup inputs on the AVX512-BF16 units, int8's as int16 words on AVX2) or "bf16" (over dequantized blocks:
+// the weight-only numerics; custom_ops/isa.py sets it from TILEFX_INT8_ACTIVATIONS).
 void set_int8_activations(const std::string& form);
 std::string get_int8_activations();
 
@@ -115,10 +115,10 @@ class Activations {
   UninitializedAlignedVector<uint32_t> words_;  // int16 pairs, ldx / 2 per row
   UninitializedAlignedVector<float> word_scales_;
   UninitializedAlignedVector<uint8_t> split_;    // int4: the words as split_words, 2 * ldx bytes per row
-  UninitializedAlignedVector<int8_t> bytes_;     // int8_groups (int4 decode, int8 GEMMs): ldx bytes per row
+  UninitializedAlignedVector<int8_t> bytes_;     // int8_groups (int4 decode, int8 and int4 GEMMs): ldx bytes a row
   UninitializedAlignedVector<float> byte_scales_;  // their scales, x_groups(ldx) per row
   UninitializedAlignedVector<int32_t> byte_totals_;  // int8 weights: their sums, x_groups(ldx) per row (x_totals)
-  UninitializedAlignedVector<float> word_sums_;  // split_words, int8_groups: per row and 128 inputs (x_sums)
+  UninitializedAlignedVector<float> word_sums_;  // x_sums: per row and 128 inputs (int4's forms, int8_groups)
 };
 
 }  // namespace tilefx

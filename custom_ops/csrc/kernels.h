@@ -77,7 +77,8 @@ constexpr float kFp8Unscale = 256.0f;
 //   bf16_pairs:  [M, ldx / 2] uint32, x[2p] in the low half of element p, x[2p + 1] in the high
 //                half (what `vdpbf16ps` broadcasts; the AVX512-BF16 units' base form);
 //   int16_words: the same pairs as int16, x ~= x_scales[m] * q, one scale per row (15 bits):
-//                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`);
+//                int8 decode on every unit (`vpmaddwd` / `vpdpwssd`), int8 and int4 GEMMs on the AVX2 unit
+//                (int4's with x_sums[m][g], each 128 inputs' sum of words: the zero points' share);
 //   split_words: the int16 words as bytes, per 4 inputs their 4 low bytes (unsigned) then their 4 high
 //                bytes (signed): x ~= x_scales[m] * (256 * high + low), [M, 2 * ldx] bytes, and x_sums[m][g]
 //                each 128 inputs' sum of words (the zero points' share): int4 decode by default, where
@@ -87,8 +88,8 @@ constexpr float kFp8Unscale = 256.0f;
 //                bytes, x ~= x_scales[m][j] * q over inputs [kXGroup j, kXGroup (j + 1)) (x_groups(ldx) a
 //                row), and x_sums[m][g] each 128 inputs' sum of x_scales * q (the zero points' share): int4
 //                decode on the AVX512 units, one `vpdpbusd` per 4 inputs of 16 columns where 15-bit words
-//                take two (what made that GEMV compute-bound); int8 GEMMs on the AVX512 units' own GEMM, which
-//                read each kXGroup's sum of bytes (x_totals) instead of x_sums (activations.h).
+//                take two (what made that GEMV compute-bound); int8 and int4 GEMMs on the AVX512 units' own
+//                GEMM (int8's read each kXGroup's sum of bytes, x_totals, instead of x_sums; activations.h).
 enum class ActivationForm : int { fp32 = 0, bf16_pairs = 1, int16_words = 2, split_words = 3, int8_groups = 4 };
 // Inputs per scale of x in int8_groups, and the scales a row of ldx inputs has.
 constexpr int64_t kXGroup = 32;

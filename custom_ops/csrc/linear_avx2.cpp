@@ -188,14 +188,19 @@ static void pack_x_tiles(const float* x, int64_t rows, int64_t ldx, int64_t pair
 
 // x words as int8_word_gemm reads them: tiles of kWordTileRows rows, a tile's rows side by side per K pair (tile t,
 // pair q: the words of rows 6t .. 6t + 5 at pair q), rows past `rows` zero: each step's six broadcasts address one
-// pointer, where six rows ldx apart cost an address computation each (1.06x the rate, docs/PERFORMANCE.md).
-static void pack_word_tiles(const uint32_t* words, int64_t rows, int64_t ldw, int64_t pairs, uint32_t* out) {
+// pointer, where six rows ldx apart cost an address computation each (1.06x the rate, docs/PERFORMANCE.md). With
+// `together` 2 (int4_word_gemm; `pairs` even) each row's pairs q and q + 1 stay adjacent, one 64-bit broadcast.
+static void pack_word_tiles(const uint32_t* words, int64_t rows, int64_t ldw, int64_t pairs, uint32_t* out,
+                            int64_t together = 1) {
   for (int64_t t = 0; t * kWordTileRows < rows; ++t) {
     uint32_t* tile = out + t * pairs * kWordTileRows;
     for (int r = 0; r < kWordTileRows; ++r) {
       const int64_t m = t * kWordTileRows + r;
       const uint32_t* from = words + m * ldw;
-      for (int64_t q = 0; q < pairs; ++q) tile[q * kWordTileRows + r] = m < rows ? from[q] : 0;
+      for (int64_t q = 0; q < pairs; q += together) {
+        uint32_t* to = tile + q * kWordTileRows + r * together;
+        for (int64_t j = 0; j < together; ++j) to[j] = m < rows ? from[q + j] : 0;
+      }
     }
   }
 }
@@ -526,6 +531,97 @@ static void int8_word_gemm(const LinearProblem& p, int64_t block, float* c) {
   }
 }
 
+// int4 prefill over x as int16 words (ActivationForm::int16_words, as int8's GEMM above; more than kGemvRows rows):
+// 16 bytes of a block's two K pairs (columns 4v..4v+3 in the low nibbles, 4v+16..4v+19 in the high, four inputs
+// each) widen to 16-bit values, so each 32-bit lane holds two inputs of one column, and a shift parts the
+// nibbles: 4 instructions give two vectors of four columns' values, against which each row's words for the four
+// inputs, broadcast as one 64-bit pair, make 16 products a `vpmaddwd` (even lanes the first two inputs, odd lanes
+// the other two) as int8's GEMM does. Micro-tiles of kWordTileRows rows and those 8 columns (12 int32 sums); per
+// weight group (128 inputs) each lane pair's sum goes to fp32, the group's scale and zero point apply (its sum over
+// words q minus z times the row's sum of words in the group, x_sums) and the totals in c take it, in the lanes'
+// column order (int4_word_order) until the end. x comes packed in tiles of pairs of K pairs
+// (pack_word_tiles(..., 2)). A group is 32 steps, each adding at most 2 * 15 * 32767 per lane.
+static inline __m256i add_quad_products(__m256i acc, __m256i w, const uint32_t* x) {
+  __m256i product;
+  asm("vpbroadcastq %2, %1\n\t"
+      "vpmaddwd %1, %3, %1\n\t"
+      "vpaddd %1, %0, %0"
+      : "+x"(acc), "=&x"(product)
+      : "m"(*reinterpret_cast<const uint64_t*>(x)), "x"(w));
+  return acc;
+}
+
+// The columns of column vector v (0-3) of an int4 word tile, in the order its pair sums come out (hadd of the
+// low-nibble and the high-nibble sums, within 128-bit lanes).
+static inline void int4_word_order(int v, int (&columns)[8]) {
+  const int order[8] = {0, 1, 16, 17, 2, 3, 18, 19};
+  for (int i = 0; i < 8; ++i) columns[i] = 4 * v + order[i];
+}
+
+// 8 fp16 params of a block's group (scales, or zeros at +kBlockN) for column vector v, in int4_word_order, as fp32.
+static inline __m256 int4_word_params(const uint16_t* params, int v) {
+  uint32_t two[4];  // columns (4v, 4v+1), (4v+16, 4v+17), (4v+2, 4v+3), (4v+18, 4v+19)
+  std::memcpy(&two[0], params + 4 * v, 4);
+  std::memcpy(&two[1], params + 4 * v + 16, 4);
+  std::memcpy(&two[2], params + 4 * v + 2, 4);
+  std::memcpy(&two[3], params + 4 * v + 18, 4);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(two)));
+}
+
+template <int Rows>
+static void int4_word_tile(const LinearProblem& p, const uint32_t* tile, int64_t block, int64_t q0, int64_t q1,
+                           int64_t m0, float* c) {
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
+  for (int64_t g0 = q0; g0 < q1; g0 += kInt4GroupPairs) {  // q0 is a multiple of kInt4GroupPairs
+    const int64_t g1 = g0 + kInt4GroupPairs < q1 ? g0 + kInt4GroupPairs : q1;
+    const int64_t g = g0 / kInt4GroupPairs;
+    const uint16_t* params = int4_group_params(p, block, g);
+    for (int v = 0; v < 4; ++v) {
+      __m256i low[Rows], high[Rows];
+      for (int r = 0; r < Rows; ++r) low[r] = high[r] = _mm256_setzero_si256();
+      for (int64_t q = g0; q < g1; q += 2) {  // K_pairs is even (K a multiple of 4)
+        const __m256i values =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * kInt4PairBytes + 16 * v)));
+        const __m256i hi = _mm256_srli_epi16(values, 4);
+        const __m256i lo = _mm256_sub_epi16(values, _mm256_slli_epi16(hi, 4));
+        const uint32_t* x = tile + q * kWordTileRows;  // (pairs q, q + 1 of each row side by side)
+#pragma GCC unroll 6
+        for (int r = 0; r < Rows; ++r) {
+          low[r] = add_quad_products(low[r], lo, x + 2 * r);
+          high[r] = add_quad_products(high[r], hi, x + 2 * r);
+        }
+      }
+      const __m256 scale = int4_word_params(params, v), zero = int4_word_params(params + kBlockN, v);
+      for (int r = 0; r < Rows; ++r) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(low[r], high[r]));
+        const __m256 x_sum = _mm256_set1_ps(p.x_sums[(m0 + r) * p.k_groups + g]);
+        float* total = c + r * kBlockN + 8 * v;
+        _mm256_storeu_ps(total, _mm256_fmadd_ps(_mm256_fnmadd_ps(zero, x_sum, dot), scale, _mm256_loadu_ps(total)));
+      }
+    }
+  }
+}
+
+// Every row of p against int4 block `block` over int16 words x packed in tiles of pairs of K pairs, into c (rows of
+// kBlockN, scaled).
+static void int4_word_gemm(const LinearProblem& p, int64_t block, float* c) {
+  for (int64_t i = 0; i < p.M * kBlockN; i += 8) _mm256_storeu_ps(c + i, _mm256_setzero_ps());
+  over_gemm_tiles<kWordTileRows>(p, kWordPairs, [&](int64_t q0, int64_t q1, int64_t m, auto rows) {
+    const uint32_t* tile = p.x_words() + m / kWordTileRows * p.K_pairs * kWordTileRows;
+    int4_word_tile<decltype(rows)::value>(p, tile, block, q0, q1, m, c + m * kBlockN);
+  });
+  int columns[4][8];
+  for (int v = 0; v < 4; ++v) int4_word_order(v, columns[v]);
+  for (int64_t m = 0; m < p.M; ++m) {  // to column order, times the row's scale
+    float* row = c + m * kBlockN;
+    float sums[kBlockN];
+    std::memcpy(sums, row, sizeof sums);
+    for (int v = 0; v < 4; ++v) {
+      for (int i = 0; i < 8; ++i) row[columns[v][i]] = sums[8 * v + i] * p.x_scales[m];
+    }
+  }
+}
+
 // c[r] += rows r0 .. r0 + R - 1 of x (fp32) against fp8 pairs [p0, p1) of block `block` (S streams: and the same
 // pairs `second` further), R <= 2, the pairs within one scale group per stream: each stream's group scale (and
 // 2^60 of load_fp8_pairs' 2^-120) is folded into the x it multiplies, the values widened once for both rows, each
@@ -772,9 +868,18 @@ struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
   static constexpr bool kAvx2 = true;
-  // int8 prefill over int16 words x (linear_walk.h walk_quantized)
-  static constexpr ActivationForm kInt8GemmForm = ActivationForm::int16_words;
-  static void int8_gemm_block(const LinearProblem& p, int64_t block, float* c) { int8_word_gemm(p, block, c); }
+  // int8 and int4 prefill over int16 words x (linear_walk.h walk_quantized)
+  static constexpr bool integer_gemm(WeightFormat F, ActivationForm form) {
+    return (F == WeightFormat::int8 || F == WeightFormat::int4) && form == ActivationForm::int16_words;
+  }
+  template <WeightFormat F>
+  static void integer_gemm_block(const LinearProblem& p, int64_t block, float* c) {
+    if constexpr (F == WeightFormat::int4) {
+      int4_word_gemm(p, block, c);
+    } else {
+      int8_word_gemm(p, block, c);
+    }
+  }
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     static_assert(Blocks == 1, "the AVX2 unit streams one quantized block at a time");
@@ -881,7 +986,7 @@ struct TileBuffer {
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   if (p.M <= kGemvRows) return walk<Avx2Unit>(p, block_begin, block_end, scratch);
   static thread_local TileBuffer tiles;
-  const bool words = p.x_form == ActivationForm::int16_words;  // int8's GEMM over words (int8_word_gemm)
+  const bool words = p.x_form == ActivationForm::int16_words;  // int8's and int4's GEMMs over words
   for (int64_t m0 = 0; m0 < p.M;) {
     const int64_t left = p.M - m0;
     const int64_t rows = left <= kPackRows + kGemvRows ? left : kPackRows;
@@ -889,9 +994,11 @@ void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t blo
     if (words) {
       uint32_t* packed = reinterpret_cast<uint32_t*>(
           tiles.get((rows + kWordTileRows - 1) / kWordTileRows * p.K_pairs * kWordTileRows));
-      pack_word_tiles(p.x_words() + m0 * (p.ldx / 2), rows, p.ldx / 2, p.K_pairs, packed);
+      const bool int4 = p.format == WeightFormat::int4;  // (int4_word_gemm: pairs of K pairs, x_sums)
+      pack_word_tiles(p.x_words() + m0 * (p.ldx / 2), rows, p.ldx / 2, p.K_pairs, packed, int4 ? 2 : 1);
       chunk.x = packed;
       chunk.x_scales = p.x_scales + m0;
+      if (int4) chunk.x_sums = p.x_sums + m0 * p.k_groups;
     } else {
       float* packed = tiles.get((rows + kTileRows - 1) / kTileRows * p.K_pairs * kTilePairFloats);
       pack_x_tiles(p.x_fp32() + m0 * p.ldx, rows, p.ldx, p.K_pairs, packed);

@@ -551,6 +551,68 @@ static inline void add_int4_group(const LinearProblem& p, const int64_t* blocks,
   }
 }
 
+// int4 prefill over x as int8 per kXGroup inputs (ActivationForm::int8_groups; more than kGemvRows rows): the
+// nibbles multiply x's bytes in `vpdpbusd` as int4_gemv_bytes does, but over a micro-tile of rows that share each
+// load, so a step of two K pairs costs 3 instructions for the block and one broadcast and 2 `vpdpbusd` a row,
+// where int8's GEMM takes 6 for its block (the nibbles are unsigned already: no flip, and no sums of bytes to
+// start from). A kXGroup's int32 sums go to fp32 times its x scale (`dot`); at each weight group's end the
+// group's scale and zero point apply to the row's total in c (int4_gemv_bytes' add_int4_group, once per 128
+// inputs, so the totals stay out of the registers: 12 fp32 and 12 int32 accumulators for 6 rows). The nibbles
+// come in column order, so the result needs no permutation.
+template <int Rows>
+static void int4_group_tile(const LinearProblem& p, int64_t block, int64_t q0, int64_t q1, int64_t m0, float* c) {
+  const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
+  const int64_t x_row_groups = x_groups(p.ldx);
+  for (int64_t g0 = q0; g0 < q1; g0 += kInt4GroupPairs) {  // q0 is a multiple of kInt4GroupPairs
+    const int64_t g1 = g0 + kInt4GroupPairs < q1 ? g0 + kInt4GroupPairs : q1;
+    __m512 dot[Rows][2];  // this weight group's sum over x q, x's scales applied
+    for (auto& d : dot) d[0] = d[1] = _mm512_setzero_ps();
+    for (int64_t x0 = g0; x0 < g1; x0 += kXGroupPairs) {
+      const int64_t x1 = x0 + kXGroupPairs < g1 ? x0 + kXGroupPairs : g1;
+      __m512i sums[Rows][2];
+      for (auto& s : sums) s[0] = s[1] = _mm512_setzero_si512();
+      for (int64_t q = x0; q < x1; q += 2) {  // K_pairs is even (K a multiple of 4)
+        const Int4Halves v = load_int4_halves<Prefetch::none>(w + q * kInt4PairBytes, 0);
+#pragma GCC unroll 6
+        for (int r = 0; r < Rows; ++r) {
+          int32_t four;
+          std::memcpy(&four, p.x_bytes() + (m0 + r) * p.ldx + 2 * q, sizeof four);
+          const __m512i xb = _mm512_set1_epi32(four);
+          sums[r][0] = dot_bytes(sums[r][0], v.first, xb);
+          sums[r][1] = dot_bytes(sums[r][1], v.second, xb);
+        }
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const __m512 x_scale = _mm512_set1_ps(p.x_scales[(m0 + r) * x_row_groups + x0 / kXGroupPairs]);
+        dot[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][0]), x_scale, dot[r][0]);
+        dot[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][1]), x_scale, dot[r][1]);
+      }
+    }
+    const int64_t g = g0 / kInt4GroupPairs;
+    const uint16_t* params = int4_group_params(p, block, g);
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + 16 * h)));
+      const __m512 zero =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(params + kBlockN + 16 * h)));
+      for (int r = 0; r < Rows; ++r) {
+        float* total = c + r * kBlockN + 16 * h;
+        const __m512 x_sum = _mm512_set1_ps(p.x_sums[(m0 + r) * p.k_groups + g]);
+        _mm512_storeu_ps(total, _mm512_fmadd_ps(_mm512_fnmadd_ps(zero, x_sum, dot[r][h]), scale,
+                                                _mm512_loadu_ps(total)));
+      }
+    }
+  }
+}
+
+// Every row of p against int4 block `block` over int8_groups x, into c (rows of kBlockN, column order, scaled):
+// K in chunks of kKChunk pairs (4 KiB of the block), as int8_group_gemm.
+static void int4_group_gemm(const LinearProblem& p, int64_t block, float* c) {
+  for (int64_t i = 0; i < p.M * kBlockN; i += 16) _mm512_storeu_ps(c + i, _mm512_setzero_ps());
+  over_gemm_tiles<kGroupTileRows>(p, kKChunk, [&](int64_t q0, int64_t q1, int64_t m, auto rows) {
+    int4_group_tile<decltype(rows)::value>(p, block, q0, q1, m, c + m * kBlockN);
+  });
+}
+
 template <int Rows, int Blocks, Prefetch P>
 static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float* const* c) {
   const uint8_t* w[Blocks];
@@ -735,9 +797,18 @@ struct Avx512Unit {
       }
     });
   }
-  // int8 prefill over int8_groups x (linear_walk.h walk_quantized)
-  static constexpr ActivationForm kInt8GemmForm = ActivationForm::int8_groups;
-  static void int8_gemm_block(const LinearProblem& p, int64_t block, float* c) { int8_group_gemm(p, block, c); }
+  // int8 and int4 prefill over int8_groups x (linear_walk.h walk_quantized)
+  static constexpr bool integer_gemm(WeightFormat F, ActivationForm form) {
+    return form == ActivationForm::int8_groups && (F == WeightFormat::int8 || F == WeightFormat::int4);
+  }
+  template <WeightFormat F>
+  static void integer_gemm_block(const LinearProblem& p, int64_t block, float* c) {
+    if constexpr (F == WeightFormat::int4) {
+      int4_group_gemm(p, block, c);
+    } else {
+      int8_group_gemm(p, block, c);
+    }
+  }
   template <WeightFormat F>
   static void dequantize(const LinearProblem& p, int64_t block, uint16_t* out) {
     if constexpr (F == WeightFormat::int4) {

@@ -72,8 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "how int4 decode reads x: int16 (15-bit words, the default) or int8 (per 32 inputs)");
   m.def("get_int4_activations", &tilefx::get_int4_activations, "int16 or int8");
   m.def("set_int8_activations", &tilefx::set_int8_activations,
-        "how an int8 GEMM on the AVX512-BF16 units reads x: int8 (per 32 inputs, the default) or bf16 (over "
-        "dequantized blocks)");
+        "how an int8 or int4 GEMM on the units reads x: int8 (integer products, the default: int8 per 32 inputs on "
+        "the AVX512-BF16 units, int8's as int16 words on AVX2) or bf16 (over dequantized blocks)");
   m.def("get_int8_activations", &tilefx::get_int8_activations, "int8 or bf16");
   m.def("cpu_has", &tilefx::cpu_has,
         "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx; amx_tiles: tilefx's own "

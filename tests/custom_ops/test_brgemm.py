@@ -14,7 +14,7 @@ from tilefx.custom_ops import isa, tuning
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import dequantized, int8_gemm_x
+from quantized import dequantized, gemm_x
 
 pytestmark = pytest.mark.skipif(isa.native is None, reason="native library not built")
 
@@ -86,7 +86,7 @@ def test_brgemm_prefill_matches_the_reference(kernel_path, format, rows, in_feat
     assert _relative_error(gated, want_gated) < 1e-2
     with tuning.forced_gemm(format, "unit"):  # the same products on the unit's GEMM
         unit = run()[1]
-        rounded = format == "int8" and int8_gemm_x(kernel_path, in_features) != "bf16"
+        rounded = gemm_x(format, kernel_path, in_features) != "bf16"
     # (but the units' int8 GEMM rounds x, to int8 per 32 inputs or int16 per row: test_quantized_ops checks its
     # products)
     assert _relative_error(got_float, unit.float()) < (1e-2 if rounded else 1e-3)
@@ -474,7 +474,7 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         decode = [c for c in first if isinstance(c, tuning.DecodeGemmChoice)]
         assert [(c.format, c.how) for c in decode] == [("bf16", "tuned")]
         int8 = [c for c in first if type(c) is tuning.GemmChoice and c.format == "int8"]
-        assert [c.x for c in int8] == [tuning.unit_int8_gemm_x(path)]
+        assert [c.x for c in int8] == [tuning.unit_gemm_x("int8", path)]
         assert sorted(decode[0].gbps) == [1, 2, 4] and all(u > 0 and b > 0 for u, b in decode[0].gbps.values())
         assert decode[0].from_rows == tuning.choose_decode_gemm(decode[0].gbps)
         assert tuple(isa.native.get_decode_gemm("bf16"))[1] == decode[0].from_rows
@@ -492,19 +492,26 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
         assert {tuple(c) for c in calls} == {("unit", 0)}
 
 
-@pytest.mark.parametrize("path,rows,x", [("avx2", 4, "int16 per row"), ("avx512_bf16", 2, "int8 per 32 inputs")])
-def test_int8_activations_line_says_what_each_path_reads(path, rows, x):
-    """explain()'s int8 line: decode's word rows (csrc/kernels.h quantized_gemv_rows) and the unit GEMM's form."""
-    from tilefx import _int8_activations_line
+@pytest.mark.parametrize("format,path,decode,x", [
+    ("int8", "avx2", "of up to 4 rows read x rounded to int16 per row", "int16 per row"),
+    ("int8", "avx512_bf16", "of up to 2 rows read x rounded to int16 per row", "int8 per 32 inputs"),
+    ("int4", "avx2", "of up to 2 rows read x as int16 words per row", "int16 per row"),
+    ("int4", "avx512_bf16", "of up to 2 rows read x as int16 words per row", "int8 per 32 inputs"),
+])
+def test_activations_line_says_what_each_path_reads(format, path, decode, x):
+    """explain()'s int8 and int4 lines: decode's form and word rows (csrc/kernels.h quantized_gemv_rows), and the unit
+    GEMM's form; with TILEFX_INT8_ACTIVATIONS=bf16 the GEMM dequantizes."""
+    import tilefx
 
     if path not in isa.supported():
         pytest.skip(f"this CPU does not run {path}")
-    with isa.forced(path), tuning.forced_gemm("int8", "unit"):
-        line = _int8_activations_line()
+    line_of = getattr(tilefx, f"_{format}_activations_line")
+    with isa.forced(path), tuning.forced_gemm(format, "unit"):
+        line = line_of()
         with isa.forced_int8_activations("bf16"):
-            weight_only = _int8_activations_line()
-    assert f"of up to {rows} rows" in line and f"GEMMs read x as {x} " in line
-    assert f"of up to {rows} rows" in weight_only and "dequantize the weights and read bf16" in weight_only
+            weight_only = line_of()
+    assert decode in line and f"GEMMs read x as {x} " in line
+    assert decode in weight_only and "dequantize the weights and read bf16" in weight_only
 
 
 def test_int8_gemm_choice_says_how_its_unit_reads_x():

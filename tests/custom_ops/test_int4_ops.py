@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tilefx.custom_ops import linear as linear_ops
-from tilefx.custom_ops import tuning, weights
+from tilefx.custom_ops import isa, tuning, weights
 
-from quantized import experts_as_read, rows_as_read
+from quantized import experts_as_read, gemm_x, rows_as_read
 
 
 def _marked(values: torch.Tensor, params: torch.Tensor) -> torch.nn.Parameter:
@@ -115,8 +115,9 @@ def test_int4_checkpoint_experts(kernel_path, int4_x, tokens):
     got = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
     assert _relative_error(got, want.float()) < 1e-2
     if kernel_path != "reference" and tokens > 4:
-        with tuning.forced_gemm("int4", "brgemm"):
+        with tuning.forced_gemm("int4", "brgemm"):  # (x as it is: brgemm multiplies bf16)
             on_brgemm = torch.ops.tilefx.fused_moe(x, w13, w2, topk_weights, ids, w13_scales=s13, w2_scales=s2)
+            want = experts_as_read(x, gate_up_w, down_w, topk_weights, ids, "int4", kernel_path)
         assert _relative_error(on_brgemm, want.float()) < 1e-2
 
 
@@ -174,3 +175,48 @@ def test_int4_decode_reads_x_as_its_unit_rounds_it(kernel_path, int4_x, rows, in
     got = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
     want = rows_as_read(x, "int4", kernel_path) @ want_weight.T
     assert _relative_error(got, want) < 1e-4
+
+
+# a ragged last row tile of one row (the AVX512 tile is 6 rows), K over a partial last weight group (300) and over
+# several of the GEMM's K chunks (2048: eight groups of 128, 128 pairs a chunk), rows over many tiles
+INT4_GEMM_SHAPES = [((7,), 300), ((2, 9), 128), ((13,), 2048), ((110,), 132)]
+
+
+@pytest.mark.parametrize("rows,in_features", INT4_GEMM_SHAPES)
+def test_int4_gemm_multiplies_rounded_x(kernel_path, rows, in_features):
+    """An int4 GEMM (more than 4 rows) on the units' own GEMM multiplies the nibbles by x rounded to int8 per 32
+    inputs on the AVX512-BF16 units (`vpdpbusd`), to int16 per row on AVX2 (`vpmaddwd`), the zero points off per 128
+    inputs: within fp32 rounding of the float64 product of those rows and the exactly dequantized weight, ten times
+    nearer it than the product of x as it is; linear and gate/up, an outlying input included. On oneDNN's brgemm and
+    with TILEFX_INT8_ACTIVATIONS=bf16 it dequantizes the blocks and reads x as it is."""
+    if kernel_path == "reference":
+        pytest.skip("the reference path multiplies x as it is")
+    weight, w = _checkpoint_int4(96, in_features, seed=in_features)
+    up, u = _checkpoint_int4(96, in_features, seed=in_features + 1)
+    x = (torch.randn(*rows, in_features, generator=torch.Generator().manual_seed(in_features)) * 3)
+    x[..., 3] = 3000.0  # an outlying input: its group's other inputs round to 0
+    x = x.to(torch.bfloat16)
+    packed, gate_up = weights.pack_linear_weight(weight, "int4"), weights.pack_gate_up_weight(weight, up, "int4")
+    with tuning.forced_gemm("int4", "unit"):
+        form = gemm_x("int4", kernel_path, in_features)
+        assert form == ("int16" if kernel_path == "avx2" else "int8")
+        fp32 = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
+        gated = linear_ops.linear_silu_mul(x, gate_up, 96, weights.packed_scales(gate_up))
+    rounded, plain = rows_as_read(x, "int4", kernel_path).double(), x.double()
+    assert form == "bf16" or not torch.equal(rounded, plain)
+    want = rounded @ w.double().T
+    if form == "bf16":  # (the dequantized blocks are rounded to bf16)
+        assert _relative_error(fp32.double(), want) < 1e-2
+    else:
+        assert _relative_error(fp32.double(), want) < 1e-5
+        assert _relative_error(fp32.double(), want) * 10 < _relative_error(fp32.double(), plain @ w.double().T)
+    assert _relative_error(gated.double(), torch.nn.functional.silu(want) * (rounded @ u.double().T)) < 1e-2
+    if tuning.brgemm_runs():
+        with tuning.forced_gemm("int4", "brgemm"):
+            assert gemm_x("int4", kernel_path, in_features) == "bf16"
+            on_brgemm = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
+        assert _relative_error(on_brgemm.double(), plain @ w.double().T) < 1e-2
+    with tuning.forced_gemm("int4", "unit"), isa.forced_int8_activations("bf16"):
+        assert gemm_x("int4", kernel_path, in_features) == "bf16"
+        weight_only = linear_ops.linear_float(x, packed, None, 96, weights.packed_scales(packed))
+    assert _relative_error(weight_only.double(), plain @ w.double().T) < 1e-2

@@ -10,7 +10,7 @@ from tilefx.custom_ops import isa
 from tilefx.custom_ops import linear as linear_ops
 from tilefx.custom_ops import weights
 
-from quantized import dequantized, experts_as_read, int8_gemm_x, rows_as_read, rounded_to_groups
+from quantized import dequantized, experts_as_read, gemm_x, rows_as_read, rounded_to_groups
 
 FORMATS = ["int8", "fp8", "int4"]
 
@@ -140,7 +140,7 @@ def test_int8_gemm_multiplies_rounded_x(kernel_path, rows, in_features):
     packed, gate_up = weights.pack_linear_weight(weight, "int8"), weights.pack_gate_up_weight(weight, up, "int8")
     w, u = dequantized(weight, "int8").double(), dequantized(up, "int8").double()
     with tuning.forced_gemm("int8", "unit"):
-        form = int8_gemm_x(kernel_path, in_features)
+        form = gemm_x("int8", kernel_path, in_features)
         assert form == ("int16" if kernel_path == "avx2" else "int8" if (in_features + in_features % 2) % 4 == 0
                         else "bf16")
         fp32 = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
@@ -160,12 +160,12 @@ def test_int8_gemm_multiplies_rounded_x(kernel_path, rows, in_features):
     assert error(gated, torch.nn.functional.silu(rounded @ w.T) * (rounded @ u.T)) < 1e-2
     if tuning.brgemm_runs():
         with tuning.forced_gemm("int8", "brgemm"):
-            assert int8_gemm_x(kernel_path, in_features) == "bf16"
+            assert gemm_x("int8", kernel_path, in_features) == "bf16"
             on_brgemm = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
         assert error(on_brgemm, plain @ w.T + b.double()) < 1e-5
     # TILEFX_INT8_ACTIVATIONS=bf16: the unit's GEMM over dequantized blocks, x as it is
     with tuning.forced_gemm("int8", "unit"), isa.forced_int8_activations("bf16"):
-        assert int8_gemm_x(kernel_path, in_features) == "bf16"
+        assert gemm_x("int8", kernel_path, in_features) == "bf16"
         weight_only = linear_ops.linear_float(x, packed, b, 96, weights.packed_scales(packed))
     assert error(weight_only, plain @ w.T + b.double()) < 1e-5
 
@@ -174,9 +174,9 @@ def test_int8_activations_are_checked_and_default_to_int8(monkeypatch):
     if isa.native is None:
         pytest.skip("native library not built")
     assert isa.int8_activations() == "int8"
-    with pytest.raises(RuntimeError, match="int8 GEMMs read x as int8 or bf16"):
+    with pytest.raises(RuntimeError, match="int8 and int4 GEMMs read x as int8 or bf16"):
         isa.native.set_int8_activations("int4")
-    with pytest.raises(ValueError, match="int8 GEMMs read x as one of"):
+    with pytest.raises(ValueError, match="int8 and int4 GEMMs read x as one of"):
         with isa.forced_int8_activations("fp32"):
             pass
     monkeypatch.setenv("TILEFX_INT8_ACTIVATIONS", "BF16")
