@@ -139,7 +139,8 @@ def _prompt_x(format: str) -> str:
 
     x = tuning.gemm_x(format, isa.current())
     if x != "bf16":
-        return f"a prompt's GEMMs read x as {tuning.GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over dequantized blocks)"
+        return (f"a prompt's GEMMs read x as {tuning.GEMM_X[x]} (TILEFX_INT8_ACTIVATIONS=bf16: bf16 over dequantized "
+                "blocks)")
     return "a prompt's GEMMs dequantize the weights and read bf16"
 
 

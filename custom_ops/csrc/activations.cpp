@@ -23,7 +23,8 @@ void set_int4_activations(const std::string& form) {
 std::string get_int4_activations() { return int4_int8_x ? "int8" : "int16"; }
 
 void set_int8_activations(const std::string& form) {
-  TORCH_CHECK(form == "int8" || form == "bf16", "tilefx: int8 and int4 GEMMs read x as int8 or bf16, not '", form, "'");
+  TORCH_CHECK(form == "int8" || form == "bf16", "tilefx: int8 and int4 GEMMs read x as int8 or bf16, not '", form,
+              "'");
   integer_gemm_x = form == "int8";
 }
 
@@ -173,10 +174,10 @@ void Activations::make_forms(const RowPlan* plan) {
     plan = &whole;
   }
   gemm_on_brgemm_ = plan->gemm_on_brgemm;
-  // The spans each form is made for: words (int16, or split) for decode rows and for int8 GEMM rows on the AVX2
-  // unit, int8 groups for int4 decode rows where set_int4_activations asks and for int8 and int4 GEMM rows on the
-  // AVX512-BF16 units. Each buffer holds every row, but only the spans' rows are written (and read), so the
-  // others' pages are never touched.
+  // The spans each form is made for: words (int16, or split) for decode rows and for int8 and int4 GEMM rows on
+  // the AVX2 unit (int4's with their sums), int8 groups for int4 decode rows where set_int4_activations asks and
+  // for int8 and int4 GEMM rows on the AVX512-BF16 units. Each buffer holds every row, but only the spans' rows
+  // are written (and read), so the others' pages are never touched.
   const ActivationForm decode = form(1), gemm = form(kGemvRows + 1);
   std::vector<RowSpan> byte_spans, word_spans, split_spans;
   if (reads_words(format_)) (decode == ActivationForm::int8_groups ? byte_spans : word_spans) = plan->words;
@@ -212,7 +213,9 @@ void Activations::make_forms(const RowPlan* plan) {
     }
   });
   in_tasks(split_spans, [&](int64_t begin, int64_t count) {
-    for (int64_t r = begin; r < begin + count; ++r) split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_);
+    for (int64_t r = begin; r < begin + count; ++r) {
+      split_row(words_.data() + r * ldw, ldx_, split_.data() + r * 2 * ldx_);
+    }
   });
 }
 
