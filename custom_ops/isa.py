@@ -182,7 +182,7 @@ def forced_int4_activations(form: str):
 
 def int8_activations() -> str:
     """How an int8 or int4 GEMM (more than 4 rows) on the units' own GEMM reads x: ``int8`` (integer products: int8
-    per 32 inputs on the AVX512-BF16 units, ``vpdpbusd``; for int8 weights int16 per row on AVX2, ``vpmaddwd``) or
+    per 32 inputs on the AVX512-BF16 units, ``vpdpbusd``; int16 per row on AVX2, ``vpmaddwd``) or
     ``bf16`` (over dequantized blocks, the weight-only numerics)."""
     return _native_form("int8") if native is not None else "bf16"
 

@@ -27,8 +27,8 @@ inline bool reads_words(WeightFormat format) { return format == WeightFormat::in
 // int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
 // chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 or int4 GEMM (more
 // than kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
-// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), int8's
-// on the AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's
+// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on the
+// AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's
 // base form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
 // callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 and int4 GEMMs on
 // the base form too.
@@ -38,7 +38,7 @@ ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t row
 void set_int4_activations(const std::string& form);
 std::string get_int4_activations();
 // How an int8 or int4 GEMM on the units reads x, for the whole process: "int8" (integer products, the default: int8
-// per kXGroup inputs on the AVX512-BF16 units, int8's as int16 words on AVX2) or "bf16" (over dequantized blocks:
+// per kXGroup inputs on the AVX512-BF16 units, int16 words on AVX2) or "bf16" (over dequantized blocks:
 // the weight-only numerics; custom_ops/isa.py sets it from TILEFX_INT8_ACTIVATIONS).
 void set_int8_activations(const std::string& form);
 std::string get_int8_activations();

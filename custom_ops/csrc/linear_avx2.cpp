@@ -11,7 +11,8 @@
 // per machine (tuning.h; docs/PERFORMANCE.md has the measurements). Prefill (M > 4)
 // is a blocked GEMM over x packed in 6-row tiles (pack_x_tiles): the weight panel of one
 // block and kKChunk pairs of K (16 KiB) stays in L1 while every tile of x passes over it;
-// int8's multiplies the weight bytes by x as int16 words in the same blocking (int8_word_gemm).
+// int8's and int4's multiply the weights' integers by x as int16 words in the same blocking
+// (int8_word_gemm, int4_word_gemm).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -473,17 +474,29 @@ static void int8_word_gemv(const LinearProblem& p, int64_t block, float* c) {
 // widening the weights; x at 15 bits a row is what int8 decode reads already. x comes packed in tiles
 // (pack_word_tiles): 3 KiB of a tile per chunk.
 
-// acc + w's int16 pairs times the pair of x words at `x` broadcast, each lane's two products summed (`vpmaddwd`,
-// `vpaddd`). Written as the instructions, the broadcast from memory into the one scratch register the product
-// takes: through intrinsics GCC kept the six rows' broadcasts live as well (17 registers), spilled four of the
-// twelve sums to the stack and copied the rest around every step (the GEMM ran at 1.1x the fp32 one).
+// acc + w's int16 pairs times the x words at `x` broadcast, each lane's two products summed (`vpmaddwd`,
+// `vpaddd`): Pairs 1, one pair of words to every lane (int8_word_gemm); 2, two pairs, the first to the even lanes
+// and the second to the odd ones (int4_word_gemm). Written as the instructions, the broadcast from memory into the
+// one scratch register the product takes: through intrinsics GCC kept the six rows' broadcasts live as well (17
+// registers), spilled four of the twelve sums to the stack and copied the rest around every step (the GEMM ran at
+// 1.1x the fp32 one).
+template <int Pairs>
 static inline __m256i add_word_products(__m256i acc, __m256i w, const uint32_t* x) {
+  static_assert(Pairs == 1 || Pairs == 2, "a broadcast of one or two pairs of words");
   __m256i product;
-  asm("vpbroadcastd %2, %1\n\t"
-      "vpmaddwd %1, %3, %1\n\t"
-      "vpaddd %1, %0, %0"
-      : "+x"(acc), "=&x"(product)
-      : "m"(*x), "x"(w));
+  if constexpr (Pairs == 1) {
+    asm("vpbroadcastd %2, %1\n\t"
+        "vpmaddwd %1, %3, %1\n\t"
+        "vpaddd %1, %0, %0"
+        : "+x"(acc), "=&x"(product)
+        : "m"(*x), "x"(w));
+  } else {
+    asm("vpbroadcastq %2, %1\n\t"
+        "vpmaddwd %1, %3, %1\n\t"
+        "vpaddd %1, %0, %0"
+        : "+x"(acc), "=&x"(product)
+        : "m"(*reinterpret_cast<const uint64_t*>(x)), "x"(w));
+  }
   return acc;
 }
 
@@ -498,8 +511,8 @@ static void int8_word_tile(const uint32_t* tile, const uint8_t* block, int64_t q
     const uint32_t* x = tile + q * kWordTileRows;
 #pragma GCC unroll 6
     for (int r = 0; r < Rows; ++r) {
-      acc[r][0] = add_word_products(acc[r][0], w0, x + r);
-      acc[r][1] = add_word_products(acc[r][1], w1, x + r);
+      acc[r][0] = add_word_products<1>(acc[r][0], w0, x + r);
+      acc[r][1] = add_word_products<1>(acc[r][1], w1, x + r);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -541,16 +554,6 @@ static void int8_word_gemm(const LinearProblem& p, int64_t block, float* c) {
 // words q minus z times the row's sum of words in the group, x_sums) and the totals in c take it, in the lanes'
 // column order (int4_word_order) until the end. x comes packed in tiles of pairs of K pairs
 // (pack_word_tiles(..., 2)). A group is 32 steps, each adding at most 2 * 15 * 32767 per lane.
-static inline __m256i add_quad_products(__m256i acc, __m256i w, const uint32_t* x) {
-  __m256i product;
-  asm("vpbroadcastq %2, %1\n\t"
-      "vpmaddwd %1, %3, %1\n\t"
-      "vpaddd %1, %0, %0"
-      : "+x"(acc), "=&x"(product)
-      : "m"(*reinterpret_cast<const uint64_t*>(x)), "x"(w));
-  return acc;
-}
-
 // The columns of column vector v (0-3) of an int4 word tile, in the order its pair sums come out (hadd of the
 // low-nibble and the high-nibble sums, within 128-bit lanes).
 static inline void int4_word_order(int v, int (&columns)[8]) {
@@ -587,8 +590,8 @@ static void int4_word_tile(const LinearProblem& p, const uint32_t* tile, int64_t
         const uint32_t* x = tile + q * kWordTileRows;  // (pairs q, q + 1 of each row side by side)
 #pragma GCC unroll 6
         for (int r = 0; r < Rows; ++r) {
-          low[r] = add_quad_products(low[r], lo, x + 2 * r);
-          high[r] = add_quad_products(high[r], hi, x + 2 * r);
+          low[r] = add_word_products<2>(low[r], lo, x + 2 * r);
+          high[r] = add_word_products<2>(high[r], hi, x + 2 * r);
         }
       }
       const __m256 scale = int4_word_params(params, v), zero = int4_word_params(params + kBlockN, v);
@@ -869,9 +872,7 @@ struct Avx2Unit {
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
   static constexpr bool kAvx2 = true;
   // int8 and int4 prefill over int16 words x (linear_walk.h walk_quantized)
-  static constexpr bool integer_gemm(WeightFormat F, ActivationForm form) {
-    return (F == WeightFormat::int8 || F == WeightFormat::int4) && form == ActivationForm::int16_words;
-  }
+  static constexpr ActivationForm kIntegerGemmForm = ActivationForm::int16_words;
   template <WeightFormat F>
   static void integer_gemm_block(const LinearProblem& p, int64_t block, float* c) {
     if constexpr (F == WeightFormat::int4) {

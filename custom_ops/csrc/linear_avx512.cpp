@@ -798,9 +798,7 @@ struct Avx512Unit {
     });
   }
   // int8 and int4 prefill over int8_groups x (linear_walk.h walk_quantized)
-  static constexpr bool integer_gemm(WeightFormat F, ActivationForm form) {
-    return form == ActivationForm::int8_groups && (F == WeightFormat::int8 || F == WeightFormat::int4);
-  }
+  static constexpr ActivationForm kIntegerGemmForm = ActivationForm::int8_groups;
   template <WeightFormat F>
   static void integer_gemm_block(const LinearProblem& p, int64_t block, float* c) {
     if constexpr (F == WeightFormat::int4) {

@@ -146,14 +146,12 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 //   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
 //                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
-//   integer_gemm(F, form), integer_gemm_block<F>(p, block, c)
-//                                            whether the unit has a GEMM over F's integers for x in `form`, and
-//                                            that GEMM (scaled)
+//   kIntegerGemmForm, integer_gemm_block<F>(p, block, c)
+//                                            the x form its int8 and int4 GEMMs read, and those GEMMs (scaled)
 // Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
-// int16 words); above that a GEMM over x in an integer form (activations.h activation_form gives one where the
-// unit has such a GEMM: int8 on both units, int4 on the AVX512-BF16 ones) multiplies the weight's integers as they
-// are (integer_gemm_block), and otherwise each block is dequantized into scratch once and one_block runs over it,
-// then int8's column scales apply.
+// int16 words); above that an int8 or int4 GEMM over x in kIntegerGemmForm (activations.h activation_form)
+// multiplies the weight's integers as they are (integer_gemm_block), and otherwise each block is dequantized into
+// scratch once and one_block runs over it, then int8's column scales apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
@@ -173,7 +171,9 @@ void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_e
       return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
                       : Unit::template q_blocks<F, 2, 1>(p, which, out);
     }
-    if (Unit::integer_gemm(F, p.x_form)) return Unit::template integer_gemm_block<F>(p, block, c);
+    if constexpr (F == WeightFormat::int8 || F == WeightFormat::int4) {
+      if (p.x_form == Unit::kIntegerGemmForm) return Unit::template integer_gemm_block<F>(p, block, c);
+    }
     Unit::template dequantize<F>(p, block, panel);
     Unit::one_block(p, panel, c);
     if constexpr (F == WeightFormat::int8) {

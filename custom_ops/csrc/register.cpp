@@ -73,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("get_int4_activations", &tilefx::get_int4_activations, "int16 or int8");
   m.def("set_int8_activations", &tilefx::set_int8_activations,
         "how an int8 or int4 GEMM on the units reads x: int8 (integer products, the default: int8 per 32 inputs on "
-        "the AVX512-BF16 units, int8's as int16 words on AVX2) or bf16 (over dequantized blocks)");
+        "the AVX512-BF16 units, int16 words on AVX2) or bf16 (over dequantized blocks)");
   m.def("get_int8_activations", &tilefx::get_int8_activations, "int8 or bf16");
   m.def("cpu_has", &tilefx::cpu_has,
         "whether this CPU runs the given kernel ISA: avx2, avx512_bf16, avx512_vnni, amx; amx_tiles: tilefx's own "
