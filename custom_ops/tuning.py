@@ -702,6 +702,9 @@ def ensure_attention_tuned(shape: AttentionShape | None, *, path: str | None = N
 GEMM_SHAPES = ((3072, 2048), (2048, 8192))  # Llama-3.2-1B's q/k/v and down projections
 GEMM_ROWS = (128, 1024)
 GEMM_ROUNDS = 3
+# The unit-or-brgemm choice's rounds: more, since for int8 and int4 it also decides how x is read, and on Zen 4
+# the integer GEMM (~570 GFLOP/s against brgemm's ~430) lost it to noise in one tuning of four over three rounds.
+GEMM_CHOICE_ROUNDS = 5
 # The linear ops' blocking on brgemm (csrc/tuning.h GemmTiling: rows of x a call multiplies, K pairs a chunk), timed
 # where brgemm runs a format's prefill (tune_gemm_tiling). One tiling serves every format: a quantized block is
 # dequantized whole before either applies. On a 2-core Zen 4 (oneDNN's AVX512-BF16 kernels) the rows moved nothing
@@ -896,29 +899,41 @@ def _gemm_pass(format: str):
     return tensors, inputs, sum(2 * rows * n * k for n, k in GEMM_SHAPES for rows in GEMM_ROWS)
 
 
-def _gemm_medians(tensors, inputs, choices, force, rounds: int = GEMM_ROUNDS) -> dict:
-    """Median seconds of one pass over ``tensors`` at every row count of ``inputs`` per choice, run under
+def _gemm_least(tensors, inputs, choices, force, rounds: int = GEMM_ROUNDS) -> dict:
+    """Least seconds of one pass over ``tensors`` at every row count of ``inputs`` per choice, run under
     ``force(choice)``, the choices interleaved over ``rounds`` rounds after one dropped (it warms up and
-    JIT-compiles brgemm), in reverse order every other round (no choice always runs after the same one)."""
+    JIT-compiles brgemm), in reverse order every other round (no choice always runs after the same one). The
+    least, not the median: a GEMM pass multiplies from cache, so the machine's noise only ever adds to it, and
+    noise does not slow every kernel alike (on Zen 4 a minute of it put the int8 GEMM's median at 348 GFLOP/s,
+    its usual 570, while brgemm's held at 403; docs/PERFORMANCE.md, fifty-eighth session)."""
     times = {choice: [] for choice in choices}
     for round in range(rounds + 1):
         for choice in (choices if round % 2 == 0 else choices[::-1]):
             with force(choice):
                 times[choice].append(sum(_time_pass(tensors, by_k) for by_k in inputs))
-    return {choice: statistics.median(t[1:]) for choice, t in times.items()}
+    return {choice: min(t[1:]) for choice, t in times.items()}
 
 
 def tune_gemm(format: str, path: str) -> GemmChoice:
     """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` at each of ``GEMM_ROWS`` rows in ``format``,
-    interleaved over ``GEMM_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``."""
+    interleaved over ``GEMM_CHOICE_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``, then again
+    head to head (for int8 and int4 the choice is also how x is read, so one noisy second must not make it)."""
     started = time.perf_counter()
     tensors, inputs, flops = _gemm_pass(format)
+
+    def least():
+        return _gemm_least(tensors, inputs, ("unit", "brgemm"), lambda gemm: forced_gemm(format, gemm),
+                           GEMM_CHOICE_ROUNDS)
+
     with isa.forced(path), torch.inference_mode():
-        seconds = _gemm_medians(tensors, inputs, ("unit", "brgemm"), lambda gemm: forced_gemm(format, gemm))
-    unit, brgemm = seconds["unit"], seconds["brgemm"]
-    gemm = "brgemm" if brgemm * MIN_GAIN < unit else "unit"
+        seconds = least()
+        gemm = fastest_by_min_gain(seconds, "unit")
+        if gemm != "unit":  # the head to head: its times are the ones reported
+            seconds = least()
+            gemm = fastest_by_min_gain(seconds, "unit")
     isa.native.set_prefill_gemm(format, gemm)
-    return GemmChoice(format, gemm, "tuned", flops / unit / 1e9, flops / brgemm / 1e9, time.perf_counter() - started,
+    return GemmChoice(format, gemm, "tuned", flops / seconds["unit"] / 1e9, flops / seconds["brgemm"] / 1e9,
+                      time.perf_counter() - started,
                       unit_gemm_x(format, path) if format in INTEGER_FORMATS else "")
 
 
@@ -964,26 +979,26 @@ def tune_gemm_tiling(path: str) -> GemmTilingChoice:
     tensors, inputs, flops = _gemm_pass("bf16")
     default = GEMM_TILING_DEFAULT
 
-    def medians(tilings):
-        return _gemm_medians(tensors, inputs, tilings, lambda tiling: forced_gemm_tiling(*tiling))
+    def least(tilings):
+        return _gemm_least(tensors, inputs, tilings, lambda tiling: forced_gemm_tiling(*tiling))
 
     with isa.forced(path), torch.inference_mode(), forced_gemm("bf16", "brgemm"):
         isa.native.set_gemm_long_pairs(0)  # the tilings are timed with their own chunks
-        seconds = medians([(default[0], pairs, "brgemm") for pairs in GEMM_TILING_PAIRS])
+        seconds = least([(default[0], pairs, "brgemm") for pairs in GEMM_TILING_PAIRS])
         _, pairs, _ = fastest_by_min_gain(seconds, default)
-        tiles = medians([(rows, pairs, "brgemm") for rows in GEMM_TILING_ROWS])
+        tiles = least([(rows, pairs, "brgemm") for rows in GEMM_TILING_ROWS])
         seconds.update(tiles)
         tiling = fastest_by_min_gain(tiles, (default[0], pairs, "brgemm"))
         if tiling != default:  # the fastest of several noisy candidates looks faster than it is
-            tiling = fastest_by_min_gain(medians([default, tiling]), default)
+            tiling = fastest_by_min_gain(least([default, tiling]), default)
         cold_gflops = {}
         if amx_tiles_run():
             kernels = [tiling, *GEMM_TILES]
-            hot = medians(kernels)
+            hot = least(kernels)
             seconds.update(hot)
             cold_tensors = _decode_pass("bf16")
             cold_inputs = [{k: torch.randn(GEMM_COLD_ROWS, k).to(torch.bfloat16) for _, k in LAYER_SHAPES}]
-            cold = _gemm_medians(cold_tensors, cold_inputs, kernels, lambda tiling: forced_gemm_tiling(*tiling))
+            cold = _gemm_least(cold_tensors, cold_inputs, kernels, lambda tiling: forced_gemm_tiling(*tiling))
             cold_flops = sum(2 * GEMM_COLD_ROWS * n * k for _, _, n, k in cold_tensors)
             del cold_tensors
             cold_gflops = {t: cold_flops / s / 1e9 for t, s in cold.items()}
@@ -1004,11 +1019,11 @@ def _tune_long_pairs(tensors, inputs, tiling_pairs: int, kept: int = 0) -> tuple
     longest = inputs[-1:]
     candidates = [0, *(pairs for pairs in GEMM_LONG_PAIRS if pairs < tiling_pairs)]
     kept = kept if kept in candidates else 0
-    seconds = _gemm_medians(tensors, longest, candidates, forced_gemm_long_pairs, GEMM_LONG_ROUNDS)
+    seconds = _gemm_least(tensors, longest, candidates, forced_gemm_long_pairs, GEMM_LONG_ROUNDS)
     chosen = fastest_by_min_gain(seconds, kept)
     if chosen != kept:  # the fastest of several noisy candidates looks faster than it is
         chosen = fastest_by_min_gain(
-            _gemm_medians(tensors, longest, [kept, chosen], forced_gemm_long_pairs, GEMM_LONG_ROUNDS), kept)
+            _gemm_least(tensors, longest, [kept, chosen], forced_gemm_long_pairs, GEMM_LONG_ROUNDS), kept)
     isa.native.set_gemm_long_pairs(chosen)
     flops = sum(2 * GEMM_ROWS[-1] * n * k for _, _, n, k in tensors)
     return chosen, {pairs: flops / s / 1e9 for pairs, s in seconds.items()}

@@ -193,7 +193,7 @@ def test_long_prompts_chunk_applies_over_several_panels_only(kernel_path, format
     assert all(torch.equal(a, b) for a, b in zip(single, single_again))
 
 
-def test_gemm_medians_alternate_the_order_and_drop_the_first_round(monkeypatch):
+def test_gemm_timings_alternate_the_order_drop_the_first_round_and_keep_the_least(monkeypatch):
     order, current = [], []
     times = iter(range(100))
 
@@ -207,10 +207,10 @@ def test_gemm_medians_alternate_the_order_and_drop_the_first_round(monkeypatch):
         yield
 
     monkeypatch.setattr(tuning, "_time_pass", time_pass)
-    seconds = tuning._gemm_medians([], [{}], ["a", "b", "c"], force, rounds=3)
+    seconds = tuning._gemm_least([], [{}], ["a", "b", "c"], force, rounds=3)
     assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
-    # round 0 dropped; then a took times 5, 6 and 11, b 4, 7, 10, c 3, 8, 9
-    assert seconds == {"a": 6.0, "b": 7.0, "c": 8.0}
+    # round 0 (times 0, 1, 2) dropped; then a took times 5, 6 and 11, b 4, 7, 10, c 3, 8, 9
+    assert seconds == {"a": 5.0, "b": 4.0, "c": 3.0}
 
 
 @pytest.mark.parametrize("seconds,confirm,want", [
@@ -224,14 +224,14 @@ def test_long_prompts_chunk_is_timed_against_the_tilings_own(monkeypatch, second
         pytest.skip("native library not built")
     steps = []
 
-    def medians(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
+    def least(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
         assert rounds == tuning.GEMM_LONG_ROUNDS
         steps.append((list(choices), inputs))
         if len(choices) == 2:  # the head to head
             return dict(zip(choices, confirm))
         return {c: seconds[c] for c in choices}
 
-    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_least", least)
     tensors = [(None, None, 32, 64)]
     with tuning.forced_gemm_long_pairs(256):
         chosen, gflops = tuning._tune_long_pairs(tensors, ["short", "long"], 1024)
@@ -257,13 +257,13 @@ def test_long_prompts_chunk_on_tiles_is_kept_unless_beaten(monkeypatch, seconds,
         pytest.skip("native library not built")
     heads = []
 
-    def medians(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
+    def least(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
         if len(choices) == 2:
             heads.append(list(choices))
             return dict(zip(choices, confirm))
         return {c: seconds[c] for c in choices}
 
-    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_least", least)
     kept = tuning.long_pairs_kept((256, 1024, "tiles"))
     assert kept == 128 and tuning.long_pairs_kept((256, 1024, "brgemm")) == 0
     assert tuning.long_pairs_kept((256, 128, "tiles")) == 0  # not below the tiling's own chunk
@@ -284,7 +284,7 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
         pytest.skip("native library not built")
     steps = []
 
-    def medians(tensors, inputs, tilings, force):
+    def least(tensors, inputs, tilings, force):
         tilings = list(tilings)
         steps.append(tilings)
         if all(rows == 64 for rows, *_ in tilings) and len(tilings) == len(tuning.GEMM_TILING_PAIRS):
@@ -293,7 +293,7 @@ def test_gemm_tiling_tuning_steps_through_chunks_rows_and_a_confirmation(monkeyp
             return {t: tiles[t[0]] for t in tilings}
         return dict(zip(tilings, confirm))
 
-    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_least", least)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "amx_tiles_run", lambda: False)  # the tile kernel's step: the test below
     monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs, kept=0: (0, {}))  # and the long chunk's
@@ -316,14 +316,14 @@ def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeyp
         pytest.skip("tilefx's AMX tiles need a CPU with AMX")
     steps = []
 
-    def medians(tensors, inputs, tilings, force):
+    def least(tensors, inputs, tilings, force):
         tilings = list(tilings)
         steps.append(tilings)
         if any(kernel == "tiles" for *_, kernel in tilings):
             return {tilings[0]: 1.0, **dict(zip(tilings[1:], tile_seconds))}
         return {t: 1.0 for t in tilings}  # brgemm's tilings level: the default stays
 
-    monkeypatch.setattr(tuning, "_gemm_medians", medians)
+    monkeypatch.setattr(tuning, "_gemm_least", least)
     monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
     monkeypatch.setattr(tuning, "_decode_pass", lambda format: [(None, None, 64, 32)])  # the cold pass
     monkeypatch.setattr(tuning, "_tune_long_pairs", lambda tensors, inputs, pairs, kept=0: (0, {}))
@@ -336,6 +336,31 @@ def test_gemm_tiling_tuning_tries_the_tile_kernel_against_brgemms_tiling(monkeyp
     assert "tiles 128x1024" in choice.line()
     if want[2] == "tiles":
         assert choice.line().startswith("prefill GEMM tiling: 128 rows x 1024 K pairs a call of tilefx's AMX tiles")
+
+
+@pytest.mark.parametrize("first,again,want", [
+    ((1.0, 1.0), None, "unit"),  # level: the unit's GEMM stays
+    ((1.0, 0.99), None, "unit"),  # within MIN_GAIN
+    ((1.0, 0.8), (1.0, 0.8), "brgemm"),  # ahead, and again head to head
+    ((1.0, 0.8), (1.0, 0.99), "unit"),  # unconfirmed: one noisy second decides nothing
+])
+def test_prefill_gemm_tuning_confirms_brgemm_head_to_head(monkeypatch, first, again, want):
+    if isa.native is None:
+        pytest.skip("native library not built")
+    timings = iter([first, again])
+
+    def least(tensors, inputs, choices, force, rounds=tuning.GEMM_ROUNDS):
+        assert rounds == tuning.GEMM_CHOICE_ROUNDS
+        return dict(zip(choices, next(timings)))
+
+    monkeypatch.setattr(tuning, "_gemm_least", least)
+    monkeypatch.setattr(tuning, "_gemm_pass", lambda format: ([], [], 1e9))
+    with tuning.forced_gemm("int8", "default"):
+        choice = tuning.tune_gemm("int8", isa.current())
+        assert choice.gemm == want == isa.native.get_prefill_gemm("int8")
+    # the times reported are the last timing's
+    assert choice.brgemm_gflops == pytest.approx(1e9 / (again or first)[1] / 1e9)
+    assert next(timings, "spent") == ("spent" if first[1] == 0.8 else again)
 
 
 def test_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch):
