@@ -136,6 +136,11 @@ def packed_decode_bytes(model, context: int, batch: int = 1) -> int:
     return total + batch * kv_cache_bytes(model, context)
 
 
+# New tokens of the request each mode runs before the timed ones (no more than --new-tokens: the models' caches hold
+# the prompt and --new-tokens, and a warm-up of 3 refused --new-tokens 2).
+WARM_UP_TOKENS = 3
+
+
 def greedy(model, input_ids, new_tokens: int, **kwargs):
     return model.generate(
         input_ids,
@@ -334,8 +339,8 @@ def main(argv=None) -> int:
 
     if args.batch < 1:
         parser.error("--batch must be at least 1")
-    if args.profile and args.new_tokens < 2:
-        parser.error("--profile needs --new-tokens of at least 2 (it times the steps after the first token)")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (TPOT is the time from one new token to the next)")
     name = args.path or f"{args.preset}" + (f" ({args.layers} layers)" if args.layers else "")
     print(f"# {name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, batch {args.batch}, {args.runs} runs, "
           f"{torch.get_num_threads()} threads" + (f"; tilefx options {args.options}" if args.options != "{}" else ""),
@@ -375,7 +380,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for mode in modes:  # warm-up: compiles stock torch.compile's graphs for these shapes
             with x_form(mode):
-                timed_generate(models[mode], input_ids, 3, **gen_kwargs[mode])
+                timed_generate(models[mode], input_ids, min(WARM_UP_TOKENS, args.new_tokens), **gen_kwargs[mode])
         samples = {mode: [] for mode in modes}
         long_samples, bandwidth = [], []
         bandwidth.append(isa.stream_read_gbps())
@@ -549,7 +554,7 @@ def main_tp(args, parser) -> int:
             communicator = collectives.group(collectives.TP_GROUP)
             ids = torch.randint(10, model.config.vocab_size - 1, (1, args.prompt_len),
                                 generator=torch.Generator().manual_seed(0))
-            timed_generate(model, ids, 3)
+            timed_generate(model, ids, min(WARM_UP_TOKENS, args.new_tokens))
             samples, bandwidth, shares, waits = [], [], [], []
             for _ in range(args.runs):
                 dist.barrier()

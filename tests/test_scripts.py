@@ -92,7 +92,7 @@ def test_startup_warm_process_hits_the_caches_and_agrees(tmp_path):
 def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
     out = tmp_path / "tpot.json"
     run_script("bench_tpot.py", ["--preset", "tiny-llama", "--modes", "tilefx", "--weights", "bf16,int8",
-                                 "--runs", "1", "--prompt-len", "8", "--new-tokens", "4", "--json", str(out),
+                                 "--runs", "1", "--prompt-len", "8", "--new-tokens", "2", "--json", str(out),
                                  "--profile", "--options", '{"recycle_buffers": false}', "--ttft-prompts", "2"])
     result = json.loads(out.read_text())
     assert result["tilefx_options"] == {"cpp_wrapper": False, "recycle_buffers": False}
@@ -119,7 +119,8 @@ def test_bench_tpot_holds_each_weight_format_to_its_own_floor(tmp_path):
 @pytest.mark.parametrize("options, refusal", [(["--options", "{recycle"], "is not JSON"),
                                               (["--options", "[1]"], "must be a JSON object"),
                                               (["--options", '{"weights": "int8"}'], "weights are the bench's own"),
-                                              (["--ttft-prompts", "0"], "--ttft-prompts must be at least 1")])
+                                              (["--ttft-prompts", "0"], "--ttft-prompts must be at least 1"),
+                                              (["--new-tokens", "1"], "--new-tokens must be at least 2")])
 def test_bench_tpot_refuses_bad_options(options, refusal, capsys):
     bench = runpy.run_path(str(ROOT / "scripts" / "bench_tpot.py"))
     with pytest.raises(SystemExit) as done:
