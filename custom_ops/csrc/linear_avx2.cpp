@@ -575,6 +575,7 @@ template <int Rows>
 static void int4_word_tile(const LinearProblem& p, const uint32_t* tile, int64_t block, int64_t q0, int64_t q1,
                            int64_t m0, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
+  const int64_t ahead = m0 == 0 ? kInt4GemmAheadBytes : 0;  // the chunk's first row tile reads the block from memory
   for (int64_t g0 = q0; g0 < q1; g0 += kInt4GroupPairs) {  // q0 is a multiple of kInt4GroupPairs
     const int64_t g1 = g0 + kInt4GroupPairs < q1 ? g0 + kInt4GroupPairs : q1;
     const int64_t g = g0 / kInt4GroupPairs;
@@ -583,6 +584,7 @@ static void int4_word_tile(const LinearProblem& p, const uint32_t* tile, int64_t
       __m256i low[Rows], high[Rows];
       for (int r = 0; r < Rows; ++r) low[r] = high[r] = _mm256_setzero_si256();
       for (int64_t q = g0; q < g1; q += 2) {  // K_pairs is even (K a multiple of 4)
+        if (ahead && v == 0) prefetch<Prefetch::t0>(w + q * kInt4PairBytes + ahead);  // (the first of 4 passes)
         const __m256i values =
             _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + q * kInt4PairBytes + 16 * v)));
         const __m256i hi = _mm256_srli_epi16(values, 4);

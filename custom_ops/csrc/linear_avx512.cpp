@@ -559,9 +559,11 @@ static inline void add_int4_group(const LinearProblem& p, const int64_t* blocks,
 // group's scale and zero point apply to the row's total in c (int4_gemv_bytes' add_int4_group, once per 128
 // inputs, so the totals stay out of the registers: 12 fp32 and 12 int32 accumulators for 6 rows). The nibbles
 // come in column order, so the result needs no permutation.
+// The chunk's first row tile, which reads the block from memory, prefetches it (kInt4GemmAheadBytes).
 template <int Rows>
 static void int4_group_tile(const LinearProblem& p, int64_t block, int64_t q0, int64_t q1, int64_t m0, float* c) {
   const uint8_t* w = p.wq + block * pairs_between_blocks(p) * kInt4PairBytes;
+  const int64_t ahead = m0 == 0 ? kInt4GemmAheadBytes : 0;
   const int64_t x_row_groups = x_groups(p.ldx);
   for (int64_t g0 = q0; g0 < q1; g0 += kInt4GroupPairs) {  // q0 is a multiple of kInt4GroupPairs
     const int64_t g1 = g0 + kInt4GroupPairs < q1 ? g0 + kInt4GroupPairs : q1;
@@ -572,6 +574,7 @@ static void int4_group_tile(const LinearProblem& p, int64_t block, int64_t q0, i
       __m512i sums[Rows][2];
       for (auto& s : sums) s[0] = s[1] = _mm512_setzero_si512();
       for (int64_t q = x0; q < x1; q += 2) {  // K_pairs is even (K a multiple of 4)
+        if (ahead) prefetch<Prefetch::t0>(w + q * kInt4PairBytes + ahead);
         const Int4Halves v = load_int4_halves<Prefetch::none>(w + q * kInt4PairBytes, 0);
 #pragma GCC unroll 6
         for (int r = 0; r < Rows; ++r) {
