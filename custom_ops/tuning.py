@@ -904,7 +904,7 @@ def _gemm_least(tensors, inputs, choices, force, rounds: int = GEMM_ROUNDS) -> d
     ``force(choice)``, the choices interleaved over ``rounds`` rounds after one dropped (it warms up and
     JIT-compiles brgemm), in reverse order every other round (no choice always runs after the same one). The
     least, not the median: a GEMM pass multiplies from cache, so the machine's noise only ever adds to it, and
-    noise does not slow every kernel alike (on Zen 4 a minute of it put the int8 GEMM's median at 348 GFLOP/s,
+    noise does not slow every kernel alike (on Zen 4 one noisy second put the int8 GEMM's median at 348 GFLOP/s,
     its usual 570, while brgemm's held at 403; docs/PERFORMANCE.md, fifty-eighth session)."""
     times = {choice: [] for choice in choices}
     for round in range(rounds + 1):
@@ -916,8 +916,9 @@ def _gemm_least(tensors, inputs, choices, force, rounds: int = GEMM_ROUNDS) -> d
 
 def tune_gemm(format: str, path: str) -> GemmChoice:
     """Time the unit's GEMM and brgemm on ``GEMM_SHAPES`` at each of ``GEMM_ROWS`` rows in ``format``,
-    interleaved over ``GEMM_CHOICE_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``, then again
-    head to head (for int8 and int4 the choice is also how x is read, so one noisy second must not make it)."""
+    interleaved over ``GEMM_CHOICE_ROUNDS`` rounds; set brgemm where the pass is faster on it by ``MIN_GAIN``,
+    then again head to head (for int8 and int4 the choice is also how x is read: one noisy second must not make
+    it)."""
     started = time.perf_counter()
     tensors, inputs, flops = _gemm_pass(format)
 
