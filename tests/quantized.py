@@ -21,19 +21,18 @@ def dequantized(weight: torch.Tensor, format: str) -> torch.Tensor:
 
 
 def rows_as_read(x: torch.Tensor, format: str, kernel_path: str) -> torch.Tensor:
-    """x as a native path's linear over ``format`` weights multiplies it, in fp32. A decode GEMV (up to 2 rows; int8
-    on the AVX2 unit up to 4, csrc/kernels.h quantized_gemv_rows): int8 and int4 read each row rounded to int16 times
+    """x as a native path's linear over ``format`` weights multiplies it, in fp32. A decode GEMV (up to 4 rows,
+    csrc/kernels.h kGemvRows): int8 and int4 read each row rounded to int16 times
     its scale max|x| / 32767 (round half to even), int4 with int8 activations (``int4_reads_int8``) each 32 inputs
     rounded to int8 times their max|x| / 127. An int8 or int4 GEMM (more than 4 rows) reads x as ``gemm_x`` says:
     each 32 inputs rounded to int8 likewise, or each row to int16. Otherwise x as it is."""
     rows = x.numel() // max(1, x.shape[-1])
-    word_rows = 4 if format == "int8" and kernel_path == "avx2" else 2
     gemm_x_form = gemm_x(format, kernel_path, x.shape[-1]) if format in ("int8", "int4") and rows > 4 else None
     if gemm_x_form == "int8":
         return rounded_to_groups(x.float(), 32, 127)
     if gemm_x_form == "int16":
         return rounded_to_groups(x.float(), x.shape[-1], 32767)
-    if format not in ("int8", "int4") or rows > word_rows or kernel_path == "reference":
+    if format not in ("int8", "int4") or rows > 4 or kernel_path == "reference":
         return x.float()
     if format == "int4" and int4_reads_int8(kernel_path):
         return rounded_to_groups(x.float(), 32, 127)
@@ -71,7 +70,7 @@ def experts_as_read(x, gate_up_w, down_w, topk_weights, ids, format: str, kernel
 class _RoundedInt4Inputs(torch.overrides.TorchFunctionMode):
     """``F.linear`` over one of ``storages``' weights (the int4 ones) reads its input rounded, in fp32: ``form``
     "int8" (per 32 inputs) or "int16" (per row) on every row, or with None as the current path does (``rows_as_read``:
-    decode's form up to 2 rows, the GEMM's above 4)."""
+    decode's form up to 4 rows, the GEMM's above)."""
 
     def __init__(self, storages: set[int], form: str | None):
         super().__init__()

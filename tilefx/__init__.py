@@ -146,12 +146,11 @@ def _prompt_x(format: str) -> str:
 
 def _int8_activations_line() -> str:
     """How the int8 linears read x on the current path: decode as int16 words; a prompt's GEMMs as ``_prompt_x``."""
-    from tilefx.custom_ops import isa, tuning
+    from tilefx.custom_ops import isa
 
     if not isa.kernel_units(isa.current()):
         return "activations: the int8 linears read x as it is (the reference path)"
-    decode_rows = 4 if tuning.linear_unit(isa.current()) == "avx2" else 2  # (csrc/kernels.h quantized_gemv_rows)
-    return (f"activations: the int8 linears of up to {decode_rows} rows read x rounded to int16 per row (one scale "
+    return ("activations: the int8 linears of up to 4 rows read x rounded to int16 per row (one scale "
             "each, 15 bits); " + _prompt_x("int8"))
 
 
@@ -166,7 +165,7 @@ def _int4_activations_line() -> str:
         how = "int8 per 32 inputs (TILEFX_INT4_ACTIVATIONS=int8)"
     else:
         how = "int16 words per row (15 bits; TILEFX_INT4_ACTIVATIONS=int8 reads int8 per 32 inputs)"
-    return f"activations: the int4 linears and experts of up to 2 rows read x as {how}; " + _prompt_x("int4")
+    return f"activations: the int4 linears and experts of up to 4 rows read x as {how}; " + _prompt_x("int4")
 
 
 def _working_memory_line(opts) -> str:

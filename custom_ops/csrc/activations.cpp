@@ -31,8 +31,8 @@ void set_int8_activations(const std::string& form) {
 std::string get_int8_activations() { return integer_gemm_x ? "int8" : "bf16"; }
 
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx) {
-  if (format == WeightFormat::int8 && rows <= word_rows(unit, format)) return ActivationForm::int16_words;
-  if (format == WeightFormat::int4 && rows <= word_rows(unit, format)) {
+  if (format == WeightFormat::int8 && rows <= kGemvRows) return ActivationForm::int16_words;
+  if (format == WeightFormat::int4 && rows <= kGemvRows) {
     return int4_int8_x.load(std::memory_order_relaxed) ? ActivationForm::int8_groups : ActivationForm::split_words;
   }
   if (rows > kGemvRows && reads_words(format) && integer_gemm_x.load(std::memory_order_relaxed)) {
@@ -169,8 +169,7 @@ void Activations::make_forms(const RowPlan* plan) {
   if (rows_ == nullptr) rows_ = base_.data();
   RowPlan whole;  // with no plan: every row, in the form of `count_` rows
   if (plan == nullptr) {
-    if (count_ <= word_rows(unit_, format_)) whole.words.push_back({0, count_});
-    if (count_ > kGemvRows) whole.gemm.push_back({0, count_});
+    (count_ <= kGemvRows ? whole.words : whole.gemm).push_back({0, count_});
     plan = &whole;
   }
   gemm_on_brgemm_ = plan->gemm_on_brgemm;

@@ -15,16 +15,10 @@
 
 namespace tilefx {
 
-// Rows up to which int8 and int4 weights on `unit` are read against x as int16 words (int4: their bytes apart;
-// the decode GEMVs, quantized_gemv_rows: 2, and 4 for int8 on the AVX2 unit); above it the unit dequantizes a
-// block to bf16 and reads the unit's base form.
-inline int64_t word_rows(LinearUnit unit, WeightFormat format) {
-  return quantized_gemv_rows(unit == LinearUnit::avx2, format);
-}
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights, x ldx values a row:
-// int16 words for int8 decode; for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
+// int16 words for int8 decode (up to kGemvRows rows); for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
 // chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 or int4 GEMM (more
 // than kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
 // multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on the
@@ -62,14 +56,14 @@ struct RowSpan {
 // Which rows of a batch problems of few and of many rows read, where one batch serves problems of several sizes
 // (fused_moe: each expert's rows are one problem).
 struct RowPlan {
-  std::vector<RowSpan> words;   // rows of problems of at most word_rows rows (made words for int8 / int4 weights)
+  std::vector<RowSpan> words;   // rows of problems of at most kGemvRows rows (made words for int8 / int4 weights)
   std::vector<RowSpan> gemm;    // rows of problems of more than kGemvRows rows (made int8's GEMM form where it has one)
   bool gemm_on_brgemm = false;  // the GEMMs run oneDNN's brgemm, which reads the base form
 };
 
 // `count` rows of x, each ldx values wide (K padded to even with a zero), prepared for
 // problems over `format` weights on `unit`: in the unit's base form and, where a problem
-// of up to word_rows rows will read words, or an int8 GEMM its integer form, in that form too. A problem's
+// of up to kGemvRows rows will read words, or an int8 GEMM its integer form, in that form too. A problem's
 // `attach` points it at its rows in the form activation_form gives for its p.M. Which rows are made which:
 // `plan`'s (fused_moe), or with none given, all of them in the form of `count` rows.
 class Activations {

@@ -40,19 +40,12 @@ constexpr int64_t kGemvRows = 4;
 //         low nibble and of column l + 16 in its high one. So one mask gives columns 0-15 and a shift
 //         and a mask columns 16-31 as bytes, each lane four inputs of one column: what `vpdpbusd` /
 //         `vpmaddubsw` multiply by four bytes of x (ActivationForm::int8_groups, split_words).
-// The decode GEMVs (up to quantized_gemv_rows rows) widen the values in registers and apply
-// the scales to fp32 partial sums; above that a unit dequantizes one block to bf16 and runs its
-// bf16 kernel over it (the GEMV up to kGemvRows rows, the GEMM above).
+// The decode GEMVs (up to kGemvRows rows) widen the values in registers and apply the scales to
+// fp32 partial sums; above that a unit multiplies int8 and int4 weights' integers (its integer
+// GEMM) or dequantizes one block to bf16 and runs its bf16 GEMM over it.
 enum class WeightFormat : int { bf16 = 0, int8 = 1, fp8 = 2, int4 = 3 };
 constexpr int kWeightFormats = 4;
 
-// Rows up to which a unit's quantized decode reads a weight's values in registers (the units' q_blocks; int8 and
-// int4 against x as int16 words, activations.h), above which it dequantizes each block to bf16 and runs its bf16
-// kernel over it: 2, and on the AVX2 unit kGemvRows for int8 and fp8 (its bf16 kernel would widen the values a
-// second time: 3-4 rows read a quarter of one row's GB/s that way).
-constexpr int64_t quantized_gemv_rows(bool avx2_unit, WeightFormat format) {
-  return avx2_unit && (format == WeightFormat::int8 || format == WeightFormat::fp8) ? kGemvRows : 2;
-}
 // The streams a unit's M = 1 GEMV reads a weight in (the walk's `streams` runs 1 up to this): two blocks at once,
 // or on the AVX2 unit a block's two halves of K (int8, fp8; bf16 reads two blocks); its int4 GEMV reads one block
 // at a time. The walk tuning's default and its candidates (custom_ops/tuning.py, through walk_streams) follow it.
@@ -187,13 +180,32 @@ inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   return p.scales[block * p.k_groups + pair / kFp8GroupPairs];
 }
 
-// Scratch floats a linear_blocks_* call needs (on the AVX2 unit or another) for p or any problem like it of fewer
-// rows (fused_moe sizes its threads' scratch by its widest expert): two fp32 result tiles (a decode's gate/up in two
-// streams: four, so 4 rows need more than 5), and where the unit dequantizes (a quantized problem of more than
-// quantized_gemv_rows rows) one dequantized bf16 block.
-inline int64_t linear_scratch_floats(const LinearProblem& p, bool avx2_unit) {
+// p over its rows from r0 on (M - r0 rows): x, and its rows' scales, sums and totals, advanced in p's x_form.
+inline LinearProblem rows_from(const LinearProblem& p, int64_t r0) {
+  LinearProblem rest = p;
+  rest.M = p.M - r0;
+  const uint8_t* x = static_cast<const uint8_t*>(p.x);
+  switch (p.x_form) {
+    case ActivationForm::fp32: rest.x = x + r0 * p.ldx * 4; break;
+    case ActivationForm::bf16_pairs: rest.x = x + r0 * p.ldx * 2; break;
+    case ActivationForm::int16_words: rest.x = x + r0 * p.ldx * 2; break;  // a word per pair
+    case ActivationForm::split_words: rest.x = x + r0 * p.ldx * 2; break;  // the words' bytes apart
+    case ActivationForm::int8_groups: rest.x = x + r0 * p.ldx; break;
+  }
+  const int64_t scales_a_row = p.x_form == ActivationForm::int8_groups ? x_groups(p.ldx) : 1;
+  if (p.x_scales) rest.x_scales = p.x_scales + r0 * scales_a_row;
+  if (p.x_sums) rest.x_sums = p.x_sums + r0 * p.k_groups;
+  if (p.x_totals) rest.x_totals = p.x_totals + r0 * x_groups(p.ldx);
+  return rest;
+}
+
+// Scratch floats a linear_blocks_* call needs (on any unit) for p or any problem like it of fewer rows (fused_moe
+// sizes its threads' scratch by its widest expert): two fp32 result tiles (a decode's gate/up in two streams: four,
+// so 4 rows need more than 5), and where a unit may dequantize (a quantized GEMM, more than kGemvRows rows) one
+// dequantized bf16 block.
+inline int64_t linear_scratch_floats(const LinearProblem& p) {
   const int64_t tiles = std::max(4 * std::min(p.M, kGemvRows), 2 * p.M);
-  const bool panel = p.format != WeightFormat::bf16 && p.M > quantized_gemv_rows(avx2_unit, p.format);
+  const bool panel = p.format != WeightFormat::bf16 && p.M > kGemvRows;
   return std::max<int64_t>(tiles, 4) * kBlockN + (panel ? p.K_pairs * kBlockN : 0);
 }
 
@@ -214,7 +226,7 @@ void quantize_groups_avx512_emulated(const uint16_t* x, int64_t rows, int64_t ld
                                      float* sums, int32_t* totals);
 
 // Column blocks [block_begin, block_end) of y for every row. `scratch` holds
-// linear_scratch_floats(p, /*avx2_unit=*/true) floats.
+// linear_scratch_floats(p) floats.
 void linear_blocks_avx2(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch);
 
 // The same over bf16 pairs, with `vdpbf16ps` (linear_avx512.cpp; where CPUID reports

@@ -872,7 +872,9 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 struct Avx2Unit {
   static constexpr bool kTwoStreams = false;
   static constexpr int64_t kTwoBlockRows = 1;  // (two blocks' fp32 sums of two rows would spill its 16 registers)
-  static constexpr bool kAvx2 = true;
+  // q_blocks' rows: int8 and fp8 to kGemvRows (rows 2-3 over each chunk from L1, over_chunks); int4 2 (q_block
+  // runs rows 2-3 as a second pass over the block)
+  static constexpr int64_t q_register_rows(WeightFormat format) { return format == WeightFormat::int4 ? 2 : kGemvRows; }
   // int8 and int4 prefill over int16 words x (linear_walk.h walk_quantized)
   static constexpr ActivationForm kIntegerGemmForm = ActivationForm::int16_words;
   template <WeightFormat F>

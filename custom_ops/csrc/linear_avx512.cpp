@@ -782,7 +782,9 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
   static constexpr int64_t kTwoBlockRows = kGemvRows;
-  static constexpr bool kAvx2 = false;
+  // q_blocks' rows: every format to kGemvRows in one pass (int4's 4 rows want 34 registers and spill a few, yet
+  // ran 1.1x two passes of 2 rows on Zen 4; int8 and fp8 1.1-1.2x)
+  static constexpr int64_t q_register_rows(WeightFormat) { return kGemvRows; }
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
     with_prefetch(p, [&](auto as) {

@@ -215,7 +215,7 @@ at::Tensor linear_native(const at::Tensor& x, const at::Tensor& packed, const c1
   }
   const int64_t units = silu_mul ? blocks / 2 : blocks;
   const size_t scratch_floats =
-      brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p, unit == LinearUnit::avx2);
+      brgemm ? brgemm_scratch_floats(p) : linear_scratch_floats(p);
   // On brgemm a prompt of more than kBrgemmSlabRows rows runs in slabs of that many, every block over one slab
   // before the next: each group of blocks reads x whole (linear_brgemm.cpp), and 4096 rows of x at K 2048 (16 MiB)
   // left the L3 between groups while a wide weight and its output streamed past: DeepSeek-V2-Lite's dense gate/up

@@ -142,35 +142,46 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
 }
 
 // Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
-//   kAvx2                                    whether it is the AVX2 unit (quantized_gemv_rows, kernels.h)
-//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to quantized_gemv_rows) against `Blocks` blocks at once
+//   q_register_rows(F)                       the most rows its q_blocks takes for F (2, or kGemvRows)
+//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to q_register_rows(F)) against `Blocks` blocks at once
 //                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
 //   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
 //   kIntegerGemmForm, integer_gemm_block<F>(p, block, c)
 //                                            the x form its int8 and int4 GEMMs read, and those GEMMs (scaled)
-// Decode (up to quantized_gemv_rows rows) reads the values in registers (q_blocks; int8 and int4 against x as
-// int16 words); above that an int8 or int4 GEMM over x in kIntegerGemmForm (activations.h activation_form)
-// multiplies the weight's integers as they are (integer_gemm_block), and otherwise each block is dequantized into
-// scratch once and one_block runs over it, then int8's column scales apply.
+// Decode (up to kGemvRows rows) reads the values in registers (q_blocks; int8 and int4 against x as int16 words);
+// above that an int8 or int4 GEMM over x in kIntegerGemmForm (activations.h activation_form) multiplies the
+// weight's integers as they are (integer_gemm_block), and otherwise each block is dequantized into scratch once
+// and one_block runs over it, then int8's column scales apply.
+// M = 1 to kGemvRows rows of p against quantized block `block`, in registers, into c. Where the unit's q_blocks
+// takes fewer rows than p has (q_register_rows: 2, the AVX2 unit's int4), rows 0-1 read the block from memory and
+// rows 2-3 read it again from the cache: a block is 12-128 KiB of int4 for the usual K (32 columns), so L2 holds
+// it. (Dequantizing the block to bf16 for its bf16 GEMV instead, as 3-4 rows did before, read 4.4 GB/s of int4.)
+template <class Unit, WeightFormat F>
+void q_block(const LinearProblem& p, int64_t block, float* c) {
+  const int64_t which[1] = {block};
+  float* out[1] = {c};
+  if constexpr (Unit::q_register_rows(F) > 2) {
+    if (p.M == 3) return Unit::template q_blocks<F, 3, 1>(p, which, out);
+    if (p.M == 4) return Unit::template q_blocks<F, 4, 1>(p, which, out);
+  } else if (p.M > 2) {
+    Unit::template q_blocks<F, 2, 1>(p, which, out);
+    const LinearProblem rest = rows_from(p, 2);
+    float* later[1] = {c + 2 * kBlockN};
+    return rest.M == 1 ? Unit::template q_blocks<F, 1, 1>(rest, which, later)
+                       : Unit::template q_blocks<F, 2, 1>(rest, which, later);
+  }
+  return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out) : Unit::template q_blocks<F, 2, 1>(p, which, out);
+}
+
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
-  constexpr int64_t kDecodeRows = quantized_gemv_rows(Unit::kAvx2, F);
   const bool two_streams = Unit::kTwoStreams && p.M <= 2 && p.streams == 2;
   const int64_t rows = p.M > 2 ? p.M : 2;
   float* first = scratch;  // (with two streams a gate/up walk's first holds two blocks' rows: silu_mul_halves)
   float* second = scratch + (two_streams ? 2 * p.M : rows) * kBlockN;
   uint16_t* panel = reinterpret_cast<uint16_t*>(scratch + 2 * rows * kBlockN);
   auto one = [&](int64_t block, float* c) {
-    if (p.M <= kDecodeRows) {
-      float* out[1] = {c};
-      const int64_t which[1] = {block};
-      if constexpr (kDecodeRows > 2) {
-        if (p.M == 3) return Unit::template q_blocks<F, 3, 1>(p, which, out);
-        if (p.M == 4) return Unit::template q_blocks<F, 4, 1>(p, which, out);
-      }
-      return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out)
-                      : Unit::template q_blocks<F, 2, 1>(p, which, out);
-    }
+    if (p.M <= kGemvRows) return q_block<Unit, F>(p, block, c);
     if constexpr (F == WeightFormat::int8 || F == WeightFormat::int4) {
       if (p.x_form == Unit::kIntegerGemmForm) return Unit::template integer_gemm_block<F>(p, block, c);
     }

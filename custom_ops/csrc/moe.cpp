@@ -57,8 +57,7 @@ void for_expert_blocks(const KernelUnits& units, const std::vector<ExpertRows>& 
   const LinearProblem widest = make_problem(largest);
   auto on_brgemm = [&](const LinearProblem& p) { return reads_pairs(isa) && prefill_on_brgemm(units, p.format, p.M); };
   const size_t scratch_floats =
-      std::max(linear_scratch_floats(widest, isa == LinearUnit::avx2),
-               on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
+      std::max(linear_scratch_floats(widest), on_brgemm(widest) ? brgemm_scratch_floats(widest) : int64_t{0});
   parallel_chunks(work, /*min_chunk=*/4, [&](int64_t begin, int64_t end) {
     thread_local AlignedVector<float> scratch;
     if (scratch.size() < scratch_floats) scratch.resize(scratch_floats);
@@ -143,22 +142,20 @@ at::Tensor fused_moe_native(const at::Tensor& hidden, const at::Tensor& w13, con
     row_of_pair[i] = fill[id[i]]++;
   }
   const ExpertWeights w13_experts(w13, w13_scales, unit), w2_experts(w2, w2_scales, unit);
-  // The rows of the experts that read x as words (int8 / int4 experts; word_rows of either projection's format:
-  // one list serves both) and of those that run a GEMM (int8 experts read their integer form there, off brgemm).
-  const int64_t most_word_rows =
-      std::max(word_rows(unit, w13_experts.whole.format), word_rows(unit, w2_experts.whole.format));
+  // The rows of the experts that read x as words (int8 / int4 experts of up to kGemvRows rows: one list serves
+  // both projections) and of those that run a GEMM (int8 experts read their integer form there, off brgemm).
   std::vector<ExpertRows> active;
   RowPlan plan;
   plan.gemm_on_brgemm = reads_pairs(unit) && prefill_on_brgemm(units, w13_experts.whole.format, kGemvRows + 1);
   for (int64_t e = 0; e < num_experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
-    if (count > 0) active.push_back({e, start[e], count});
-    if (count > 0 && count <= most_word_rows) plan.words.push_back({start[e], count});
-    if (count > kGemvRows) plan.gemm.push_back({start[e], count});
+    if (count == 0) continue;
+    active.push_back({e, start[e], count});
+    (count <= kGemvRows ? plan.words : plan.gemm).push_back({start[e], count});
   }
 
   // 1. gather the routed rows of x in the form the experts' unit reads (int8 / int4 experts: as words too, for
-  // the experts that get at most word_rows rows).
+  // the experts that get at most kGemvRows rows).
   const at::Tensor x = hidden.contiguous();
   const uint16_t* x_bits = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const Activations xs(unit, w13_experts.whole.format, pairs, hidden_size, ldx, &plan,

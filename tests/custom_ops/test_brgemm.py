@@ -519,12 +519,12 @@ def test_decode_gemm_tuning_times_both_caches_and_reloads(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize("format,path,decode,x", [
     ("int8", "avx2", "of up to 4 rows read x rounded to int16 per row", "int16 per row"),
-    ("int8", "avx512_bf16", "of up to 2 rows read x rounded to int16 per row", "int8 per 32 inputs"),
-    ("int4", "avx2", "of up to 2 rows read x as int16 words per row", "int16 per row"),
-    ("int4", "avx512_bf16", "of up to 2 rows read x as int16 words per row", "int8 per 32 inputs"),
+    ("int8", "avx512_bf16", "of up to 4 rows read x rounded to int16 per row", "int8 per 32 inputs"),
+    ("int4", "avx2", "of up to 4 rows read x as int16 words per row", "int16 per row"),
+    ("int4", "avx512_bf16", "of up to 4 rows read x as int16 words per row", "int8 per 32 inputs"),
 ])
 def test_activations_line_says_what_each_path_reads(format, path, decode, x):
-    """explain()'s int8 and int4 lines: decode's form and word rows (csrc/kernels.h quantized_gemv_rows), and the unit
+    """explain()'s int8 and int4 lines: decode's form and word rows (csrc/kernels.h kGemvRows), and the unit
     GEMM's form; with TILEFX_INT8_ACTIVATIONS=bf16 the GEMM dequantizes."""
     import tilefx
 

@@ -47,8 +47,8 @@ def test_dequantize_int4_rows_is_q_minus_z_times_s():
     assert got[0, :4].tolist() == [-4.0, 3.5, 0.0, -2.5] and got[0, 128:].tolist() == [1.0, 1.5]
 
 
-# decode (1, 2 rows: words), the smallest GEMM (3), prefill; K with a partial last group (200, 1000) and over many
-@pytest.mark.parametrize("rows", [1, 2, 3, 37])
+# decode (1-4 rows: words), the smallest GEMM (5), prefill; K with a partial last group (200, 1000) and over many
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 37])
 @pytest.mark.parametrize("out_features,in_features", [(70, 200), (64, 1000), (4096 + 32, 256)])
 def test_int4_checkpoint_linear_on_every_path(kernel_path, int4_x, rows, out_features, in_features):
     weight, want_weight = _checkpoint_int4(out_features, in_features, seed=rows + in_features)
@@ -95,10 +95,11 @@ def test_int4_checkpoint_gate_up(kernel_path, int4_x, rows):
     assert _relative_error(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 40])
+@pytest.mark.parametrize("tokens", [1, 2, 8, 40])
 def test_int4_checkpoint_experts(kernel_path, int4_x, tokens):
     """A checkpoint's experts (each expert's gate and up rows stacked, as the loader fuses them), decode and
-    prefill, on the unit and (prefill) forced onto oneDNN's brgemm."""
+    prefill, on the unit and (prefill) forced onto oneDNN's brgemm. 8 tokens route 3, 1, 4, 3 and 5 rows to the
+    five experts: decode GEMVs of 1, 3 and 4 rows beside a GEMM in one call."""
 
     experts, hidden, inter = 5, 256, 96
     gate_up, gate_up_w = _checkpoint_int4(2 * inter, hidden, seed=7, lead=(experts,))
@@ -159,10 +160,10 @@ def test_int4_checkpoint_needs_its_params():
     assert "packed from bf16 or from a quantized" in weights.can_pack("linear", [values], format="int4")
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_features", [200, 1024])
 def test_int4_decode_reads_x_as_its_unit_rounds_it(kernel_path, int4_x, rows, in_features):
-    """int4 decode (up to 2 rows) on every unit: x rounded as the unit reads it (AVX512-BF16: int8 per 32 inputs;
+    """int4 decode (up to 4 rows; on the AVX2 unit rows 2-3 in a second pass over each block) on every unit: x rounded as the unit reads it (AVX512-BF16: int8 per 32 inputs;
     AVX2: int16 words per row, their bytes multiplied apart) against the nibbles, within 1e-4 of the fp32 product
     of those rows and the exactly dequantized weight (partial last groups of x and of the weight included, and a
     group of x that is all zeros)."""

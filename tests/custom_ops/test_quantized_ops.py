@@ -64,14 +64,14 @@ def test_quantized_linear_matches_dequantized_matmul(kernel_path, format, rows, 
     assert fp32.dtype == torch.float32 and _relative_error(fp32, want) < 1e-2
 
 
-# odd K (a last K pair row alone), odd block counts (two streams + one), 2 rows; 3 and more rows dequantize
+# odd K (a last K pair row alone), odd block counts (two streams + one), 2-4 rows
 INT8_DECODE_SHAPES = [((1,), 64, 64), ((1,), 33, 7), ((1,), 96, 300), ((2,), 200, 96), ((1,), 4096 + 32, 256),
                       ((1,), 160, 1000), ((2,), 64, 5), ((3,), 96, 129), ((4,), 64, 130)]
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", INT8_DECODE_SHAPES)
 def test_int8_decode_reads_x_as_words(kernel_path, rows, out_features, in_features):
-    """int8 decode (up to 2 rows; 4 on the AVX2 unit) on every unit: x as int16 words per row against the int8
+    """int8 decode (up to 4 rows) on every unit: x as int16 words per row against the int8
     weight, within 1e-2 of the fp32 product of those rows and the dequantized weight; plain, linear_float and
     gate/up."""
     if kernel_path == "reference":
@@ -502,9 +502,8 @@ def test_quantized_fused_moe_matches_dequantized_experts(kernel_path, format, to
 @pytest.mark.parametrize("format", ["int8", "fp8"])
 @pytest.mark.parametrize("rows", [3, 4])
 def test_quantized_experts_of_three_and_four_rows(kernel_path, format, rows):
-    """One expert gets 3 or 4 rows and the others 1 or 2 in one call: on the AVX2 unit int8 and fp8 decode up to 4
-    rows in registers (quantized_gemv_rows; int8 against x as words, made for those experts' rows too), elsewhere
-    above 2 rows over dequantized panels."""
+    """One expert gets 3 or 4 rows and the others 1 or 2 in one call: every unit decodes int8 and fp8 up to 4 rows
+    in registers (int8 against x as words, made for those experts' rows too)."""
     from tilefx.custom_ops.moe import experts_reference
 
     experts, hidden_size, inter = 4, 200, 96
