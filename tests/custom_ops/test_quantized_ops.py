@@ -36,7 +36,7 @@ SHAPES = [
     ((1,), 96, 300),  # K over two fp8 scale groups, not a multiple of 128
     ((1,), 64, 130),  # odd K pair count (65): a group's last pair row without its odd partner
     ((2,), 200, 96),  # batch-2 decode
-    ((3,), 96, 129),  # batch-3 decode (a dequantized block streamed as a GEMV), odd K just past a scale group
+    ((3,), 96, 129),  # batch-3 decode (in registers, as 1-2 rows), odd K just past a scale group
     ((4,), 64, 300),  # batch-4 decode
     ((5,), 96, 129),  # smallest GEMM
     ((2, 37), 70, 300),  # prefill
@@ -187,7 +187,7 @@ def test_int8_activations_are_checked_and_default_to_int8(monkeypatch):
 
 
 @pytest.mark.parametrize("format", FORMATS)
-@pytest.mark.parametrize("rows", [(1,), (2,), (3, 5)], ids=["decode", "batch2", "prefill"])
+@pytest.mark.parametrize("rows", [(1,), (2,), (4,), (3, 5)], ids=["decode", "batch2", "batch4", "prefill"])
 def test_quantized_linear_silu_mul(kernel_path, format, rows):
     gate, up = _weight(96, 200, seed=3), _weight(96, 200, seed=4)
     x = torch.randn(*rows, 200, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -199,7 +199,7 @@ def test_quantized_linear_silu_mul(kernel_path, format, rows):
 
 
 @pytest.mark.parametrize("format", FORMATS)
-@pytest.mark.parametrize("rows", [(2,), (3, 5)], ids=["batch2", "prefill"])
+@pytest.mark.parametrize("rows", [(2,), (3,), (3, 5)], ids=["batch2", "batch3", "prefill"])
 def test_quantized_strided_activations(kernel_path, format, rows):
     _skip_unless_fits(format, 130)
     wide = torch.randn(*rows, 2 * 130, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -219,7 +219,7 @@ def _every_finite_e4m3() -> torch.Tensor:
     return values[:, None].expand(256, 128).to(torch.bfloat16), values
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3], ids=["gemv", "two-row gemv", "gemm"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5], ids=["gemv", "two-row gemv", "four-row gemv", "gemm"])
 def test_every_e4m3_code_decodes_exactly(kernel_path, rows):
     """Subnormals, both zeros, the largest normal: each finite code's value comes out exact (x one-hot)."""
     weight, values = _every_finite_e4m3()
