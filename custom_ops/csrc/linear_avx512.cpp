@@ -446,6 +446,19 @@ static inline __m512i dot_bytes(__m512i acc, __m512i a, __m512i b) {
 #endif
 }
 
+// dot_bytes with b four signed bytes from memory, broadcast to every lane by the instruction itself (`{1to16}`):
+// no register holds the broadcast.
+static inline __m512i dot_bytes_broadcast(__m512i acc, __m512i a, const uint8_t* b) {
+#ifdef TILEFX_AVX512_EMULATED
+  int32_t four;
+  std::memcpy(&four, b, sizeof four);
+  return _mm512_dpbusd_epi32(acc, a, _mm512_set1_epi32(four));
+#else
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(b)));
+  return acc;
+#endif
+}
+
 template <int Rows>
 static void int8_group_tile(const LinearProblem& p, const uint8_t* block, int64_t q0, int64_t q1, int64_t m0,
                             float* c) {
@@ -668,7 +681,9 @@ static void int4_gemv_bytes(const LinearProblem& p, const int64_t* blocks, float
 // same loads: `vpdpbusd` adds each lane's four products of the nibbles (unsigned) and the four words' high
 // bytes (signed), and of the low bytes (unsigned) and the nibbles (read as signed: they are below 128).
 // About 9 instructions per 64 weight bytes, four of them VNNI: twice int8's per byte, which bounds this
-// GEMV on Zen 4 (512-bit VNNI at half rate) before memory does (docs/PERFORMANCE.md); x keeps its 15 bits.
+// GEMV on Zen 4 (512-bit VNNI at half rate) before memory does (docs/PERFORMANCE.md); x keeps its 15 bits. The
+// high bytes' `vpdpbusd` broadcasts them from memory itself (dot_bytes_broadcast): at 4 rows x in registers and the
+// sums would want 34 of the 32, and their spills cost 1.1-1.3x at 3-4 rows on Zen 4.
 // A group's sums go to fp32 as 256 * high + low; its sum over x q minus z times the group's sum of x
 // (x_sums) is its sum over x (q - z). A group is 32 loads, each adding at most 4 * 15 * 255 per lane and
 // accumulator.
@@ -684,19 +699,19 @@ static void int4_gemv_words(const LinearProblem& p, const int64_t* blocks, float
     for (auto& a : high) a[0] = a[1] = _mm512_setzero_si512();
     for (auto& a : lows) a[0] = a[1] = _mm512_setzero_si512();
     for (int64_t q = g * kInt4GroupPairs, end = std::min(q + kInt4GroupPairs, p.K_pairs); q < end; q += 2) {
-      __m512i x_low[Rows], x_high[Rows];  // inputs 2q..2q+3 of each row: 4 low bytes, then 4 high bytes
+      __m512i x_low[Rows];  // inputs 2q..2q+3 of each row: 4 low bytes, then (x_high) 4 high bytes
       for (int r = 0; r < Rows; ++r) {
-        int32_t four[2];
-        std::memcpy(four, p.x_split() + r * 2 * p.ldx + 4 * q, sizeof four);
-        x_low[r] = _mm512_set1_epi32(four[0]);
-        x_high[r] = _mm512_set1_epi32(four[1]);
+        int32_t low;
+        std::memcpy(&low, p.x_split() + r * 2 * p.ldx + 4 * q, sizeof low);
+        x_low[r] = _mm512_set1_epi32(low);
       }
       for (int b = 0; b < Blocks; ++b) {
         const Int4Halves v = load_int4_halves<P>(w[b] + q * kInt4PairBytes, p.prefetch_bytes);
         for (int r = 0; r < Rows; ++r) {
           const int i = r * Blocks + b;
-          high[i][0] = _mm512_dpbusd_epi32(high[i][0], v.first, x_high[r]);
-          high[i][1] = _mm512_dpbusd_epi32(high[i][1], v.second, x_high[r]);
+          const uint8_t* x_high = p.x_split() + r * 2 * p.ldx + 4 * q + 4;
+          high[i][0] = dot_bytes_broadcast(high[i][0], v.first, x_high);
+          high[i][1] = dot_bytes_broadcast(high[i][1], v.second, x_high);
           lows[i][0] = _mm512_dpbusd_epi32(lows[i][0], x_low[r], v.first);
           lows[i][1] = _mm512_dpbusd_epi32(lows[i][1], x_low[r], v.second);
         }
@@ -782,8 +797,8 @@ static void dequantize_block(const LinearProblem& p, int64_t block, uint16_t* ou
 struct Avx512Unit {
   static constexpr bool kTwoStreams = true;
   static constexpr int64_t kTwoBlockRows = kGemvRows;
-  // q_blocks' rows: every format to kGemvRows in one pass (int4's 4 rows want 34 registers and spill a few, yet
-  // ran 1.1x two passes of 2 rows on Zen 4; int8 and fp8 1.1-1.2x)
+  // q_blocks' rows: every format to kGemvRows in one pass (on Zen 4 1.1-1.2x two passes of 2 rows; int4 1.1x even
+  // while its x spilled, int4_gemv_words)
   static constexpr int64_t q_register_rows(WeightFormat) { return kGemvRows; }
   template <WeightFormat F, int Rows, int Blocks>
   static void q_blocks(const LinearProblem& p, const int64_t* blocks, float* const* c) {
