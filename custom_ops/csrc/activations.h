@@ -18,14 +18,14 @@ namespace tilefx {
 inline bool reads_words(WeightFormat format) { return format == WeightFormat::int8 || format == WeightFormat::int4; }
 
 // The form a unit reads x in for a problem of `rows` rows over `format` weights, x ldx values a row:
-// int16 words for int8 decode (up to kGemvRows rows); for int4 decode the words' bytes apart (15 bits), or, where set_int4_activations
-// chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 or int4 GEMM (more
-// than kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where ldx is a
-// multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on the
-// AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's
-// base form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its
-// callers ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 and int4 GEMMs on
-// the base form too.
+// int16 words for int8 decode (up to kGemvRows rows); for int4 decode the words' bytes apart (15 bits), or, where
+// set_int4_activations chose "int8", int8 per kXGroup inputs (half the multiplies, docs/PERFORMANCE.md). An int8 or
+// int4 GEMM (more than kGemvRows rows) multiplies integers: on the AVX512-BF16 units x as int8 per kXGroup inputs where
+// ldx is a multiple of 4 (`vpdpbusd`, twice the products an instruction of the bf16 GEMM over a dequantized block), on
+// the AVX2 unit as int16 words (`vpmaddwd`, twice the products an instruction of its fp32 FMAs). Else the unit's base
+// form (fp32 on AVX2, bf16 pairs on the AVX512-BF16 units). A GEMM on oneDNN's brgemm reads the base form: its callers
+// ask for the bf16 weights' form (gemm_x_format). set_int8_activations("bf16") keeps int8 and int4 GEMMs on the base
+// form too.
 ActivationForm activation_form(LinearUnit unit, WeightFormat format, int64_t rows, int64_t ldx);
 // How int4 decode reads x, for the whole process: "int16" (the default) or "int8" (custom_ops/isa.py sets it
 // from TILEFX_INT4_ACTIVATIONS).

@@ -180,7 +180,8 @@ inline float fp8_scale(const LinearProblem& p, int64_t block, int64_t pair) {
   return p.scales[block * p.k_groups + pair / kFp8GroupPairs];
 }
 
-// p over its rows from r0 on (M - r0 rows): x, and its rows' scales, sums and totals, advanced in p's x_form.
+// p over its rows from r0 on (M - r0 rows): x, and its rows' scales, sums and totals, advanced in p's x_form by
+// the strides Activations::attach (activations.cpp) lays a row out with.
 inline LinearProblem rows_from(const LinearProblem& p, int64_t r0) {
   LinearProblem rest = p;
   rest.M = p.M - r0;
@@ -194,7 +195,7 @@ inline LinearProblem rows_from(const LinearProblem& p, int64_t r0) {
   }
   const int64_t scales_a_row = p.x_form == ActivationForm::int8_groups ? x_groups(p.ldx) : 1;
   if (p.x_scales) rest.x_scales = p.x_scales + r0 * scales_a_row;
-  if (p.x_sums) rest.x_sums = p.x_sums + r0 * p.k_groups;
+  if (p.x_sums) rest.x_sums = p.x_sums + r0 * int4_groups(p.ldx);
   if (p.x_totals) rest.x_totals = p.x_totals + r0 * x_groups(p.ldx);
   return rest;
 }

@@ -141,17 +141,6 @@ void walk_blocks(const LinearProblem& p, int64_t block_begin, int64_t block_end,
   }
 }
 
-// Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
-//   q_register_rows(F)                       the most rows its q_blocks takes for F (2, or kGemvRows)
-//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to q_register_rows(F)) against `Blocks` blocks at once
-//                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
-//   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
-//   kIntegerGemmForm, integer_gemm_block<F>(p, block, c)
-//                                            the x form its int8 and int4 GEMMs read, and those GEMMs (scaled)
-// Decode (up to kGemvRows rows) reads the values in registers (q_blocks; int8 and int4 against x as int16 words);
-// above that an int8 or int4 GEMM over x in kIntegerGemmForm (activations.h activation_form) multiplies the
-// weight's integers as they are (integer_gemm_block), and otherwise each block is dequantized into scratch once
-// and one_block runs over it, then int8's column scales apply.
 // M = 1 to kGemvRows rows of p against quantized block `block`, in registers, into c. Where the unit's q_blocks
 // takes fewer rows than p has (q_register_rows: 2, the AVX2 unit's int4), rows 0-1 read the block from memory and
 // rows 2-3 read it again from the cache: a block is 12-128 KiB of int4 for the usual K (32 columns), so L2 holds
@@ -173,6 +162,17 @@ void q_block(const LinearProblem& p, int64_t block, float* c) {
   return p.M == 1 ? Unit::template q_blocks<F, 1, 1>(p, which, out) : Unit::template q_blocks<F, 2, 1>(p, which, out);
 }
 
+// Quantized weights in format F (p.format int8 / fp8 / int4). `Unit` also supplies:
+//   q_register_rows(F)                       the most rows its q_blocks takes for F (2, or kGemvRows)
+//   q_blocks<F, Rows, Blocks>(p, blocks, c)  M = Rows (1 to q_register_rows(F)) against `Blocks` blocks at once
+//                                             (Blocks = 2: two streams, Rows 1 or 2), scales applied; c[i] gets block i's
+//   dequantize<F>(p, block, out)             block as bf16 in the packed order (fp8, int4: scaled; int8: not)
+//   kIntegerGemmForm, integer_gemm_block<F>(p, block, c)
+//                                            the x form its int8 and int4 GEMMs read, and those GEMMs (scaled)
+// Decode (up to kGemvRows rows) reads the values in registers (q_blocks; int8 and int4 against x as int16 words);
+// above that an int8 or int4 GEMM over x in kIntegerGemmForm (activations.h activation_form) multiplies the
+// weight's integers as they are (integer_gemm_block), and otherwise each block is dequantized into scratch once
+// and one_block runs over it, then int8's column scales apply.
 template <class Unit, WeightFormat F>
 void walk_quantized(const LinearProblem& p, int64_t block_begin, int64_t block_end, float* scratch) {
   const bool two_streams = Unit::kTwoStreams && p.M <= 2 && p.streams == 2;

@@ -163,8 +163,9 @@ def test_int4_checkpoint_needs_its_params():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("in_features", [200, 1024])
 def test_int4_decode_reads_x_as_its_unit_rounds_it(kernel_path, int4_x, rows, in_features):
-    """int4 decode (up to 4 rows; on the AVX2 unit rows 2-3 in a second pass over each block) on every unit: x rounded as the unit reads it (AVX512-BF16: int8 per 32 inputs;
-    AVX2: int16 words per row, their bytes multiplied apart) against the nibbles, within 1e-4 of the fp32 product
+    """int4 decode (up to 4 rows; on the AVX2 unit rows 2-3 in a second pass over each block) on every unit: x
+    rounded as the unit reads it (AVX512-BF16: int8 per 32 inputs; AVX2: int16 words per row, their bytes multiplied
+    apart) against the nibbles, within 1e-4 of the fp32 product
     of those rows and the exactly dequantized weight (partial last groups of x and of the weight included, and a
     group of x that is all zeros)."""
     if kernel_path == "reference":
